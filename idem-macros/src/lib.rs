@@ -1,0 +1,56 @@
+//! The `#[idempotent]` attribute of [`idem`](https://docs.rs/idem).
+//!
+//! Depend on `idem`, which re-exports this attribute; the expansion names
+//! only `::idem::__private` paths (or the `crate = "..."` override).
+
+mod attr;
+mod duration;
+mod errors;
+mod expand;
+mod valid;
+
+use proc_macro::TokenStream;
+
+/// Makes an axum write handler safe to retry with an `Idempotency-Key`.
+///
+/// See the `idem` crate for the arguments and the full contract.
+#[proc_macro_attribute]
+pub fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
+    idempotent_impl(args.into(), item.into()).into()
+}
+
+fn idempotent_impl(
+    args: proc_macro2::TokenStream,
+    item: proc_macro2::TokenStream,
+) -> proc_macro2::TokenStream {
+    let item: syn::ItemFn = match syn::parse2(item.clone()) {
+        Ok(item) => item,
+        Err(error) => {
+            let error = syn::Error::new(
+                error.span(),
+                "`#[idempotent]` applies to an `async fn` handler",
+            );
+            let error = error.to_compile_error();
+            return quote::quote!(#error #item);
+        }
+    };
+    let mut errors = errors::Errors::default();
+    let args = attr::parse(args, &mut errors);
+    let handler = valid::check(&item, &args, &mut errors);
+    let error = errors
+        .into_result()
+        .err()
+        .map(|error| error.to_compile_error());
+    match handler {
+        // Argument errors alone still expand (with defaults in their place),
+        // so the route that uses the handler compiles and only the real
+        // mistakes are reported.
+        Some(handler) => {
+            let expanded = expand::expand(&item, &args, &handler);
+            quote::quote!(#error #expanded)
+        }
+        // The signature itself is wrong: keep the user's function as written
+        // beside the errors, so IDEs keep working on its body.
+        None => quote::quote!(#error #item),
+    }
+}

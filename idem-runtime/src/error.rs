@@ -1,0 +1,22 @@
+//! The crate's error type.
+
+/// What can go wrong outside a request: configuring [`Idem`](crate::Idem),
+/// migrating its table, sweeping expired keys, or talking to the store.
+///
+/// Errors keep their source, so `{:#}`/`source()` chains reach the driver's
+/// message.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The key store rejected a statement or could not be reached.
+    #[error("idempotency key store error")]
+    Database(#[from] sqlx::Error),
+    /// A table name given to [`Idem::table`](crate::Idem::table) is not a plain SQL identifier.
+    #[error(
+        "invalid table name {0:?}: use ASCII letters, digits and `_`, optionally `schema.table`, at most 63 characters each"
+    )]
+    InvalidTableName(String),
+    /// A header given to [`Idem::replay_headers`](crate::Idem::replay_headers) may never be replayed.
+    #[error("header {0:?} may not be replayed (hop-by-hop, Set-Cookie or Content-Length)")]
+    ForbiddenReplayHeader(String),
+}

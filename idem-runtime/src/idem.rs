@@ -1,0 +1,231 @@
+//! [`Idem`]: the key store handlers share through axum state.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::HeaderName;
+use sqlx::Pool;
+
+use crate::Error;
+use crate::backend::Backend;
+use crate::response::{DEFAULT_REPLAY_HEADERS, is_forbidden};
+
+/// The default table name.
+pub const DEFAULT_TABLE: &str = "idem_keys";
+
+/// The default cap on a stored response body: 1 MiB.
+pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 1024 * 1024;
+
+/// The idempotency key store: a pool, a table and the replay rules.
+///
+/// Cheap to clone. Put it in your router state and implement
+/// `FromRef<AppState> for Idem<DB>`; every `#[idempotent]` handler finds it
+/// there.
+///
+/// ```no_run
+/// use axum::extract::FromRef;
+/// use idem::Idem;
+/// use sqlx::{PgPool, Postgres};
+///
+/// #[derive(Clone, FromRef)]
+/// struct AppState {
+///     idem: Idem<Postgres>,
+///     pool: PgPool,
+/// }
+///
+/// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+/// let pool = PgPool::connect("postgres://postgres@127.0.0.1/test").await?;
+/// let idem = Idem::new(pool.clone())
+///     .table("payments.idempotency_keys")?
+///     .max_response_bytes(256 * 1024);
+/// idem.migrate().await?;
+/// let state = AppState { idem, pool };
+/// # let _ = state; Ok(()) }
+/// ```
+pub struct Idem<DB: Backend> {
+    inner: Arc<Inner<DB>>,
+}
+
+struct Inner<DB: Backend> {
+    pool: Pool<DB>,
+    table: String,
+    replay_headers: Vec<HeaderName>,
+    max_response_bytes: usize,
+}
+
+impl<DB: Backend> Clone for Idem<DB> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: Arc::clone(&self.inner),
+        }
+    }
+}
+
+impl<DB: Backend> std::fmt::Debug for Idem<DB> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Idem")
+            .field("table", &self.inner.table)
+            .field("replay_headers", &self.inner.replay_headers)
+            .field("max_response_bytes", &self.inner.max_response_bytes)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<DB: Backend> Idem<DB> {
+    /// A store keeping keys in `pool`, table [`DEFAULT_TABLE`].
+    pub fn new(pool: Pool<DB>) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                pool,
+                table: DEFAULT_TABLE.to_owned(),
+                replay_headers: DEFAULT_REPLAY_HEADERS.to_vec(),
+                max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
+            }),
+        }
+    }
+
+    fn with(self, change: impl FnOnce(&mut Inner<DB>)) -> Self {
+        let inner = Arc::try_unwrap(self.inner).unwrap_or_else(|shared| Inner {
+            pool: shared.pool.clone(),
+            table: shared.table.clone(),
+            replay_headers: shared.replay_headers.clone(),
+            max_response_bytes: shared.max_response_bytes,
+        });
+        let mut inner = inner;
+        change(&mut inner);
+        Self {
+            inner: Arc::new(inner),
+        }
+    }
+
+    /// Keeps keys in another table: a plain identifier, optionally
+    /// schema-qualified (`schema.table`).
+    pub fn table(self, name: &str) -> Result<Self, Error> {
+        if !is_table_name(name) {
+            return Err(Error::InvalidTableName(name.to_owned()));
+        }
+        let name = name.to_owned();
+        Ok(self.with(|inner| inner.table = name))
+    }
+
+    /// Replays these response headers too, besides the defaults
+    /// (Content-Type, Location, ETag, Link, Cache-Control, ...).
+    ///
+    /// Hop-by-hop headers, `Set-Cookie` and `Content-Length` are refused:
+    /// they describe one connection or one client, not the result.
+    pub fn replay_headers<I>(self, names: I) -> Result<Self, Error>
+    where
+        I: IntoIterator<Item = HeaderName>,
+    {
+        let names: Vec<HeaderName> = names.into_iter().collect();
+        if let Some(bad) = names.iter().find(|name| is_forbidden(name)) {
+            return Err(Error::ForbiddenReplayHeader(bad.to_string()));
+        }
+        Ok(self.with(|inner| {
+            for name in names {
+                if !inner.replay_headers.contains(&name) {
+                    inner.replay_headers.push(name);
+                }
+            }
+        }))
+    }
+
+    /// Caps the response body kept for replay (default 1 MiB). A handler
+    /// answer above the cap is rolled back and the client gets a 500: an
+    /// effect is never committed without the response that reports it.
+    pub fn max_response_bytes(self, bytes: usize) -> Self {
+        self.with(|inner| inner.max_response_bytes = bytes)
+    }
+
+    /// The pool keys are kept in.
+    pub fn pool(&self) -> &Pool<DB> {
+        &self.inner.pool
+    }
+
+    /// The table keys are kept in.
+    pub fn table_name(&self) -> &str {
+        &self.inner.table
+    }
+
+    pub(crate) fn replay_header_names(&self) -> &[HeaderName] {
+        &self.inner.replay_headers
+    }
+
+    pub(crate) fn response_cap(&self) -> usize {
+        self.inner.max_response_bytes
+    }
+
+    /// Creates the key table and its expiry index if they are missing.
+    /// Safe to run on every start, from several instances at once.
+    pub async fn migrate(&self) -> Result<(), Error> {
+        DB::migrate(&self.inner.pool, &self.inner.table).await
+    }
+
+    /// Deletes up to `batch` expired keys; returns how many were deleted.
+    ///
+    /// Expired keys already count as absent, so sweeping only reclaims
+    /// space. Small batches keep each delete short.
+    pub async fn sweep_expired(&self, batch: u32) -> Result<u64, Error> {
+        Ok(DB::sweep(&self.inner.pool, &self.inner.table, batch).await?)
+    }
+
+    /// Spawns a task that sweeps expired keys every `every`, in batches of
+    /// 1,000 until none are left. Abort the returned handle to stop it.
+    pub fn spawn_sweeper(&self, every: Duration) -> tokio::task::JoinHandle<()> {
+        let idem = self.clone();
+        tokio::spawn(async move {
+            let mut ticks = tokio::time::interval(every);
+            loop {
+                ticks.tick().await;
+                loop {
+                    match idem.sweep_expired(1000).await {
+                        Ok(1000) => continue,
+                        Ok(_) => break,
+                        Err(error) => {
+                            tracing::warn!(error = %error, "sweeping expired idempotency keys failed");
+                            break;
+                        }
+                    }
+                }
+            }
+        })
+    }
+}
+
+fn is_table_name(name: &str) -> bool {
+    let parts: Vec<&str> = name.split('.').collect();
+    parts.len() <= 2
+        && parts.iter().all(|part| {
+            let mut chars = part.chars();
+            part.len() <= 63
+                && chars
+                    .next()
+                    .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+                && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_table_name;
+
+    #[test]
+    fn table_names_are_plain_identifiers() {
+        for good in ["idem_keys", "_k", "payments.idem_keys", "K2"] {
+            assert!(is_table_name(good), "{good}");
+        }
+        for bad in [
+            "",
+            "1k",
+            "a.b.c",
+            "keys; DROP TABLE x",
+            "k-1",
+            "\"k\"",
+            ".k",
+            "k.",
+            &"k".repeat(64),
+        ] {
+            assert!(!is_table_name(bad), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,204 @@
+//! The `Idempotency-Key` header: parsing, validation and derived keys.
+
+use http::{HeaderMap, HeaderName};
+use sha2::{Digest, Sha256};
+
+/// The request header that carries the key.
+pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+
+/// The longest key accepted, in bytes (visible ASCII, so also characters).
+pub const MAX_KEY_LEN: usize = 255;
+
+/// A validated idempotency key and the scope it was claimed in.
+///
+/// Handlers reach it through [`Tx::key`](crate::Tx::key); use
+/// [`derive`](Self::derive) to get a key for a downstream API that accepts
+/// one, so a retry of this request reuses the downstream operation too.
+#[derive(Clone, PartialEq, Eq)]
+pub struct IdempotencyKey {
+    scope: String,
+    key: String,
+}
+
+impl IdempotencyKey {
+    pub(crate) fn new(scope: String, key: String) -> Self {
+        Self { scope, key }
+    }
+
+    /// The key as the client sent it (unquoted if it was an RFC 8941 string).
+    pub fn as_str(&self) -> &str {
+        &self.key
+    }
+
+    /// The scope the key was claimed in.
+    pub fn scope(&self) -> &str {
+        &self.scope
+    }
+
+    /// A stable key for a downstream call, distinct per `label`.
+    ///
+    /// The result is 64 lowercase hex characters: the SHA-256 of the scope,
+    /// the key and the label, each length-prefixed so no two different
+    /// triples can produce the same input. Every retry of the same request
+    /// derives the same value; another scope or another label never does.
+    ///
+    /// ```
+    /// # fn demo(key: &idem::IdempotencyKey) {
+    /// let stripe_key = key.derive("stripe-charge");
+    /// assert_eq!(stripe_key.len(), 64);
+    /// assert_eq!(stripe_key, key.derive("stripe-charge"));
+    /// assert_ne!(stripe_key, key.derive("ledger"));
+    /// # }
+    /// ```
+    pub fn derive(&self, label: &str) -> String {
+        let mut hasher = Sha256::new();
+        hasher.update(b"idem-derive-v1");
+        for part in [self.scope.as_bytes(), self.key.as_bytes(), label.as_bytes()] {
+            hasher.update((part.len() as u64).to_be_bytes());
+            hasher.update(part);
+        }
+        hex::encode(hasher.finalize())
+    }
+}
+
+impl std::fmt::Debug for IdempotencyKey {
+    // Keys can be guessable secrets of the caller; keep them out of logs.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdempotencyKey")
+            .field("len", &self.key.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Why an `Idempotency-Key` header was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum KeyError {
+    /// No header, on a handler with `key = "required"`.
+    #[error("this endpoint requires an Idempotency-Key header")]
+    Missing,
+    /// More than one `Idempotency-Key` header.
+    #[error("send exactly one Idempotency-Key header")]
+    Multiple,
+    /// The key is empty.
+    #[error("the Idempotency-Key is empty")]
+    Empty,
+    /// The key is longer than [`MAX_KEY_LEN`].
+    #[error("the Idempotency-Key is longer than 255 characters")]
+    TooLong,
+    /// The key has a character outside visible ASCII (`!` to `~`).
+    #[error("the Idempotency-Key may contain only visible ASCII characters")]
+    InvalidCharacter,
+    /// A quoted key is not a well-formed RFC 8941 string.
+    #[error("the Idempotency-Key is not a well-formed quoted string")]
+    Malformed,
+}
+
+/// Reads the key from request headers: `Ok(None)` when there is none.
+///
+/// Accepts an RFC 8941 sf-string (`"abc"`, as the IETF draft writes it) and a
+/// bare token (`abc`, as most client libraries send it).
+pub fn parse_key(headers: &HeaderMap) -> Result<Option<String>, KeyError> {
+    let mut values = headers.get_all(IDEMPOTENCY_KEY).iter();
+    let Some(value) = values.next() else {
+        return Ok(None);
+    };
+    if values.next().is_some() {
+        return Err(KeyError::Multiple);
+    }
+    parse_key_value(value.as_bytes()).map(Some)
+}
+
+/// Parses one header value; see [`parse_key`].
+pub fn parse_key_value(raw: &[u8]) -> Result<String, KeyError> {
+    let raw = raw.trim_ascii();
+    let key = match raw.first() {
+        Some(b'"') => unquote(raw)?,
+        _ => raw.to_vec(),
+    };
+    if key.is_empty() {
+        return Err(KeyError::Empty);
+    }
+    if key.len() > MAX_KEY_LEN {
+        return Err(KeyError::TooLong);
+    }
+    if !key.iter().all(|b| b.is_ascii_graphic()) {
+        return Err(KeyError::InvalidCharacter);
+    }
+    // Only visible ASCII remains, which is valid UTF-8.
+    Ok(String::from_utf8(key).expect("visible ASCII is UTF-8"))
+}
+
+/// RFC 8941 section 4.2.5: `"` chars with `\"` and `\\` escapes, then `"`.
+fn unquote(raw: &[u8]) -> Result<Vec<u8>, KeyError> {
+    let mut out = Vec::with_capacity(raw.len());
+    let mut bytes = raw[1..].iter();
+    while let Some(&b) = bytes.next() {
+        match b {
+            b'\\' => match bytes.next() {
+                Some(&escaped @ (b'"' | b'\\')) => out.push(escaped),
+                _ => return Err(KeyError::Malformed),
+            },
+            b'"' => {
+                return if bytes.as_slice().is_empty() {
+                    Ok(out)
+                } else {
+                    Err(KeyError::Malformed)
+                };
+            }
+            0x20..=0x7e => out.push(b),
+            _ => return Err(KeyError::InvalidCharacter),
+        }
+    }
+    Err(KeyError::Malformed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bare_and_quoted_forms_are_the_same_key() {
+        assert_eq!(parse_key_value(b"abc-123").unwrap(), "abc-123");
+        assert_eq!(parse_key_value(b"\"abc-123\"").unwrap(), "abc-123");
+        assert_eq!(parse_key_value(b"  abc  ").unwrap(), "abc");
+        assert_eq!(parse_key_value(br#""a\"b\\c""#).unwrap(), r#"a"b\c"#);
+    }
+
+    #[test]
+    fn rejects_what_the_design_lists() {
+        assert_eq!(parse_key_value(b""), Err(KeyError::Empty));
+        assert_eq!(parse_key_value(b"\"\""), Err(KeyError::Empty));
+        assert_eq!(parse_key_value(&[b'k'; 256]), Err(KeyError::TooLong));
+        assert!(parse_key_value(&[b'k'; 255]).is_ok());
+        assert_eq!(parse_key_value(b"a\x01b"), Err(KeyError::InvalidCharacter));
+        assert_eq!(parse_key_value(b"a b"), Err(KeyError::InvalidCharacter));
+        assert_eq!(
+            parse_key_value("ключ".as_bytes()),
+            Err(KeyError::InvalidCharacter)
+        );
+        assert_eq!(parse_key_value(b"\"open"), Err(KeyError::Malformed));
+        assert_eq!(parse_key_value(b"\"a\"b"), Err(KeyError::Malformed));
+        assert_eq!(parse_key_value(br#""a\n""#), Err(KeyError::Malformed));
+        assert_eq!(parse_key_value(b"\"a b\""), Err(KeyError::InvalidCharacter));
+    }
+
+    #[test]
+    fn two_headers_are_refused_and_none_is_absent() {
+        let mut headers = HeaderMap::new();
+        assert_eq!(parse_key(&headers), Ok(None));
+        headers.append(IDEMPOTENCY_KEY, "a".parse().unwrap());
+        assert_eq!(parse_key(&headers), Ok(Some("a".into())));
+        headers.append(IDEMPOTENCY_KEY, "a".parse().unwrap());
+        assert_eq!(parse_key(&headers), Err(KeyError::Multiple));
+    }
+
+    #[test]
+    fn derived_keys_are_stable_and_separated() {
+        let key = IdempotencyKey::new("acct".into(), "k1".into());
+        assert_eq!(key.derive("psp"), key.derive("psp"));
+        assert_ne!(key.derive("psp"), key.derive("ledger"));
+        let other = IdempotencyKey::new("acctk".into(), "1".into());
+        assert_ne!(key.derive("psp"), other.derive("psp"));
+        assert!(!format!("{key:?}").contains("k1"));
+    }
+}

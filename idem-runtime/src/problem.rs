@@ -1,0 +1,150 @@
+//! The answers `idem` gives itself: RFC 9457 `application/problem+json`.
+
+use axum::response::{IntoResponse, Response};
+use http::{HeaderValue, StatusCode, header};
+
+use crate::key::KeyError;
+
+/// One of the responses `idem` answers without running the handler.
+///
+/// Each has a stable `code` member clients can branch on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Problem {
+    /// 400: no key on a handler that requires one.
+    KeyMissing,
+    /// 400: the key header is malformed.
+    KeyInvalid(KeyError),
+    /// 409: another attempt with this key is still running.
+    KeyInUse,
+    /// 422: the key was used for a different request.
+    KeyReused,
+    /// 413: the request body is over the limit.
+    BodyTooLarge,
+    /// 400: the request body could not be read.
+    BodyUnreadable,
+    /// 503: the key store cannot be reached or refused the claim.
+    StoreUnavailable,
+    /// 500: the handler panicked; nothing was committed.
+    HandlerPanicked,
+    /// 500: the response could not be stored, so the work was rolled back.
+    ResponseNotStored,
+}
+
+/// Seconds a client should wait before retrying a 409 or 503.
+const RETRY_AFTER_SECS: &str = "1";
+
+impl Problem {
+    /// The HTTP status.
+    pub fn status(self) -> StatusCode {
+        match self {
+            Self::KeyMissing | Self::KeyInvalid(_) | Self::BodyUnreadable => {
+                StatusCode::BAD_REQUEST
+            }
+            Self::KeyInUse => StatusCode::CONFLICT,
+            Self::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
+            Self::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+            Self::HandlerPanicked | Self::ResponseNotStored => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// The stable `code` member.
+    pub fn code(self) -> &'static str {
+        match self {
+            Self::KeyMissing => "idempotency_key_missing",
+            Self::KeyInvalid(_) => "idempotency_key_invalid",
+            Self::KeyInUse => "idempotency_key_in_use",
+            Self::KeyReused => "idempotency_key_reused",
+            Self::BodyTooLarge => "request_body_too_large",
+            Self::BodyUnreadable => "request_body_unreadable",
+            Self::StoreUnavailable => "idempotency_store_unavailable",
+            Self::HandlerPanicked => "internal_error",
+            Self::ResponseNotStored => "idempotency_response_not_stored",
+        }
+    }
+
+    fn title(self) -> &'static str {
+        match self {
+            Self::KeyMissing => "Idempotency-Key header missing",
+            Self::KeyInvalid(_) => "Idempotency-Key header invalid",
+            Self::KeyInUse => "A request with this Idempotency-Key is still in progress",
+            Self::KeyReused => "Idempotency-Key reused with a different request",
+            Self::BodyTooLarge => "Request body too large",
+            Self::BodyUnreadable => "Request body could not be read",
+            Self::StoreUnavailable => "Idempotency key store unavailable",
+            Self::HandlerPanicked => "Internal server error",
+            Self::ResponseNotStored => "Response could not be stored",
+        }
+    }
+
+    fn detail(self) -> String {
+        match self {
+            Self::KeyMissing => "Send an Idempotency-Key header, one per logical operation, on every attempt.".into(),
+            Self::KeyInvalid(error) => format!("{error}."),
+            Self::KeyInUse => "Retry after the time given in Retry-After; the first attempt's response will be replayed.".into(),
+            Self::KeyReused => "This key was first used with a different method, path, query or body. Use a new key for a new operation.".into(),
+            Self::BodyTooLarge => "The request body is larger than this endpoint accepts.".into(),
+            Self::BodyUnreadable => "The request body ended before it was complete.".into(),
+            Self::StoreUnavailable => "Nothing was done. Retry with the same key after the time given in Retry-After.".into(),
+            Self::HandlerPanicked => "Nothing was done. Retrying with the same key is safe.".into(),
+            Self::ResponseNotStored => "Nothing was done: the response is larger than can be stored for replay.".into(),
+        }
+    }
+
+    fn retry_after(self) -> bool {
+        matches!(self, Self::KeyInUse | Self::StoreUnavailable)
+    }
+}
+
+impl IntoResponse for Problem {
+    fn into_response(self) -> Response {
+        let body = serde_json::json!({
+            "type": "about:blank",
+            "title": self.title(),
+            "status": self.status().as_u16(),
+            "detail": self.detail(),
+            "code": self.code(),
+        });
+        let mut response = (self.status(), body.to_string()).into_response();
+        let headers = response.headers_mut();
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        );
+        if self.retry_after() {
+            headers.insert(
+                header::RETRY_AFTER,
+                HeaderValue::from_static(RETRY_AFTER_SECS),
+            );
+        }
+        response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::BodyExt;
+
+    #[tokio::test]
+    async fn problems_are_rfc9457_with_a_stable_code() {
+        let response = Problem::KeyInUse.into_response();
+        assert_eq!(response.status(), StatusCode::CONFLICT);
+        assert_eq!(
+            response.headers()[header::CONTENT_TYPE],
+            "application/problem+json"
+        );
+        assert_eq!(response.headers()[header::RETRY_AFTER], "1");
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        let json: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(json["code"], "idempotency_key_in_use");
+        assert_eq!(json["status"], 409);
+        assert!(
+            !Problem::KeyReused
+                .into_response()
+                .headers()
+                .contains_key(header::RETRY_AFTER)
+        );
+    }
+}

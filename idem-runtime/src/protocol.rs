@@ -1,0 +1,350 @@
+//! One idempotent request from key to response: prepare, claim, run, finish.
+//!
+//! The macro's generated handler calls [`prepare`] after the parts
+//! extractors and [`run`] after the body extractor; everything with a
+//! decision in it lives here, where ordinary tests reach it.
+
+use std::borrow::Cow;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::time::Duration;
+
+use axum::RequestExt;
+use axum::body::Body;
+use axum::extract::{OriginalUri, Request};
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use futures_util::FutureExt;
+use http::request::Parts;
+use http_body_util::BodyExt;
+
+use crate::Idem;
+use crate::backend::{Backend, Claim, ClaimOutcome, abandon};
+use crate::fingerprint::Fingerprint;
+use crate::key::{IdempotencyKey, parse_key};
+use crate::problem::Problem;
+use crate::response::{CaptureError, StoredResponse, is_storable};
+use crate::tx::Tx;
+
+/// Whether a handler demands a key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyMode {
+    /// No key: 400.
+    Required,
+    /// No key: the handler runs in a plain transaction, nothing is stored.
+    Optional,
+}
+
+/// A handler's `#[idempotent(...)]` arguments, checked at compile time.
+#[derive(Debug, Clone, Copy)]
+pub struct Config {
+    ttl: Duration,
+    wait: Duration,
+    key: KeyMode,
+}
+
+impl Config {
+    /// The arguments of one handler.
+    pub const fn new(ttl_ms: u64, wait_ms: u64, key: KeyMode) -> Self {
+        Self {
+            ttl: Duration::from_millis(ttl_ms),
+            wait: Duration::from_millis(wait_ms),
+            key,
+        }
+    }
+}
+
+/// A request whose key is valid and whose body is buffered and fingerprinted.
+#[derive(Debug)]
+pub struct Prepared {
+    key: Option<(String, Fingerprint)>,
+    config: Config,
+}
+
+/// Validates the key, buffers the body once (honouring `DefaultBodyLimit`)
+/// and fingerprints the request. Returns the request rebuilt around the
+/// buffered body, for the body extractor.
+pub async fn prepare(
+    parts: Parts,
+    body: Body,
+    config: &Config,
+) -> Result<(Prepared, Request), Response> {
+    let key = match parse_key(&parts.headers) {
+        Ok(Some(key)) => key,
+        Ok(None) if config.key == KeyMode::Optional => {
+            let prepared = Prepared {
+                key: None,
+                config: *config,
+            };
+            return Ok((prepared, Request::from_parts(parts, body)));
+        }
+        Ok(None) => return Err(Problem::KeyMissing.into_response()),
+        Err(error) => return Err(Problem::KeyInvalid(error).into_response()),
+    };
+    let (parts, bytes) = buffer(parts, body).await?;
+    let path = match parts.extensions.get::<OriginalUri>() {
+        Some(OriginalUri(uri)) => uri.path(),
+        None => parts.uri.path(),
+    };
+    let fingerprint = Fingerprint::of(
+        &parts.method,
+        path,
+        parts.uri.query(),
+        &parts.headers,
+        &bytes,
+    );
+    let prepared = Prepared {
+        key: Some((key, fingerprint)),
+        config: *config,
+    };
+    Ok((prepared, Request::from_parts(parts, Body::from(bytes))))
+}
+
+async fn buffer(parts: Parts, body: Body) -> Result<(Parts, Bytes), Response> {
+    // `with_limited_body` reads the `DefaultBodyLimit` the app configured
+    // from the request's extensions, the same limit axum's extractors use.
+    let (parts, body) = Request::from_parts(parts, body)
+        .with_limited_body()
+        .into_parts();
+    match body.collect().await {
+        Ok(collected) => Ok((parts, collected.to_bytes())),
+        Err(error) if is_length_limit(&error) => Err(Problem::BodyTooLarge.into_response()),
+        Err(_) => Err(Problem::BodyUnreadable.into_response()),
+    }
+}
+
+fn is_length_limit(error: &axum::Error) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(error);
+    while let Some(error) = source {
+        if error.is::<http_body_util::LengthLimitError>() {
+            return true;
+        }
+        source = error.source();
+    }
+    false
+}
+
+/// Claims the key in `scope`, runs the handler once, stores its response in
+/// the handler's own commit, or answers from the store without running it.
+pub async fn run<DB, H, Fut, R>(
+    idem: Idem<DB>,
+    prepared: Prepared,
+    scope: Cow<'_, str>,
+    handler: H,
+) -> Response
+where
+    DB: Backend,
+    H: FnOnce(Tx<DB>) -> Fut,
+    Fut: Future<Output = R> + Send,
+    R: IntoResponse,
+{
+    let Some((key, fingerprint)) = prepared.key else {
+        return run_without_key(&idem, handler).await;
+    };
+    let claim = Claim {
+        scope: &scope,
+        key: &key,
+        fingerprint,
+        ttl: prepared.config.ttl,
+        wait: prepared.config.wait,
+    };
+    let conn = match DB::claim(idem.pool(), idem.table_name(), &claim).await {
+        Ok(ClaimOutcome::Claimed(conn)) => conn,
+        Ok(ClaimOutcome::Finished {
+            fingerprint: stored,
+            response,
+        }) => {
+            return if stored == fingerprint {
+                response.replay()
+            } else {
+                Problem::KeyReused.into_response()
+            };
+        }
+        Ok(ClaimOutcome::InUse) => return Problem::KeyInUse.into_response(),
+        Err(error) => {
+            tracing::warn!(error = %error, "idempotency key store unavailable");
+            return Problem::StoreUnavailable.into_response();
+        }
+    };
+    let key = IdempotencyKey::new(scope.to_string(), key.clone());
+    let (response, mut conn) = match execute(conn, Some(key), handler).await {
+        Ok(done) => done,
+        Err(response) => return response,
+    };
+    if !is_storable(response.status()) {
+        abandon(conn).await;
+        return response;
+    }
+    let (stored, headers) = match StoredResponse::capture(
+        response,
+        idem.replay_header_names(),
+        idem.response_cap(),
+    )
+    .await
+    {
+        Ok(captured) => captured,
+        Err(error) => {
+            abandon(conn).await;
+            return match error {
+                CaptureError::TooLarge { limit } => {
+                    tracing::error!(
+                        limit,
+                        "idempotent handler's response exceeds the stored-response cap; \
+                             its transaction was rolled back (raise Idem::max_response_bytes)"
+                    );
+                    Problem::ResponseNotStored.into_response()
+                }
+                CaptureError::Body(error) => {
+                    tracing::error!(error = %error, "idempotent handler's response body failed; rolled back");
+                    Problem::HandlerPanicked.into_response()
+                }
+            };
+        }
+    };
+    match DB::finish(&mut conn, idem.table_name(), Some(&claim), Some(&stored)).await {
+        Ok(()) => stored.into_original(headers),
+        Err(error) => commit_failed(conn, error).await,
+    }
+}
+
+/// A request without a key on a `key = "optional"` handler: one plain
+/// transaction, committed on a storable answer, nothing remembered.
+async fn run_without_key<DB, H, Fut, R>(idem: &Idem<DB>, handler: H) -> Response
+where
+    DB: Backend,
+    H: FnOnce(Tx<DB>) -> Fut,
+    Fut: Future<Output = R> + Send,
+    R: IntoResponse,
+{
+    let conn = match DB::begin(idem.pool()).await {
+        Ok(conn) => conn,
+        Err(error) => {
+            tracing::warn!(error = %error, "database unavailable");
+            return Problem::StoreUnavailable.into_response();
+        }
+    };
+    let (response, mut conn) = match execute(conn, None, handler).await {
+        Ok(done) => done,
+        Err(response) => return response,
+    };
+    if !is_storable(response.status()) {
+        abandon(conn).await;
+        return response;
+    }
+    match DB::finish(&mut conn, idem.table_name(), None, None).await {
+        Ok(()) => response,
+        Err(error) => commit_failed(conn, error).await,
+    }
+}
+
+/// Runs the handler on the claimed transaction and takes the connection
+/// back. A panic, or a `Tx` that outlives its handler, rolls back.
+async fn execute<DB, H, Fut, R>(
+    conn: sqlx::pool::PoolConnection<DB>,
+    key: Option<IdempotencyKey>,
+    handler: H,
+) -> Result<(Response, sqlx::pool::PoolConnection<DB>), Response>
+where
+    DB: Backend,
+    H: FnOnce(Tx<DB>) -> Fut,
+    Fut: Future<Output = R> + Send,
+    R: IntoResponse,
+{
+    let (tx, mut back) = Tx::new(conn, key);
+    let outcome = AssertUnwindSafe(handler(tx)).catch_unwind().await;
+    let conn = back.try_recv();
+    let response = match outcome {
+        Ok(response) => response.into_response(),
+        Err(_) => {
+            if let Ok(conn) = conn {
+                abandon(conn).await;
+            }
+            tracing::error!("idempotent handler panicked; its transaction was rolled back");
+            return Err(Problem::HandlerPanicked.into_response());
+        }
+    };
+    match conn {
+        Ok(conn) => Ok((response, conn)),
+        Err(_) => {
+            // Dropping the stray Tx later closes its connection, which
+            // rolls the transaction back on the server.
+            tracing::error!(
+                "an idempotent handler kept its Tx after returning; nothing was committed"
+            );
+            Err(Problem::HandlerPanicked.into_response())
+        }
+    }
+}
+
+/// The commit failed, so the client must not be told the work succeeded.
+/// If the commit did land, a retry replays it; if not, a retry redoes it.
+async fn commit_failed<DB: Backend>(
+    conn: sqlx::pool::PoolConnection<DB>,
+    error: sqlx::Error,
+) -> Response {
+    tracing::warn!(error = %error, "storing the idempotent response failed; rolled back");
+    abandon(conn).await;
+    Problem::StoreUnavailable.into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(headers: &[(&str, &str)], body: &'static str) -> (Parts, Body) {
+        let mut builder = Request::builder().method("POST").uri("/v1/charges?x=1");
+        for (name, value) in headers {
+            builder = builder.header(*name, *value);
+        }
+        builder.body(Body::from(body)).unwrap().into_parts()
+    }
+
+    const REQUIRED: Config = Config::new(1000, 0, KeyMode::Required);
+
+    #[tokio::test]
+    async fn a_missing_key_is_400_unless_optional() {
+        let (parts, body) = request(&[], "{}");
+        let response = prepare(parts, body, &REQUIRED).await.unwrap_err();
+        assert_eq!(response.status(), 400);
+        let (parts, body) = request(&[], "{}");
+        let optional = Config::new(1000, 0, KeyMode::Optional);
+        let (prepared, _) = prepare(parts, body, &optional).await.unwrap();
+        assert!(prepared.key.is_none());
+    }
+
+    #[tokio::test]
+    async fn the_body_is_fingerprinted_and_handed_on() {
+        let (parts, body) = request(
+            &[
+                ("idempotency-key", "\"k1\""),
+                ("content-type", "application/json"),
+            ],
+            "{\"b\":1, \"a\":2}",
+        );
+        let (prepared, request) = prepare(parts, body, &REQUIRED).await.unwrap();
+        let (key, fingerprint) = prepared.key.unwrap();
+        assert_eq!(key, "k1");
+        let (parts, body) = request.into_parts();
+        let expected = Fingerprint::of(
+            &parts.method,
+            "/v1/charges",
+            Some("x=1"),
+            &parts.headers,
+            br#"{"a":2,"b":1}"#,
+        );
+        assert_eq!(fingerprint, expected);
+        assert_eq!(
+            &body.collect().await.unwrap().to_bytes()[..],
+            b"{\"b\":1, \"a\":2}"
+        );
+    }
+
+    #[tokio::test]
+    async fn bodies_over_the_limit_are_413() {
+        let (parts, body) = request(&[("idempotency-key", "k")], "0123456789");
+        // What a `DefaultBodyLimit::max(4)` layer does to the body.
+        let body = Body::new(http_body_util::Limited::new(body, 4));
+        let response = prepare(parts, body, &REQUIRED).await.unwrap_err();
+        assert_eq!(response.status(), 413);
+    }
+}

@@ -1,0 +1,241 @@
+//! Responses worth remembering: capture, storage encoding and replay.
+
+use axum::body::Body;
+use axum::response::Response;
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
+use http_body_util::{BodyExt, Limited};
+
+/// Header added to every replayed response.
+pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+
+/// Headers replayed by default, besides those a user adds.
+pub const DEFAULT_REPLAY_HEADERS: &[HeaderName] = &[
+    header::CACHE_CONTROL,
+    header::CONTENT_ENCODING,
+    header::CONTENT_LANGUAGE,
+    header::CONTENT_LOCATION,
+    header::CONTENT_TYPE,
+    header::ETAG,
+    header::EXPIRES,
+    header::LAST_MODIFIED,
+    header::LINK,
+    header::LOCATION,
+    header::VARY,
+];
+
+/// Headers that describe one connection or one client, never a result.
+pub(crate) fn is_forbidden(name: &HeaderName) -> bool {
+    const FORBIDDEN: &[HeaderName] = &[
+        header::SET_COOKIE,
+        header::CONNECTION,
+        header::CONTENT_LENGTH,
+        header::PROXY_AUTHENTICATE,
+        header::PROXY_AUTHORIZATION,
+        header::TE,
+        header::TRAILER,
+        header::TRANSFER_ENCODING,
+        header::UPGRADE,
+    ];
+    FORBIDDEN.contains(name) || name == "keep-alive" || name == "set-cookie2"
+}
+
+/// Whether a response may be stored: a transient answer (5xx, 408, 429)
+/// must stay retryable, so it is never stored.
+pub fn is_storable(status: StatusCode) -> bool {
+    !(status.is_server_error()
+        || status == StatusCode::REQUEST_TIMEOUT
+        || status == StatusCode::TOO_MANY_REQUESTS)
+}
+
+/// A response as stored for replay: status, allow-listed headers, body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredResponse {
+    /// The status of the attempt that did the work.
+    pub status: StatusCode,
+    /// The allow-listed headers, in their original order.
+    pub headers: Vec<(HeaderName, HeaderValue)>,
+    /// The body, verbatim.
+    pub body: Bytes,
+}
+
+/// Why a response could not be captured.
+#[derive(Debug, thiserror::Error)]
+pub enum CaptureError {
+    /// The body is larger than the stored-response cap.
+    #[error("response body exceeds the stored-response cap of {limit} bytes")]
+    TooLarge {
+        /// The cap in bytes.
+        limit: usize,
+    },
+    /// The body stream failed.
+    #[error("response body failed while buffering")]
+    Body(#[source] axum::Error),
+}
+
+impl StoredResponse {
+    /// Buffers a handler's response, keeping at most `limit` body bytes.
+    ///
+    /// Returns the stored form and the full header map of the original, so
+    /// the first client gets exactly what the handler produced.
+    pub async fn capture(
+        response: Response,
+        allow: &[HeaderName],
+        limit: usize,
+    ) -> Result<(Self, HeaderMap), CaptureError> {
+        let (parts, body) = response.into_parts();
+        let body = match Limited::new(body, limit).collect().await {
+            Ok(collected) => collected.to_bytes(),
+            Err(error) => {
+                return Err(match error.downcast::<http_body_util::LengthLimitError>() {
+                    Ok(_) => CaptureError::TooLarge { limit },
+                    Err(error) => CaptureError::Body(axum::Error::new(error)),
+                });
+            }
+        };
+        let headers = parts
+            .headers
+            .iter()
+            .filter(|(name, _)| allow.contains(name))
+            .map(|(name, value)| (name.clone(), value.clone()))
+            .collect();
+        let stored = Self {
+            status: parts.status,
+            headers,
+            body,
+        };
+        Ok((stored, parts.headers))
+    }
+
+    /// The response for a retry: the stored one plus `Idempotent-Replayed: true`.
+    pub fn replay(self) -> Response {
+        let mut response = Response::new(Body::from(self.body));
+        *response.status_mut() = self.status;
+        let headers = response.headers_mut();
+        for (name, value) in self.headers {
+            headers.append(name, value);
+        }
+        headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+        response
+    }
+
+    /// The response for the first attempt: the body just captured, with
+    /// every header the handler set.
+    pub(crate) fn into_original(self, headers: HeaderMap) -> Response {
+        let mut response = Response::new(Body::from(self.body));
+        *response.status_mut() = self.status;
+        *response.headers_mut() = headers;
+        response
+    }
+
+    /// Encodes the headers for storage: per header, a big-endian u16 name
+    /// length, the name, a u32 value length, the value.
+    pub fn encode_headers(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        for (name, value) in &self.headers {
+            out.extend_from_slice(&(name.as_str().len() as u16).to_be_bytes());
+            out.extend_from_slice(name.as_str().as_bytes());
+            out.extend_from_slice(&(value.len() as u32).to_be_bytes());
+            out.extend_from_slice(value.as_bytes());
+        }
+        out
+    }
+
+    /// Rebuilds a stored response; `None` if any part is corrupt.
+    pub fn decode(status: i64, headers: &[u8], body: Vec<u8>) -> Option<Self> {
+        let status = u16::try_from(status)
+            .ok()
+            .and_then(|s| StatusCode::from_u16(s).ok())?;
+        Some(Self {
+            status,
+            headers: decode_headers(headers)?,
+            body: Bytes::from(body),
+        })
+    }
+}
+
+/// Inverse of [`StoredResponse::encode_headers`].
+pub fn decode_headers(mut input: &[u8]) -> Option<Vec<(HeaderName, HeaderValue)>> {
+    let mut headers = Vec::new();
+    while !input.is_empty() {
+        let name_len = u16::from_be_bytes(take(&mut input, 2)?.try_into().ok()?) as usize;
+        let name = HeaderName::from_bytes(take(&mut input, name_len)?).ok()?;
+        let value_len = u32::from_be_bytes(take(&mut input, 4)?.try_into().ok()?) as usize;
+        let value = HeaderValue::from_bytes(take(&mut input, value_len)?).ok()?;
+        headers.push((name, value));
+    }
+    Some(headers)
+}
+
+fn take<'a>(input: &mut &'a [u8], n: usize) -> Option<&'a [u8]> {
+    if input.len() < n {
+        return None;
+    }
+    let (head, rest) = input.split_at(n);
+    *input = rest;
+    Some(head)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::response::IntoResponse;
+
+    #[tokio::test]
+    async fn capture_keeps_allow_listed_headers_and_replays_verbatim() {
+        let original = (
+            StatusCode::CREATED,
+            [
+                (header::LOCATION, "/v1/charges/7"),
+                (header::SET_COOKIE, "session=secret"),
+                (header::ETAG, "\"v1\""),
+            ],
+            "{\"id\":7}",
+        )
+            .into_response();
+        let (stored, all) = StoredResponse::capture(original, DEFAULT_REPLAY_HEADERS, 1024)
+            .await
+            .unwrap();
+        assert!(all.contains_key(header::SET_COOKIE));
+        assert_eq!(stored.status, StatusCode::CREATED);
+        assert!(stored.headers.iter().all(|(n, _)| n != header::SET_COOKIE));
+        let decoded =
+            StoredResponse::decode(201, &stored.encode_headers(), stored.body.to_vec()).unwrap();
+        assert_eq!(decoded, stored);
+        let replay = decoded.replay();
+        assert_eq!(replay.status(), StatusCode::CREATED);
+        assert_eq!(replay.headers()[header::LOCATION], "/v1/charges/7");
+        assert_eq!(replay.headers()[IDEMPOTENT_REPLAYED], "true");
+        assert!(!replay.headers().contains_key(header::SET_COOKIE));
+        let body = replay.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(&body[..], b"{\"id\":7}");
+    }
+
+    #[tokio::test]
+    async fn capture_refuses_bodies_over_the_cap() {
+        let response = vec![0u8; 2048].into_response();
+        let error = StoredResponse::capture(response, DEFAULT_REPLAY_HEADERS, 1024)
+            .await
+            .unwrap_err();
+        assert!(matches!(error, CaptureError::TooLarge { limit: 1024 }));
+    }
+
+    #[test]
+    fn decode_rejects_corruption() {
+        assert!(decode_headers(&[0, 5, b'a']).is_none());
+        assert!(decode_headers(&[0, 1, b' ', 0, 0, 0, 0]).is_none());
+        assert!(StoredResponse::decode(99, &[], vec![]).is_none());
+        assert!(StoredResponse::decode(70000, &[], vec![]).is_none());
+        assert_eq!(decode_headers(&[]), Some(vec![]));
+    }
+
+    #[test]
+    fn transient_statuses_are_not_storable() {
+        for code in [500, 502, 503, 504, 408, 429] {
+            assert!(!is_storable(StatusCode::from_u16(code).unwrap()), "{code}");
+        }
+        for code in [200, 201, 202, 204, 400, 402, 404, 409, 422] {
+            assert!(is_storable(StatusCode::from_u16(code).unwrap()), "{code}");
+        }
+    }
+}

@@ -1,0 +1,95 @@
+//! [`Tx`]: the request's transaction, as the handler sees it.
+
+use std::ops::{Deref, DerefMut};
+
+use sqlx::Database;
+use sqlx::pool::PoolConnection;
+use tokio::sync::oneshot;
+
+use crate::key::IdempotencyKey;
+
+/// The transaction an `#[idempotent]` handler runs in.
+///
+/// The claim of the idempotency key is its first write and the stored
+/// response its last, so the handler's writes and the response commit
+/// together or not at all. `&mut *tx` is an executor:
+///
+/// ```no_run
+/// # async fn demo(mut tx: idem::Tx<sqlx::Postgres>) -> Result<(), sqlx::Error> {
+/// sqlx::query("INSERT INTO charges (amount) VALUES ($1)")
+///     .bind(100_i64)
+///     .execute(&mut *tx)
+///     .await?;
+/// # Ok(()) }
+/// ```
+///
+/// There is no `commit()` or `rollback()`: the wrapper commits when the
+/// handler's response is storable (below 500, not 408/429) and rolls back
+/// otherwise, on error and on panic.
+pub struct Tx<DB: Database> {
+    conn: Option<PoolConnection<DB>>,
+    key: Option<IdempotencyKey>,
+    home: Option<oneshot::Sender<PoolConnection<DB>>>,
+}
+
+impl<DB: Database> Tx<DB> {
+    /// Hands a connection with an open transaction to a handler; the
+    /// connection comes back through `home` when the `Tx` is dropped.
+    pub(crate) fn new(
+        conn: PoolConnection<DB>,
+        key: Option<IdempotencyKey>,
+    ) -> (Self, oneshot::Receiver<PoolConnection<DB>>) {
+        let (home, back) = oneshot::channel();
+        let tx = Self {
+            conn: Some(conn),
+            key,
+            home: Some(home),
+        };
+        (tx, back)
+    }
+
+    /// The request's idempotency key, `None` only for a request without one
+    /// on a handler with `key = "optional"`.
+    pub fn key(&self) -> Option<&IdempotencyKey> {
+        self.key.as_ref()
+    }
+}
+
+impl<DB: Database> Deref for Tx<DB> {
+    type Target = DB::Connection;
+
+    fn deref(&self) -> &Self::Target {
+        self.conn.as_ref().expect("Tx used after drop")
+    }
+}
+
+impl<DB: Database> DerefMut for Tx<DB> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        self.conn.as_mut().expect("Tx used after drop")
+    }
+}
+
+impl<DB: Database> Drop for Tx<DB> {
+    fn drop(&mut self) {
+        let Some(conn) = self.conn.take() else { return };
+        let sent = match self.home.take() {
+            Some(home) => home.send(conn),
+            None => Err(conn),
+        };
+        // Nobody is waiting to commit or roll back (the request was
+        // cancelled, or the Tx outlived its handler): close the connection
+        // so the server rolls the transaction back, rather than returning
+        // it to the pool mid-transaction.
+        if let Err(mut conn) = sent {
+            conn.close_on_drop();
+        }
+    }
+}
+
+impl<DB: Database> std::fmt::Debug for Tx<DB> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tx")
+            .field("key", &self.key)
+            .finish_non_exhaustive()
+    }
+}
