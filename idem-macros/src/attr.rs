@@ -22,7 +22,7 @@ pub enum KeyMode {
 }
 
 /// The parsed arguments; every slot set at most once.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub struct Args {
     pub scope: Option<LitStr>,
     pub ttl: Option<(u64, Span)>,
@@ -203,7 +203,7 @@ mod tests {
             wait = "2s",
             crate = "::my_idem"
         ));
-        assert_eq!(args.scope.unwrap().value(), "account");
+        assert_eq!(args.scope.as_ref().unwrap().value(), "account");
         assert_eq!(args.ttl_ms(), 3_600_000);
         assert_eq!(args.wait_ms(), 2_000);
         assert_eq!(args.key, Some(KeyMode::Optional));

@@ -1,0 +1,216 @@
+//! Starting the service on loopback, in this process or in a child process
+//! that a test can SIGKILL, and talking to it over real HTTP.
+
+use std::net::SocketAddr;
+use std::process::Stdio;
+
+use reqwest::{Response, StatusCode};
+use tokio::io::{AsyncBufReadExt, BufReader, Lines};
+use tokio::process::{Child, ChildStdout};
+
+use crate::app::{AppState, Holds, TestDb};
+
+/// The stored-response cap of the test service (the `big` mode exceeds it).
+pub const RESPONSE_CAP: usize = 32 * 1024;
+
+/// A server on 127.0.0.1, stopped when dropped.
+pub struct Server<DB: TestDb> {
+    pub addr: SocketAddr,
+    pub state: AppState<DB>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl<DB: TestDb> Drop for Server<DB> {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+pub async fn start<DB: TestDb>() -> Server<DB> {
+    start_with(DB::connect().await).await
+}
+
+pub async fn start_with<DB: TestDb>(pool: sqlx::Pool<DB>) -> Server<DB> {
+    let state = AppState {
+        idem: idem::Idem::new(pool).max_response_bytes(RESPONSE_CAP),
+        holds: Holds::default(),
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let app = DB::router(state.clone());
+    let task = tokio::spawn(async move {
+        axum::serve(listener, app).await.unwrap();
+    });
+    Server { addr, state, task }
+}
+
+impl<DB: TestDb> Server<DB> {
+    pub fn client(&self, caller: &str) -> Client {
+        Client::new(self.addr, caller)
+    }
+
+    /// Effects recorded for a caller.
+    pub async fn effects(&self, caller: &str) -> i64 {
+        DB::count_effects(self.state.idem.pool(), caller).await
+    }
+
+    /// Idempotency rows stored for a caller.
+    pub async fn keys(&self, caller: &str) -> i64 {
+        DB::count_keys(self.state.idem.pool(), caller).await
+    }
+}
+
+/// An HTTP client acting for one caller.
+#[derive(Clone)]
+pub struct Client {
+    http: reqwest::Client,
+    base: String,
+    caller: String,
+}
+
+impl Client {
+    pub fn new(addr: SocketAddr, caller: &str) -> Self {
+        Self {
+            http: reqwest::Client::builder()
+                .pool_max_idle_per_host(64)
+                .build()
+                .unwrap(),
+            base: format!("http://{addr}"),
+            caller: caller.to_owned(),
+        }
+    }
+
+    /// A request for this caller; add the key and body yourself.
+    pub fn request(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
+        self.http
+            .request(method, format!("{}{path}", self.base))
+            .header("x-caller", &self.caller)
+    }
+
+    /// `POST path` with a JSON body and a key.
+    pub fn post(&self, path: &str, key: &str, body: &str) -> reqwest::RequestBuilder {
+        self.request(reqwest::Method::POST, path)
+            .header("idempotency-key", key)
+            .header("content-type", "application/json")
+            .body(body.to_owned())
+    }
+}
+
+/// A response read whole, for comparing attempts.
+#[derive(Debug, Clone)]
+pub struct Answer {
+    pub status: StatusCode,
+    pub headers: reqwest::header::HeaderMap,
+    pub body: bytes::Bytes,
+}
+
+impl Answer {
+    pub async fn of(response: Response) -> Self {
+        let status = response.status();
+        let headers = response.headers().clone();
+        let body = response.bytes().await.unwrap();
+        Self {
+            status,
+            headers,
+            body,
+        }
+    }
+
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+
+    pub fn replayed(&self) -> bool {
+        self.header("idempotent-replayed") == Some("true")
+    }
+
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|_| panic!("not JSON: {:?}", self.body))
+    }
+
+    /// The `code` member of a problem+json body.
+    pub fn problem_code(&self) -> String {
+        assert_eq!(
+            self.header("content-type"),
+            Some("application/problem+json"),
+            "{self:?}"
+        );
+        self.json()["code"].as_str().unwrap().to_owned()
+    }
+}
+
+pub async fn send(request: reqwest::RequestBuilder) -> Answer {
+    Answer::of(request.send().await.unwrap()).await
+}
+
+/// A caller name no other test (or earlier run) uses.
+pub fn unique(prefix: &str) -> String {
+    format!("{prefix}-{}", crate::app::nonce())
+}
+
+/// The service in a child process: the test binary re-run in server mode.
+pub struct ChildServer {
+    pub addr: SocketAddr,
+    pub child: Child,
+    pub stdout: Lines<BufReader<ChildStdout>>,
+}
+
+/// Env var that turns the `child_server` test into a server.
+pub const CHILD_ENGINE: &str = "IDEM_TEST_CHILD_ENGINE";
+
+impl ChildServer {
+    pub async fn spawn(engine: &str) -> Self {
+        let mut child = tokio::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "child_server",
+                "--exact",
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(CHILD_ENGINE, engine)
+            .stdout(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let mut stdout = BufReader::new(child.stdout.take().unwrap()).lines();
+        let addr = loop {
+            let line = stdout
+                .next_line()
+                .await
+                .unwrap()
+                .expect("child server exited before listening");
+            // libtest may print "test child_server ... " on the same line.
+            if let Some((_, addr)) = line.split_once("LISTENING ") {
+                break addr.trim().parse().unwrap();
+            }
+        };
+        Self {
+            addr,
+            child,
+            stdout,
+        }
+    }
+
+    /// Waits for a line the server prints.
+    pub async fn expect_line(&mut self, wanted: &str) {
+        loop {
+            let line = self
+                .stdout
+                .next_line()
+                .await
+                .unwrap()
+                .expect("child server exited");
+            if line.ends_with(wanted) {
+                return;
+            }
+        }
+    }
+}
+
+/// Runs the service for a parent test until it is killed.
+pub async fn serve_as_child<DB: TestDb>() {
+    let server = start::<DB>().await;
+    println!("LISTENING {}", server.addr);
+    std::future::pending::<()>().await;
+}

@@ -1,0 +1,64 @@
+//! The conformance suite: the design's contract, checked on every engine
+//! against a real database and a real axum server over HTTP.
+//!
+//! Each engine's tests live in a module named after it
+//! (`cargo test --test conformance postgres::`).
+
+mod app;
+mod engines;
+mod harness;
+mod suite;
+
+/// Instantiates every test of `suite` for one engine.
+macro_rules! conformance {
+    ($engine:ident, $db:ty: $($test:ident),* $(,)?) => {
+        mod $engine {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $test() {
+                    crate::suite::$test::<$db>().await;
+                }
+            )*
+        }
+    };
+}
+
+macro_rules! all_engines {
+    ($($engine:ident: $db:ty),* $(,)?) => {
+        $(
+            conformance!($engine, $db:
+                replay_is_verbatim,
+                quoted_and_bare_keys_match,
+                concurrent_duplicates_make_one_effect,
+                in_flight_duplicates_get_409_or_wait,
+                different_body_is_422,
+                other_path_or_method_is_422,
+                scopes_are_independent,
+                transient_answers_roll_back,
+                panics_roll_back,
+                killed_server_leaves_nothing_behind,
+                bad_keys_are_400,
+                expired_keys_run_as_new,
+                extractor_rejections_store_nothing,
+                oversized_responses_roll_back,
+                optional_keys,
+                first_answer_is_the_handlers,
+                unreachable_store_is_503,
+            );
+        )*
+
+        /// Not a test: the server half of the kill test, run by
+        /// `harness::ChildServer` in a child process.
+        #[tokio::test]
+        #[ignore = "run by the kill test as a child process"]
+        async fn child_server() {
+            let engine = std::env::var(harness::CHILD_ENGINE).expect("run by ChildServer only");
+            match engine.as_str() {
+                $(stringify!($engine) => harness::serve_as_child::<$db>().await,)*
+                other => panic!("unknown engine {other}"),
+            }
+        }
+    };
+}
+
+all_engines!(postgres: sqlx::Postgres);

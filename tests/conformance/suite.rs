@@ -1,0 +1,480 @@
+//! The contract, written once: every test is generic over the engine and
+//! talks to a real server over HTTP on loopback.
+
+use futures::future::join_all;
+use reqwest::{Method, StatusCode};
+
+use crate::app::{Effect, TestDb};
+use crate::harness::{ChildServer, send, start, unique};
+
+const BODY: &str = r#"{"note":"charge 1250 eur"}"#;
+
+/// 1. Same request twice: one effect, the second a verbatim replay.
+pub async fn replay_is_verbatim<DB: TestDb>() {
+    let server = start::<DB>().await;
+    let caller = unique("replay");
+    let client = server.client(&caller);
+    let first = send(client.post("/effects", "k1", BODY)).await;
+    let second = send(client.post("/effects", "k1", BODY)).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    assert!(!first.replayed());
+    assert_eq!(second.status, StatusCode::CREATED);
+    assert!(second.replayed(), "{second:?}");
+    assert_eq!(
+        first.body, second.body,
+        "replayed body must be byte-identical"
+    );
+    for header in ["location", "etag", "content-type"] {
+        assert_eq!(first.header(header), second.header(header), "{header}");
+        assert!(first.header(header).is_some(), "{header}");
+    }
+    assert_eq!(server.effects(&caller).await, 1);
+    assert_eq!(server.keys(&caller).await, 1);
+}
+
+/// The RFC 8941 string form and the bare token are the same key.
+pub async fn quoted_and_bare_keys_match<DB: TestDb>() {
+    let server = start::<DB>().await;
+    let caller = unique("quoted");
+    let client = server.client(&caller);
+    let first = send(client.post("/effects", "\"k-1\"", BODY)).await;
+    let second = send(client.post("/effects", "k-1", BODY)).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert!(second.replayed());
+    assert_eq!(server.effects(&caller).await, 1);
+}
+
+/// 2. 32 attempts with one key at once: one effect; replays or 409s only.
+pub async fn concurrent_duplicates_make_one_effect<DB: TestDb>() {
+    let server = start::<DB>().await;
+    let caller = unique("race");
+    let client = server.client(&caller);
+    let answers = join_all((0..32).map(|_| send(client.post("/effects", "same", BODY)))).await;
+    let mut originals = 0;
+    for answer in &answers {
+        match answer.status {
+            StatusCode::CREATED if answer.replayed() => {}
+            StatusCode::CREATED => originals += 1,
+            StatusCode::CONFLICT => {
+                assert_eq!(answer.header("retry-after"), Some("1"));
+                assert_eq!(answer.problem_code(), "idempotency_key_in_use");
+            }
+            other => panic!("unexpected {other}: {answer:?}"),
+        }
+    }
+    assert_eq!(originals, 1, "exactly one attempt runs the handler");
+    assert_eq!(server.effects(&caller).await, 1);
+    let bodies: Vec<_> = answers
+        .iter()
+        .filter(|a| a.status == StatusCode::CREATED)
+        .map(|a| &a.body)
+        .collect();
+    assert!(
+        bodies.windows(2).all(|w| w[0] == w[1]),
+        "every 201 carries the one stored body"
+    );
+}
+
+/// A retry while the first attempt is still running: 409 at once with
+/// `wait = 0`; with `wait` it blocks and then replays.
+pub async fn in_flight_duplicates_get_409_or_wait<DB: TestDb>() {
+    let server = start::<DB>().await;
+    let caller = unique("inflight");
+    let client = server.client(&caller);
+    let hold = server.state.holds.get(&caller);
+    let first = tokio::spawn(send(
+        client
+            .post("/effects", "k", BODY)
+            .header("x-test-mode", format!("hold:{caller}")),
+    ));
+    hold.entered.notified().await;
+
+    let duplicates = join_all((0..8).map(|_| send(client.post("/effects", "k", BODY)))).await;
+    for answer in &duplicates {
+        assert_eq!(answer.status, StatusCode::CONFLICT, "{answer:?}");
+        assert_eq!(answer.header("retry-after"), Some("1"));
+        assert_eq!(answer.problem_code(), "idempotency_key_in_use");
+    }
+    // A duplicate allowed to wait blocks on the claim until the first commits.
+    let waiting = tokio::spawn(send(client.post("/effects/wait", "w", BODY)));
+    let waiting_first = tokio::spawn(send(
+        client
+            .post("/effects/wait", "w2", BODY)
+            .header("x-test-mode", format!("hold:{caller}-w")),
+    ));
+    let hold_w = server.state.holds.get(&format!("{caller}-w"));
+    hold_w.entered.notified().await;
+    let waiter = tokio::spawn(send(client.post("/effects/wait", "w2", BODY)));
+    hold_w.release.notify_one();
+    let waited = waiter.await.unwrap();
+    let original_w = waiting_first.await.unwrap();
+    assert_eq!(original_w.status, StatusCode::CREATED);
+    assert_eq!(waited.status, StatusCode::CREATED, "{waited:?}");
+    assert!(waited.replayed());
+    assert_eq!(waited.body, original_w.body);
+    assert_eq!(waiting.await.unwrap().status, StatusCode::CREATED);
+
+    hold.release.notify_one();
+    let first = first.await.unwrap();
+    assert_eq!(first.status, StatusCode::CREATED);
+    let retry = send(client.post("/effects", "k", BODY)).await;
+    assert!(retry.replayed());
+    assert_eq!(retry.body, first.body);
+    assert_eq!(server.effects(&caller).await, 3, "k, w and w2 once each");
+}
+
+/// 3. Same key, different body: 422; the original still replays; JSON
+/// spelled differently is the same request.
+pub async fn different_body_is_422<DB: TestDb>() {
+    let server = start::<DB>().await;
+    let caller = unique("reuse");
+    let client = server.client(&caller);
+    let first = send(client.post("/effects", "k", r#"{"note":"a","x":{"p":1,"q":[1,2]}}"#)).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let other = send(client.post("/effects", "k", r#"{"note":"b","x":{"p":1,"q":[1,2]}}"#)).await;
+    assert_eq!(other.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(other.problem_code(), "idempotency_key_reused");
+    let respelled = send(client.post(
+        "/effects",
+        "k",
+        "{ \"x\" : { \"q\": [1, 2], \"p\": 1 },\n  \"note\": \"a\" }",
+    ))
+    .await;
+    assert!(respelled.replayed(), "{respelled:?}");
+    assert_eq!(respelled.body, first.body);
+    assert_eq!(server.effects(&caller).await, 1);
+}
+
+/// 4. Same key on another path or method: 422.
+pub async fn other_path_or_method_is_422<DB: TestDb>() {
+    let server = start::<DB>().await;
+    let caller = unique("path");
+    let client = server.client(&caller);
+    assert_eq!(
+        send(client.post("/effects", "k", BODY)).await.status,
+        StatusCode::CREATED
+    );
+    let put = client
+        .request(Method::PUT, "/effects")
+        .header("idempotency-key", "k")
+        .header("content-type", "application/json")
+        .body(BODY);
+    let put = send(put).await;
+    assert_eq!(put.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(put.problem_code(), "idempotency_key_reused");
+    let other = send(client.post("/other", "k", BODY)).await;
+    assert_eq!(other.status, StatusCode::UNPROCESSABLE_ENTITY);
+    let query = send(client.post("/effects?x=1", "k", BODY)).await;
+    assert_eq!(query.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(server.effects(&caller).await, 1);
+}
+
+/// 5. Same key from two scopes: two effects, never the other's response.
+pub async fn scopes_are_independent<DB: TestDb>() {
+    let server = start::<DB>().await;
+    let (alice, bob) = (unique("alice"), unique("bob"));
+    let a = send(server.client(&alice).post("/effects", "shared", BODY)).await;
+    let b = send(server.client(&bob).post("/effects", "shared", BODY)).await;
+    assert_eq!(
+        (a.status, b.status),
+        (StatusCode::CREATED, StatusCode::CREATED)
+    );
+    assert!(!a.replayed() && !b.replayed());
+    assert_ne!(a.body, b.body);
+    let a2 = send(server.client(&alice).post("/effects", "shared", BODY)).await;
+    let b2 = send(server.client(&bob).post("/effects", "shared", BODY)).await;
+    assert_eq!((a2.body.clone(), b2.body.clone()), (a.body, b.body));
+    assert_eq!(
+        (server.effects(&alice).await, server.effects(&bob).await),
+        (1, 1)
+    );
+}
+
+/// 6. A transient answer after the write: nothing committed or stored; the
+/// retry runs again and succeeds once. Non-transient 4xx are stored.
+pub async fn transient_answers_roll_back<DB: TestDb>() {
+    let server = start::<DB>().await;
+    let caller = unique("transient");
+    let client = server.client(&caller);
+    for (key, mode, status) in [
+        ("k503", "fail-503", 503),
+        ("k408", "status:408", 408),
+        ("k429", "status:429", 429),
+        ("k502", "status:502", 502),
+    ] {
+        let failed = send(
+            client
+                .post("/effects", key, BODY)
+                .header("x-test-mode", mode),
+        )
+        .await;
+        assert_eq!(failed.status.as_u16(), status);
+        assert_eq!(
+            server.effects(&caller).await,
+            0,
+            "{mode}: the write was rolled back"
+        );
+        assert_eq!(server.keys(&caller).await, 0, "{mode}: nothing stored");
+    }
+    let retry = send(client.post("/effects", "k503", BODY)).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(!retry.replayed());
+    assert!(send(client.post("/effects", "k503", BODY)).await.replayed());
+    assert_eq!(server.effects(&caller).await, 1);
+
+    let rejected = send(
+        client
+            .post("/effects", "k400", BODY)
+            .header("x-test-mode", "status:400"),
+    )
+    .await;
+    assert_eq!(rejected.status, StatusCode::BAD_REQUEST);
+    let again = send(client.post("/effects", "k400", BODY)).await;
+    assert_eq!(
+        again.status,
+        StatusCode::BAD_REQUEST,
+        "a 4xx answer is the operation's result"
+    );
+    assert!(again.replayed());
+    assert_eq!(again.body, rejected.body);
+}
+
+/// 7. A panic after the write: 500, nothing committed, the retry succeeds once.
+pub async fn panics_roll_back<DB: TestDb>() {
+    let server = start::<DB>().await;
+    let caller = unique("panic");
+    let client = server.client(&caller);
+    let panicked = send(
+        client
+            .post("/effects", "k", BODY)
+            .header("x-test-mode", "panic"),
+    )
+    .await;
+    assert_eq!(panicked.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(server.effects(&caller).await, 0);
+    assert_eq!(server.keys(&caller).await, 0);
+    let retry = send(client.post("/effects", "k", BODY)).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(!retry.replayed());
+    assert_eq!(server.effects(&caller).await, 1);
+}
+
+/// 8. SIGKILL the server between the handler's write and its return; a
+/// restarted server completes the retry exactly once.
+pub async fn killed_server_leaves_nothing_behind<DB: TestDb>() {
+    let mut child = ChildServer::spawn(DB::ENGINE).await;
+    let caller = unique("kill");
+    let client = crate::harness::Client::new(child.addr, &caller);
+    let doomed = tokio::spawn(
+        client
+            .post("/effects", "k", BODY)
+            .header("x-test-mode", "announce")
+            .send(),
+    );
+    child.expect_line("EFFECT_WRITTEN k").await;
+    child.child.kill().await.unwrap();
+    assert!(
+        doomed.await.unwrap().is_err(),
+        "the client never got an answer"
+    );
+
+    let server = start::<DB>().await;
+    assert_eq!(
+        server.effects(&caller).await,
+        0,
+        "the write died with its transaction"
+    );
+    // `wait` lets the retry queue behind the dead transaction until the
+    // database notices the closed connection and rolls it back.
+    let retry = send(server.client(&caller).post("/effects/wait", "k", BODY)).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
+    assert_eq!(server.effects(&caller).await, 1);
+    let again = send(server.client(&caller).post("/effects/wait", "k", BODY)).await;
+    assert!(again.replayed());
+    assert_eq!(server.effects(&caller).await, 1);
+}
+
+/// 9. Missing and malformed keys: 400 problem+json, handler not run.
+pub async fn bad_keys_are_400<DB: TestDb>() {
+    let server = start::<DB>().await;
+    let caller = unique("badkey");
+    let client = server.client(&caller);
+    let missing = client
+        .request(Method::POST, "/effects")
+        .header("content-type", "application/json")
+        .body(BODY);
+    let missing = send(missing).await;
+    assert_eq!(missing.status, StatusCode::BAD_REQUEST);
+    assert_eq!(missing.problem_code(), "idempotency_key_missing");
+    let long = "k".repeat(300);
+    let bad: [&[u8]; 5] = [b"", b"\"\"", long.as_bytes(), b"a\tb", b"caf\xc3\xa9"];
+    for key in bad {
+        let request = client
+            .request(Method::POST, "/effects")
+            .header(
+                "idempotency-key",
+                reqwest::header::HeaderValue::from_bytes(key).unwrap(),
+            )
+            .header("content-type", "application/json")
+            .body(BODY);
+        let answer = send(request).await;
+        assert_eq!(answer.status, StatusCode::BAD_REQUEST, "{key:?}");
+        assert_eq!(answer.problem_code(), "idempotency_key_invalid", "{key:?}");
+    }
+    let twice = client
+        .request(Method::POST, "/effects")
+        .header("idempotency-key", "a")
+        .header("idempotency-key", "a")
+        .header("content-type", "application/json")
+        .body(BODY);
+    assert_eq!(send(twice).await.problem_code(), "idempotency_key_invalid");
+    let max = "k".repeat(255);
+    assert_eq!(
+        send(client.post("/effects", &max, BODY)).await.status,
+        StatusCode::CREATED
+    );
+    assert_eq!(
+        server.effects(&caller).await,
+        1,
+        "only the 255-character key ran"
+    );
+    assert_eq!(server.keys(&caller).await, 1);
+}
+
+/// 10. With `ttl = "1s"` the key replays inside the second and is new after it.
+pub async fn expired_keys_run_as_new<DB: TestDb>() {
+    let server = start::<DB>().await;
+    let caller = unique("ttl");
+    let client = server.client(&caller);
+    let first = send(client.post("/effects/short", "k", BODY)).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert!(
+        send(client.post("/effects/short", "k", BODY))
+            .await
+            .replayed()
+    );
+    // The passage of time is what is under test here.
+    tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
+    let later = send(client.post("/effects/short", "k", r#"{"note":"another day"}"#)).await;
+    assert_eq!(later.status, StatusCode::CREATED, "{later:?}");
+    assert!(!later.replayed());
+    assert_eq!(server.effects(&caller).await, 2);
+    assert_eq!(
+        server.keys(&caller).await,
+        1,
+        "the expired row was taken over, not duplicated"
+    );
+    assert!(
+        send(client.post("/effects/short", "k", r#"{"note":"another day"}"#))
+            .await
+            .replayed()
+    );
+}
+
+/// 11. The Json extractor's rejection passes through; nothing stored.
+pub async fn extractor_rejections_store_nothing<DB: TestDb>() {
+    let server = start::<DB>().await;
+    let caller = unique("reject");
+    let client = server.client(&caller);
+    let broken = send(client.post("/effects", "k", "{not json")).await;
+    assert_eq!(broken.status, StatusCode::BAD_REQUEST);
+    assert_ne!(
+        broken.header("content-type"),
+        Some("application/problem+json"),
+        "axum's own rejection"
+    );
+    let no_caller = reqwest::Client::new()
+        .post(format!("http://{}/effects", server.addr))
+        .header("idempotency-key", "k")
+        .header("content-type", "application/json")
+        .body(BODY);
+    assert_eq!(send(no_caller).await.status, StatusCode::UNAUTHORIZED);
+    let too_big = send(client.post(
+        "/effects",
+        "k",
+        &format!(r#"{{"note":"{}"}}"#, "x".repeat(70 * 1024)),
+    ))
+    .await;
+    assert_eq!(too_big.status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(server.effects(&caller).await, 0);
+    assert_eq!(server.keys(&caller).await, 0);
+    let ok = send(client.post("/effects", "k", BODY)).await;
+    assert_eq!(ok.status, StatusCode::CREATED);
+    assert!(!ok.replayed());
+}
+
+/// A response over the stored-response cap: 500 and rollback.
+pub async fn oversized_responses_roll_back<DB: TestDb>() {
+    let server = start::<DB>().await;
+    let caller = unique("big");
+    let client = server.client(&caller);
+    let big = send(
+        client
+            .post("/effects", "k", BODY)
+            .header("x-test-mode", "big"),
+    )
+    .await;
+    assert_eq!(big.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(big.problem_code(), "idempotency_response_not_stored");
+    assert_eq!(server.effects(&caller).await, 0);
+    assert_eq!(server.keys(&caller).await, 0);
+}
+
+/// `key = "optional"`: without a key the handler runs each time, stores
+/// nothing; with one it is idempotent.
+pub async fn optional_keys<DB: TestDb>() {
+    let server = start::<DB>().await;
+    let caller = unique("optional");
+    let client = server.client(&caller);
+    for _ in 0..2 {
+        let request = client
+            .request(Method::POST, "/effects/optional")
+            .header("content-type", "application/json")
+            .body(BODY);
+        let answer = send(request).await;
+        assert_eq!(answer.status, StatusCode::CREATED);
+        assert!(!answer.replayed());
+    }
+    assert_eq!(server.effects(&caller).await, 2);
+    assert_eq!(server.keys(&caller).await, 0);
+    let failed = client
+        .request(Method::POST, "/effects/optional")
+        .header("content-type", "application/json")
+        .header("x-test-mode", "fail-503")
+        .body(BODY);
+    assert_eq!(send(failed).await.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        server.effects(&caller).await,
+        2,
+        "a keyless 503 still rolls back"
+    );
+    send(client.post("/effects/optional", "k", BODY)).await;
+    assert!(
+        send(client.post("/effects/optional", "k", BODY))
+            .await
+            .replayed()
+    );
+    assert_eq!(server.effects(&caller).await, 3);
+}
+
+/// Replies carry what the handler produced; its JSON decodes.
+pub async fn first_answer_is_the_handlers<DB: TestDb>() {
+    let server = start::<DB>().await;
+    let caller = unique("shape");
+    let answer = send(server.client(&caller).post("/effects", "k", BODY)).await;
+    let effect: Effect = serde_json::from_slice(&answer.body).unwrap();
+    assert_eq!(effect.note, "charge 1250 eur");
+    assert_eq!(
+        answer.header("location"),
+        Some(format!("/effects/{}", effect.id).as_str())
+    );
+}
+
+/// The key store unreachable: 503 + Retry-After, the handler never runs.
+pub async fn unreachable_store_is_503<DB: TestDb>() {
+    let server = crate::harness::start_with::<DB>(DB::unreachable_pool()).await;
+    let answer = send(server.client(&unique("down")).post("/effects", "k", BODY)).await;
+    assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(answer.header("retry-after"), Some("1"));
+    assert_eq!(answer.problem_code(), "idempotency_store_unavailable");
+}
