@@ -14,6 +14,7 @@ use sha2::{Digest, Sha256};
 /// `1.0` and `1` are the same value.
 ///
 /// ```
+/// # use idem_runtime as idem;
 /// use http::{HeaderMap, Method, header::CONTENT_TYPE};
 /// use idem::Fingerprint;
 ///

@@ -16,6 +16,9 @@ pub const DEFAULT_TABLE: &str = "idem_keys";
 /// The default cap on a stored response body: 1 MiB.
 pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 1024 * 1024;
 
+/// The default time a request body may take to arrive: 30 seconds.
+pub const DEFAULT_BODY_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// The idempotency key store: a pool, a table and the replay rules.
 ///
 /// Cheap to clone. Put it in your router state and implement
@@ -23,14 +26,21 @@ pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 1024 * 1024;
 /// there.
 ///
 /// ```no_run
+/// # use idem_runtime as idem;
 /// use axum::extract::FromRef;
 /// use idem::Idem;
 /// use sqlx::{PgPool, Postgres};
 ///
-/// #[derive(Clone, FromRef)]
+/// #[derive(Clone)]
 /// struct AppState {
 ///     idem: Idem<Postgres>,
 ///     pool: PgPool,
+/// }
+///
+/// impl FromRef<AppState> for Idem<Postgres> {
+///     fn from_ref(state: &AppState) -> Self {
+///         state.idem.clone()
+///     }
 /// }
 ///
 /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
@@ -51,6 +61,7 @@ struct Inner<DB: Backend> {
     table: String,
     replay_headers: Vec<HeaderName>,
     max_response_bytes: usize,
+    body_timeout: Duration,
 }
 
 impl<DB: Backend> Clone for Idem<DB> {
@@ -67,6 +78,7 @@ impl<DB: Backend> std::fmt::Debug for Idem<DB> {
             .field("table", &self.inner.table)
             .field("replay_headers", &self.inner.replay_headers)
             .field("max_response_bytes", &self.inner.max_response_bytes)
+            .field("body_timeout", &self.inner.body_timeout)
             .finish_non_exhaustive()
     }
 }
@@ -80,6 +92,7 @@ impl<DB: Backend> Idem<DB> {
                 table: DEFAULT_TABLE.to_owned(),
                 replay_headers: DEFAULT_REPLAY_HEADERS.to_vec(),
                 max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
+                body_timeout: DEFAULT_BODY_TIMEOUT,
             }),
         }
     }
@@ -90,6 +103,7 @@ impl<DB: Backend> Idem<DB> {
             table: shared.table.clone(),
             replay_headers: shared.replay_headers.clone(),
             max_response_bytes: shared.max_response_bytes,
+            body_timeout: shared.body_timeout,
         });
         let mut inner = inner;
         change(&mut inner);
@@ -135,6 +149,17 @@ impl<DB: Backend> Idem<DB> {
     /// effect is never committed without the response that reports it.
     pub fn max_response_bytes(self, bytes: usize) -> Self {
         self.with(|inner| inner.max_response_bytes = bytes)
+    }
+
+    /// Bounds the time a request body may take to arrive (default 30 s):
+    /// a slower client gets 408 before anything is claimed, so a trickling
+    /// body cannot hold a connection or a key.
+    pub fn body_timeout(self, timeout: Duration) -> Self {
+        self.with(|inner| inner.body_timeout = timeout)
+    }
+
+    pub(crate) fn body_read_timeout(&self) -> Duration {
+        self.inner.body_timeout
     }
 
     /// The pool keys are kept in.

@@ -43,6 +43,7 @@ impl IdempotencyKey {
     /// derives the same value; another scope or another label never does.
     ///
     /// ```
+    /// # use idem_runtime as idem;
     /// # fn demo(key: &idem::IdempotencyKey) {
     /// let stripe_key = key.derive("stripe-charge");
     /// assert_eq!(stripe_key.len(), 64);

@@ -11,6 +11,7 @@ mod error;
 mod fingerprint;
 mod idem;
 mod key;
+mod observe;
 mod problem;
 mod protocol;
 mod response;
@@ -20,8 +21,9 @@ mod tx;
 pub use backend::{Backend, Claim, ClaimOutcome};
 pub use error::Error;
 pub use fingerprint::{Fingerprint, canonicalize};
-pub use idem::{DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_TABLE, Idem};
+pub use idem::{DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_TABLE, Idem};
 pub use key::{IDEMPOTENCY_KEY, IdempotencyKey, KeyError, MAX_KEY_LEN, parse_key, parse_key_value};
+pub use observe::{CLAIM_SECONDS, Outcome, REQUESTS_TOTAL, redact};
 pub use problem::Problem;
 pub use response::{
     CaptureError, DEFAULT_REPLAY_HEADERS, IDEMPOTENT_REPLAYED, StoredResponse, decode_headers,

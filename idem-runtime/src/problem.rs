@@ -23,6 +23,8 @@ pub enum Problem {
     BodyTooLarge,
     /// 400: the request body could not be read.
     BodyUnreadable,
+    /// 408: the request body did not arrive within the body timeout.
+    BodyTimeout,
     /// 503: the key store cannot be reached or refused the claim.
     StoreUnavailable,
     /// 500: the handler panicked; nothing was committed.
@@ -44,6 +46,7 @@ impl Problem {
             Self::KeyInUse => StatusCode::CONFLICT,
             Self::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             Self::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
             Self::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
             Self::HandlerPanicked | Self::ResponseNotStored => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -58,6 +61,7 @@ impl Problem {
             Self::KeyReused => "idempotency_key_reused",
             Self::BodyTooLarge => "request_body_too_large",
             Self::BodyUnreadable => "request_body_unreadable",
+            Self::BodyTimeout => "request_body_timeout",
             Self::StoreUnavailable => "idempotency_store_unavailable",
             Self::HandlerPanicked => "internal_error",
             Self::ResponseNotStored => "idempotency_response_not_stored",
@@ -72,6 +76,7 @@ impl Problem {
             Self::KeyReused => "Idempotency-Key reused with a different request",
             Self::BodyTooLarge => "Request body too large",
             Self::BodyUnreadable => "Request body could not be read",
+            Self::BodyTimeout => "Request body too slow",
             Self::StoreUnavailable => "Idempotency key store unavailable",
             Self::HandlerPanicked => "Internal server error",
             Self::ResponseNotStored => "Response could not be stored",
@@ -86,6 +91,7 @@ impl Problem {
             Self::KeyReused => "This key was first used with a different method, path, query or body. Use a new key for a new operation.".into(),
             Self::BodyTooLarge => "The request body is larger than this endpoint accepts.".into(),
             Self::BodyUnreadable => "The request body ended before it was complete.".into(),
+            Self::BodyTimeout => "The request body did not arrive in time. Nothing was done; retrying is safe.".into(),
             Self::StoreUnavailable => "Nothing was done. Retry with the same key after the time given in Retry-After.".into(),
             Self::HandlerPanicked => "Nothing was done. Retrying with the same key is safe.".into(),
             Self::ResponseNotStored => "Nothing was done: the response is larger than can be stored for replay.".into(),

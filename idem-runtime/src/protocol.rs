@@ -17,11 +17,13 @@ use bytes::Bytes;
 use futures_util::FutureExt;
 use http::request::Parts;
 use http_body_util::BodyExt;
+use tracing::{Instrument, Span};
 
 use crate::Idem;
 use crate::backend::{Backend, Claim, ClaimOutcome, abandon};
 use crate::fingerprint::Fingerprint;
 use crate::key::{IdempotencyKey, parse_key};
+use crate::observe::{self, Outcome};
 use crate::problem::Problem;
 use crate::response::{CaptureError, StoredResponse, is_storable};
 use crate::tx::Tx;
@@ -59,29 +61,42 @@ impl Config {
 pub struct Prepared {
     key: Option<(String, Fingerprint)>,
     config: Config,
+    span: Span,
 }
 
-/// Validates the key, buffers the body once (honouring `DefaultBodyLimit`)
-/// and fingerprints the request. Returns the request rebuilt around the
-/// buffered body, for the body extractor.
-pub async fn prepare(
+/// Validates the key, buffers the body once (honouring `DefaultBodyLimit`
+/// and [`Idem::body_timeout`]) and fingerprints the request. Returns the
+/// request rebuilt around the buffered body, for the body extractor.
+pub async fn prepare<DB: Backend>(
+    idem: &Idem<DB>,
     parts: Parts,
     body: Body,
     config: &Config,
 ) -> Result<(Prepared, Request), Response> {
+    let span = observe::request_span();
+    let rejected = |problem: Problem| {
+        observe::finish(&span, Outcome::Rejected);
+        problem.into_response()
+    };
     let key = match parse_key(&parts.headers) {
         Ok(Some(key)) => key,
         Ok(None) if config.key == KeyMode::Optional => {
             let prepared = Prepared {
                 key: None,
                 config: *config,
+                span,
             };
             return Ok((prepared, Request::from_parts(parts, body)));
         }
-        Ok(None) => return Err(Problem::KeyMissing.into_response()),
-        Err(error) => return Err(Problem::KeyInvalid(error).into_response()),
+        Ok(None) => return Err(rejected(Problem::KeyMissing)),
+        Err(error) => return Err(rejected(Problem::KeyInvalid(error))),
     };
-    let (parts, bytes) = buffer(parts, body).await?;
+    let buffered = tokio::time::timeout(idem.body_read_timeout(), buffer(parts, body)).await;
+    let (parts, bytes) = match buffered {
+        Ok(Ok(buffered)) => buffered,
+        Ok(Err(problem)) => return Err(rejected(problem)),
+        Err(_elapsed) => return Err(rejected(Problem::BodyTimeout)),
+    };
     let path = match parts.extensions.get::<OriginalUri>() {
         Some(OriginalUri(uri)) => uri.path(),
         None => parts.uri.path(),
@@ -96,11 +111,12 @@ pub async fn prepare(
     let prepared = Prepared {
         key: Some((key, fingerprint)),
         config: *config,
+        span,
     };
     Ok((prepared, Request::from_parts(parts, Body::from(bytes))))
 }
 
-async fn buffer(parts: Parts, body: Body) -> Result<(Parts, Bytes), Response> {
+async fn buffer(parts: Parts, body: Body) -> Result<(Parts, Bytes), Problem> {
     // `with_limited_body` reads the `DefaultBodyLimit` the app configured
     // from the request's extensions, the same limit axum's extractors use.
     let (parts, body) = Request::from_parts(parts, body)
@@ -108,8 +124,8 @@ async fn buffer(parts: Parts, body: Body) -> Result<(Parts, Bytes), Response> {
         .into_parts();
     match body.collect().await {
         Ok(collected) => Ok((parts, collected.to_bytes())),
-        Err(error) if is_length_limit(&error) => Err(Problem::BodyTooLarge.into_response()),
-        Err(_) => Err(Problem::BodyUnreadable.into_response()),
+        Err(error) if is_length_limit(&error) => Err(Problem::BodyTooLarge),
+        Err(_) => Err(Problem::BodyUnreadable),
     }
 }
 
@@ -138,42 +154,82 @@ where
     Fut: Future<Output = R> + Send,
     R: IntoResponse,
 {
-    let Some((key, fingerprint)) = prepared.key else {
-        return run_without_key(&idem, handler).await;
+    let span = prepared.span.clone();
+    span.record("scope", observe::redact(&[&scope]));
+    let (outcome, response) = match prepared.key {
+        Some((key, fingerprint)) => {
+            span.record("key", observe::redact(&[&scope, &key]));
+            let claim = Claim {
+                scope: &scope,
+                key: &key,
+                fingerprint,
+                ttl: prepared.config.ttl,
+                wait: prepared.config.wait,
+            };
+            run_keyed(&idem, &claim, handler)
+                .instrument(span.clone())
+                .await
+        }
+        None => {
+            run_without_key(&idem, handler)
+                .instrument(span.clone())
+                .await
+        }
     };
-    let claim = Claim {
-        scope: &scope,
-        key: &key,
-        fingerprint,
-        ttl: prepared.config.ttl,
-        wait: prepared.config.wait,
-    };
-    let conn = match DB::claim(idem.pool(), idem.table_name(), &claim).await {
-        Ok(ClaimOutcome::Claimed(conn)) => conn,
+    observe::finish(&span, outcome);
+    response
+}
+
+async fn run_keyed<DB, H, Fut, R>(
+    idem: &Idem<DB>,
+    claim: &Claim<'_>,
+    handler: H,
+) -> (Outcome, Response)
+where
+    DB: Backend,
+    H: FnOnce(Tx<DB>) -> Fut,
+    Fut: Future<Output = R> + Send,
+    R: IntoResponse,
+{
+    let started = std::time::Instant::now();
+    let claimed = DB::claim(idem.pool(), idem.table_name(), claim).await;
+    let conn = match claimed {
+        Ok(ClaimOutcome::Claimed(conn)) => {
+            observe::claim_latency("claimed", started.elapsed());
+            conn
+        }
         Ok(ClaimOutcome::Finished {
-            fingerprint: stored,
+            fingerprint,
             response,
         }) => {
-            return if stored == fingerprint {
-                response.replay()
+            observe::claim_latency("finished", started.elapsed());
+            return if fingerprint == claim.fingerprint {
+                (Outcome::Replayed, response.replay())
             } else {
-                Problem::KeyReused.into_response()
+                (Outcome::Reused, Problem::KeyReused.into_response())
             };
         }
-        Ok(ClaimOutcome::InUse) => return Problem::KeyInUse.into_response(),
+        Ok(ClaimOutcome::InUse) => {
+            observe::claim_latency("in_use", started.elapsed());
+            return (Outcome::InUse, Problem::KeyInUse.into_response());
+        }
         Err(error) => {
+            observe::claim_latency("error", started.elapsed());
             tracing::warn!(error = %error, "idempotency key store unavailable");
-            return Problem::StoreUnavailable.into_response();
+            return (
+                Outcome::StoreUnavailable,
+                Problem::StoreUnavailable.into_response(),
+            );
         }
     };
-    let key = IdempotencyKey::new(scope.to_string(), key.clone());
+    let key = IdempotencyKey::new(claim.scope.to_owned(), claim.key.to_owned());
     let (response, mut conn) = match execute(conn, Some(key), handler).await {
         Ok(done) => done,
-        Err(response) => return response,
+        Err(response) => return (Outcome::RolledBack, response),
     };
     if !is_storable(response.status()) {
         abandon(conn).await;
-        return response;
+        return (Outcome::RolledBack, response);
     }
     let (stored, headers) = match StoredResponse::capture(
         response,
@@ -185,7 +241,7 @@ where
         Ok(captured) => captured,
         Err(error) => {
             abandon(conn).await;
-            return match error {
+            let response = match error {
                 CaptureError::TooLarge { limit } => {
                     tracing::error!(
                         limit,
@@ -199,17 +255,18 @@ where
                     Problem::HandlerPanicked.into_response()
                 }
             };
+            return (Outcome::RolledBack, response);
         }
     };
-    match DB::finish(&mut conn, idem.table_name(), Some(&claim), Some(&stored)).await {
-        Ok(()) => stored.into_original(headers),
-        Err(error) => commit_failed(conn, error).await,
+    match DB::finish(&mut conn, idem.table_name(), Some(claim), Some(&stored)).await {
+        Ok(()) => (Outcome::Claimed, stored.into_original(headers)),
+        Err(error) => (Outcome::StoreUnavailable, commit_failed(conn, error).await),
     }
 }
 
 /// A request without a key on a `key = "optional"` handler: one plain
 /// transaction, committed on a storable answer, nothing remembered.
-async fn run_without_key<DB, H, Fut, R>(idem: &Idem<DB>, handler: H) -> Response
+async fn run_without_key<DB, H, Fut, R>(idem: &Idem<DB>, handler: H) -> (Outcome, Response)
 where
     DB: Backend,
     H: FnOnce(Tx<DB>) -> Fut,
@@ -220,20 +277,23 @@ where
         Ok(conn) => conn,
         Err(error) => {
             tracing::warn!(error = %error, "database unavailable");
-            return Problem::StoreUnavailable.into_response();
+            return (
+                Outcome::StoreUnavailable,
+                Problem::StoreUnavailable.into_response(),
+            );
         }
     };
     let (response, mut conn) = match execute(conn, None, handler).await {
         Ok(done) => done,
-        Err(response) => return response,
+        Err(response) => return (Outcome::RolledBack, response),
     };
     if !is_storable(response.status()) {
         abandon(conn).await;
-        return response;
+        return (Outcome::RolledBack, response);
     }
     match DB::finish(&mut conn, idem.table_name(), None, None).await {
-        Ok(()) => response,
-        Err(error) => commit_failed(conn, error).await,
+        Ok(()) => (Outcome::Unkeyed, response),
+        Err(error) => (Outcome::StoreUnavailable, commit_failed(conn, error).await),
     }
 }
 
@@ -301,14 +361,22 @@ mod tests {
 
     const REQUIRED: Config = Config::new(1000, 0, KeyMode::Required);
 
+    /// A store whose pool never connects: `prepare` only reads its settings.
+    fn idem() -> Idem<sqlx::Postgres> {
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .connect_lazy("postgres://127.0.0.1:1/none")
+            .unwrap();
+        Idem::new(pool)
+    }
+
     #[tokio::test]
     async fn a_missing_key_is_400_unless_optional() {
         let (parts, body) = request(&[], "{}");
-        let response = prepare(parts, body, &REQUIRED).await.unwrap_err();
+        let response = prepare(&idem(), parts, body, &REQUIRED).await.unwrap_err();
         assert_eq!(response.status(), 400);
         let (parts, body) = request(&[], "{}");
         let optional = Config::new(1000, 0, KeyMode::Optional);
-        let (prepared, _) = prepare(parts, body, &optional).await.unwrap();
+        let (prepared, _) = prepare(&idem(), parts, body, &optional).await.unwrap();
         assert!(prepared.key.is_none());
     }
 
@@ -321,7 +389,7 @@ mod tests {
             ],
             "{\"b\":1, \"a\":2}",
         );
-        let (prepared, request) = prepare(parts, body, &REQUIRED).await.unwrap();
+        let (prepared, request) = prepare(&idem(), parts, body, &REQUIRED).await.unwrap();
         let (key, fingerprint) = prepared.key.unwrap();
         assert_eq!(key, "k1");
         let (parts, body) = request.into_parts();
@@ -344,7 +412,7 @@ mod tests {
         let (parts, body) = request(&[("idempotency-key", "k")], "0123456789");
         // What a `DefaultBodyLimit::max(4)` layer does to the body.
         let body = Body::new(http_body_util::Limited::new(body, 4));
-        let response = prepare(parts, body, &REQUIRED).await.unwrap_err();
+        let response = prepare(&idem(), parts, body, &REQUIRED).await.unwrap_err();
         assert_eq!(response.status(), 413);
     }
 }

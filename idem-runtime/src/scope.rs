@@ -11,6 +11,7 @@ use std::borrow::Cow;
 /// id) and name that parameter in `#[idempotent(scope = "...")]`.
 ///
 /// ```
+/// # use idem_runtime as idem;
 /// use std::borrow::Cow;
 ///
 /// struct Account { id: String }

@@ -15,6 +15,7 @@ use crate::key::IdempotencyKey;
 /// together or not at all. `&mut *tx` is an executor:
 ///
 /// ```no_run
+/// # use idem_runtime as idem;
 /// # async fn demo(mut tx: idem::Tx<sqlx::Postgres>) -> Result<(), sqlx::Error> {
 /// sqlx::query("INSERT INTO charges (amount) VALUES ($1)")
 ///     .bind(100_i64)

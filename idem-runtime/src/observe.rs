@@ -1,0 +1,102 @@
+//! What operators see: one `tracing` span per idempotent request carrying
+//! its [`Outcome`], and counters and a claim-latency histogram through the
+//! `metrics` facade.
+//!
+//! Scopes and keys are never logged raw: both are hashed (SHA-256, first 8
+//! bytes in hex), enough to correlate lines, useless to replay a key.
+
+use std::time::Duration;
+
+use sha2::{Digest, Sha256};
+use tracing::Span;
+
+/// Counter of requests through `#[idempotent]` handlers, by `outcome`.
+pub const REQUESTS_TOTAL: &str = "idem_requests_total";
+/// Histogram of the claim's duration in seconds (acquire, claim, and any
+/// wait for a concurrent attempt), by `outcome` of the claim.
+pub const CLAIM_SECONDS: &str = "idem_claim_seconds";
+
+/// How one request through an `#[idempotent]` handler ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Outcome {
+    /// The key was claimed, the handler ran and its response committed.
+    Claimed,
+    /// A finished attempt's response was replayed.
+    Replayed,
+    /// Another attempt held the key: 409.
+    InUse,
+    /// The key was used for another request: 422.
+    Reused,
+    /// The request was refused before any claim: bad or missing key, body
+    /// over the limit or too slow.
+    Rejected,
+    /// The handler ran but nothing was kept: a transient answer, an error,
+    /// a panic, or a response over the cap.
+    RolledBack,
+    /// The store could not be reached, or the commit failed: 503.
+    StoreUnavailable,
+    /// No key on a `key = "optional"` handler: it ran in a plain transaction.
+    Unkeyed,
+}
+
+impl Outcome {
+    /// The label value used in spans and metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Claimed => "claimed",
+            Self::Replayed => "replayed",
+            Self::InUse => "in_use",
+            Self::Reused => "reused",
+            Self::Rejected => "rejected",
+            Self::RolledBack => "rolled_back",
+            Self::StoreUnavailable => "store_unavailable",
+            Self::Unkeyed => "unkeyed",
+        }
+    }
+}
+
+/// The span of one request; fields are filled in as they become known.
+pub(crate) fn request_span() -> Span {
+    tracing::info_span!(
+        "idem",
+        outcome = tracing::field::Empty,
+        scope = tracing::field::Empty,
+        key = tracing::field::Empty,
+    )
+}
+
+/// Records the outcome on the span and in the counter.
+pub(crate) fn finish(span: &Span, outcome: Outcome) {
+    span.record("outcome", outcome.as_str());
+    metrics::counter!(REQUESTS_TOTAL, "outcome" => outcome.as_str()).increment(1);
+    tracing::debug!(parent: span, outcome = outcome.as_str(), "idempotent request finished");
+}
+
+pub(crate) fn claim_latency(outcome: &'static str, elapsed: Duration) {
+    metrics::histogram!(CLAIM_SECONDS, "outcome" => outcome).record(elapsed.as_secs_f64());
+}
+
+/// A short, stable, non-reversible tag for a scope or a key.
+pub fn redact(parts: &[&str]) -> String {
+    let mut hasher = Sha256::new();
+    for part in parts {
+        hasher.update((part.len() as u64).to_be_bytes());
+        hasher.update(part.as_bytes());
+    }
+    hex::encode(&hasher.finalize()[..8])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redaction_hides_and_separates() {
+        let tag = redact(&["acct_1"]);
+        assert_eq!(tag.len(), 16);
+        assert!(!tag.contains("acct"));
+        assert_eq!(tag, redact(&["acct_1"]));
+        assert_ne!(redact(&["a", "bc"]), redact(&["ab", "c"]));
+    }
+}
