@@ -1,9 +1,8 @@
 //! Parsing `#[idempotent(...)]`'s arguments: one slot per key.
 
-use proc_macro2::{Span, TokenStream};
+use proc_macro2::{Span, TokenStream, TokenTree};
 use syn::ext::IdentExt;
-use syn::parse::{Parse, ParseStream, Parser};
-use syn::punctuated::Punctuated;
+use syn::parse::{Parse, ParseStream};
 use syn::{Expr, ExprLit, Ident, Lit, LitStr, Token};
 
 use crate::duration::{MAX_TTL_MS, MAX_WAIT_MS, parse_ms};
@@ -25,6 +24,9 @@ pub enum KeyMode {
 #[derive(Default)]
 pub struct Args {
     pub scope: Option<LitStr>,
+    /// Whether `scope` was written at all, even with a wrong value: only
+    /// an absent `scope` is reported as missing.
+    pub scope_written: bool,
     pub ttl: Option<(u64, Span)>,
     pub wait: Option<(u64, Span)>,
     pub key: Option<KeyMode>,
@@ -48,6 +50,16 @@ struct Arg {
 
 impl Parse for Arg {
     fn parse(input: ParseStream<'_>) -> syn::Result<Self> {
+        if input.peek(LitStr) {
+            let lit: LitStr = input.parse()?;
+            return Err(syn::Error::new(
+                lit.span(),
+                format!(
+                    "arguments are named: write `scope = \"{}\"`; {VALID_KEYS}",
+                    lit.value()
+                ),
+            ));
+        }
         let name = Ident::parse_any(input)?;
         if !input.peek(Token![=]) {
             return Err(syn::Error::new(
@@ -67,60 +79,46 @@ impl Parse for Arg {
 /// stopping at the first.
 pub fn parse(tokens: TokenStream, errors: &mut Errors) -> Args {
     let mut args = Args::default();
-    let list = match Punctuated::<Arg, Token![,]>::parse_terminated.parse2(tokens) {
-        Ok(list) => list,
-        Err(error) => {
-            errors.push(error);
-            return args;
-        }
-    };
-    for Arg { name, value } in list {
-        let key = name.unraw().to_string();
-        let duplicate = || syn::Error::new(name.span(), format!("`{key}` set multiple times"));
-        match key.as_str() {
-            "scope" => match string(&value, "the name of the parameter that identifies the caller") {
-                Ok(_) if args.scope.is_some() => errors.push(duplicate()),
-                Ok(lit) => args.scope = Some(lit),
-                Err(error) => errors.push(error),
-            },
-            "ttl" | "wait" => {
-                let slot = if key == "ttl" { &mut args.ttl } else { &mut args.wait };
-                if slot.is_some() {
-                    errors.push(duplicate());
-                    continue;
-                }
-                match string(&value, "a duration like \"24h\"").and_then(|lit| duration(&key, &lit)) {
-                    Ok(ms) => *slot = Some((ms, value_span(&value))),
-                    Err(error) => errors.push(error),
-                }
+    for chunk in split_commas(tokens) {
+        let Arg { name, value } = match syn::parse2::<Arg>(chunk) {
+            Ok(arg) => arg,
+            Err(error) => {
+                errors.push(error);
+                continue;
             }
-            "key" => match string(&value, "\"required\" or \"optional\"") {
-                Ok(_) if args.key.is_some() => errors.push(duplicate()),
-                Ok(lit) => match lit.value().as_str() {
-                    "required" => args.key = Some(KeyMode::Required),
-                    "optional" => args.key = Some(KeyMode::Optional),
-                    other => errors.push(syn::Error::new(
-                        lit.span(),
-                        format!("`key = \"{other}\"` is not a key mode: expected \"required\" or \"optional\""),
-                    )),
-                },
-                Err(error) => errors.push(error),
-            },
-            "crate" => match string(&value, "a path such as \"::my_idem\"") {
-                Ok(_) if args.krate.is_some() => errors.push(duplicate()),
-                Ok(lit) => match lit.parse::<syn::Path>() {
-                    Ok(path) => args.krate = Some(path),
-                    Err(_) => errors.push(syn::Error::new(
-                        lit.span(),
-                        format!("`crate = \"{}\"` is not a path", lit.value()),
-                    )),
-                },
-                Err(error) => errors.push(error),
-            },
-            _ => errors.push(syn::Error::new(
+        };
+        let key = name.unraw().to_string();
+        let already_set = match key.as_str() {
+            "scope" => args.scope.is_some(),
+            "ttl" => args.ttl.is_some(),
+            "wait" => args.wait.is_some(),
+            "key" => args.key.is_some(),
+            "crate" => args.krate.is_some(),
+            _ => {
+                errors.push(syn::Error::new(
+                    name.span(),
+                    format!("unknown argument `{key}`; {VALID_KEYS}"),
+                ));
+                continue;
+            }
+        };
+        if already_set {
+            errors.push(syn::Error::new(
                 name.span(),
-                format!("unknown argument `{key}`; {VALID_KEYS}"),
-            )),
+                format!("`{key}` set multiple times"),
+            ));
+            continue;
+        }
+        args.scope_written |= key == "scope";
+        let parsed = match key.as_str() {
+            "scope" => scope(&value).map(|lit| args.scope = Some(lit)),
+            "ttl" => duration(&key, &value).map(|ms| args.ttl = Some((ms, value_span(&value)))),
+            "wait" => duration(&key, &value).map(|ms| args.wait = Some((ms, value_span(&value)))),
+            "key" => key_mode(&value).map(|mode| args.key = Some(mode)),
+            _ => krate(&value).map(|path| args.krate = Some(path)),
+        };
+        if let Err(error) = parsed {
+            errors.push(error);
         }
     }
     if let (Some((ttl, _)), Some((wait, span))) = (args.ttl, args.wait)
@@ -134,24 +132,92 @@ pub fn parse(tokens: TokenStream, errors: &mut Errors) -> Args {
     args
 }
 
+/// The arguments between top-level commas, each parsed on its own so that
+/// one malformed argument does not hide the errors of the others.
+fn split_commas(tokens: TokenStream) -> Vec<TokenStream> {
+    let mut chunks = vec![TokenStream::new()];
+    for token in tokens {
+        match &token {
+            TokenTree::Punct(punct) if punct.as_char() == ',' => chunks.push(TokenStream::new()),
+            _ => chunks.last_mut().expect("never empty").extend([token]),
+        }
+    }
+    chunks.retain(|chunk| !chunk.is_empty());
+    chunks
+}
+
 fn value_span(value: &Expr) -> Span {
     syn::spanned::Spanned::span(value)
 }
 
-/// The value as a string literal, or an error on it that says what to write.
-fn string(value: &Expr, expected: &str) -> syn::Result<LitStr> {
-    match value {
+/// The value as a string literal, or an error on it that says what to
+/// write: a bare word or a number with a unit gets the quoted spelling.
+fn string(key: &str, value: &Expr, expected: &str) -> syn::Result<LitStr> {
+    let quoted = match value {
         Expr::Lit(ExprLit {
             lit: Lit::Str(lit), ..
-        }) => Ok(lit.clone()),
+        }) => return Ok(lit.clone()),
+        Expr::Path(path) if path.qself.is_none() => Some(
+            quote::ToTokens::to_token_stream(path)
+                .to_string()
+                .replace(' ', ""),
+        ),
+        Expr::Lit(ExprLit {
+            lit: Lit::Int(int), ..
+        }) if !int.suffix().is_empty() => Some(int.to_string()),
+        _ => None,
+    };
+    let message = match quoted {
+        Some(text) => format!("`{key}` takes a string literal: write `{key} = \"{text}\"`"),
+        None => format!("`{key}` takes a string literal: {expected}"),
+    };
+    Err(syn::Error::new(value_span(value), message))
+}
+
+fn scope(value: &Expr) -> syn::Result<LitStr> {
+    string(
+        "scope",
+        value,
+        "the name of the parameter that identifies the caller, e.g. `scope = \"account\"`",
+    )
+}
+
+fn key_mode(value: &Expr) -> syn::Result<KeyMode> {
+    let lit = string("key", value, "`key = \"required\"` or `key = \"optional\"`")?;
+    match lit.value().as_str() {
+        "required" => Ok(KeyMode::Required),
+        "optional" => Ok(KeyMode::Optional),
         other => Err(syn::Error::new(
-            value_span(other),
-            format!("expected a string literal: {expected}"),
+            lit.span(),
+            format!("`key = \"{other}\"` is not a key mode: expected \"required\" or \"optional\""),
         )),
     }
 }
 
-fn duration(key: &str, lit: &LitStr) -> syn::Result<u64> {
+fn krate(value: &Expr) -> syn::Result<syn::Path> {
+    let lit = string(
+        "crate",
+        value,
+        "the path of the `idem` crate, e.g. `crate = \"::my_idem\"`",
+    )?;
+    lit.parse::<syn::Path>().map_err(|_| {
+        syn::Error::new(
+            lit.span(),
+            format!(
+                "`crate = \"{}\"` is not a path to the `idem` crate, such as \"::my_idem\"",
+                lit.value()
+            ),
+        )
+    })
+}
+
+fn duration(key: &str, value: &Expr) -> syn::Result<u64> {
+    let example = if key == "ttl" { "24h" } else { "2s" };
+    let lit = string(
+        key,
+        value,
+        &format!("a duration such as `{key} = \"{example}\"`"),
+    )?;
     let ms = parse_ms(&lit.value()).map_err(|message| syn::Error::new(lit.span(), message))?;
     let (max, max_text) = if key == "ttl" {
         (MAX_TTL_MS, "365d")
@@ -161,7 +227,7 @@ fn duration(key: &str, lit: &LitStr) -> syn::Result<u64> {
     if key == "ttl" && ms == 0 {
         return Err(syn::Error::new(
             lit.span(),
-            "`ttl` must be greater than zero",
+            "`ttl` must be greater than zero: a key that expires at once protects nothing",
         ));
     }
     if ms > max {
@@ -181,7 +247,9 @@ mod tests {
     fn parse_ok(tokens: TokenStream) -> Args {
         let mut errors = Errors::default();
         let args = parse(tokens, &mut errors);
-        assert!(errors.into_result().is_ok());
+        if let Err(error) = errors.into_result() {
+            panic!("unexpected error: {error}");
+        }
         args
     }
 
@@ -192,6 +260,12 @@ mod tests {
             Ok(()) => vec![],
             Err(error) => error.into_iter().map(|e| e.to_string()).collect(),
         }
+    }
+
+    fn one_message(tokens: TokenStream) -> String {
+        let found = messages(tokens);
+        assert_eq!(found.len(), 1, "{found:?}");
+        found.into_iter().next().unwrap()
     }
 
     #[test]
@@ -207,12 +281,22 @@ mod tests {
         assert_eq!(args.ttl_ms(), 3_600_000);
         assert_eq!(args.wait_ms(), 2_000);
         assert_eq!(args.key, Some(KeyMode::Optional));
-        assert!(args.krate.is_some());
-        let defaults = parse_ok(quote!(scope = "a"));
+        let krate = args.krate.as_ref().unwrap();
+        assert_eq!(quote!(#krate).to_string(), ":: my_idem");
+        let required = parse_ok(quote!(scope = "a", key = "required"));
+        assert_eq!(required.key, Some(KeyMode::Required));
+    }
+
+    #[test]
+    fn defaults_and_trailing_comma() {
+        let defaults = parse_ok(quote!(scope = "a",));
         assert_eq!(
             (defaults.ttl_ms(), defaults.wait_ms(), defaults.key),
             (DEFAULT_TTL_MS, 0, None)
         );
+        assert!(defaults.krate.is_none());
+        let args = parse_ok(quote!(r#scope = "a", crate = "my_idem"));
+        assert_eq!(args.scope.unwrap().value(), "a");
     }
 
     #[test]
@@ -224,15 +308,46 @@ mod tests {
                 "crate" => "::idem",
                 _ => "a",
             };
-            let name = Ident::new_raw(key, Span::call_site());
-            let name = if key == "crate" {
-                quote!(crate)
-            } else {
-                quote!(#name)
-            };
+            let name: TokenStream = key.parse().unwrap();
             let found = messages(quote!(#name = #value, #name = #value));
             assert_eq!(found, vec![format!("`{key}` set multiple times")], "{key}");
         }
+    }
+
+    #[test]
+    fn a_duplicate_is_reported_even_when_its_value_is_wrong() {
+        let found = messages(quote!(scope = "a", ttl = "1h", ttl = 5));
+        assert_eq!(found, vec!["`ttl` set multiple times".to_owned()]);
+    }
+
+    #[test]
+    fn unknown_keys_list_the_valid_ones() {
+        let message = one_message(quote!(scope = "a", colour = "red"));
+        assert_eq!(
+            message,
+            "unknown argument `colour`; valid arguments are `scope`, `ttl`, `key`, `wait` and `crate`"
+        );
+        assert!(one_message(quote!(scope)).contains("expected `scope = \"...\"`"));
+        assert!(one_message(quote!("account")).contains("write `scope = \"account\"`"));
+    }
+
+    #[test]
+    fn wrong_literal_kinds_say_what_to_write() {
+        assert_eq!(
+            one_message(quote!(scope = account)),
+            "`scope` takes a string literal: write `scope = \"account\"`"
+        );
+        assert_eq!(
+            one_message(quote!(scope = "a", ttl = 24h)),
+            "`ttl` takes a string literal: write `ttl = \"24h\"`"
+        );
+        assert!(one_message(quote!(scope = "a", ttl = 24)).contains("`ttl = \"24h\"`"));
+        assert!(one_message(quote!(scope = "a", wait = 1.5)).contains("`wait = \"2s\"`"));
+        assert!(one_message(quote!(scope = "a", key = required)).contains("`key = \"required\"`"));
+        assert!(
+            one_message(quote!(scope = "a", crate = ::my_idem)).contains("`crate = \"::my_idem\"`")
+        );
+        assert!(one_message(quote!(scope = "a", crate = "not a path")).contains("not a path"));
     }
 
     #[test]
@@ -241,23 +356,35 @@ mod tests {
             scope = account,
             ttl = 24,
             colour = "red",
-            key = "maybe"
+            key = "maybe",
+            wait "1s",
+            crate = "::idem"
         ));
-        assert_eq!(found.len(), 4, "{found:?}");
-        assert!(found[0].contains("expected a string literal"));
+        assert_eq!(found.len(), 5, "{found:?}");
+        assert!(found[0].starts_with("`scope` takes a string literal"));
+        assert!(found[1].starts_with("`ttl` takes a string literal"));
         assert!(found[2].contains("unknown argument `colour`") && found[2].contains("`crate`"));
         assert!(found[3].contains("\"required\" or \"optional\""));
+        assert!(found[4].contains("expected `wait = \"...\"`"));
     }
 
     #[test]
     fn durations_are_bounded() {
-        assert!(messages(quote!(scope = "a", ttl = "0s"))[0].contains("greater than zero"));
-        assert!(messages(quote!(scope = "a", ttl = "366d"))[0].contains("at most 365d"));
-        assert!(messages(quote!(scope = "a", wait = "61s"))[0].contains("at most 60s"));
+        assert!(one_message(quote!(scope = "a", ttl = "0s")).contains("greater than zero"));
+        assert!(one_message(quote!(scope = "a", ttl = "0ms")).contains("greater than zero"));
+        assert!(one_message(quote!(scope = "a", ttl = "366d")).contains("at most 365d"));
+        assert!(one_message(quote!(scope = "a", wait = "61s")).contains("at most 60s"));
+        assert!(one_message(quote!(scope = "a", ttl = "-5m")).contains("negative"));
+        assert!(one_message(quote!(scope = "a", wait = "-1s")).contains("negative"));
+        assert!(one_message(quote!(scope = "a", ttl = "24")).contains("no unit"));
         assert!(
-            messages(quote!(scope = "a", ttl = "1s", wait = "2s"))[0].contains("longer than `ttl`")
+            one_message(quote!(scope = "a", ttl = "1s", wait = "2s")).contains("longer than `ttl`")
         );
-        assert!(messages(quote!(scope = "a", ttl = "-5m"))[0].contains("negative"));
-        assert!(messages(quote!(scope = "a", wait = "0ms")).is_empty());
+        let edges = parse_ok(quote!(scope = "a", ttl = "365d", wait = "60s"));
+        assert_eq!((edges.ttl_ms(), edges.wait_ms()), (MAX_TTL_MS, MAX_WAIT_MS));
+        let zero_wait = parse_ok(quote!(scope = "a", wait = "0ms"));
+        assert_eq!(zero_wait.wait_ms(), 0);
+        let equal = parse_ok(quote!(scope = "a", ttl = "1s", wait = "1000ms"));
+        assert_eq!(equal.wait_ms(), equal.ttl_ms());
     }
 }

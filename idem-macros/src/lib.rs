@@ -49,8 +49,15 @@ fn idempotent_impl(
             let expanded = expand::expand(&item, &args, &handler);
             quote::quote!(#error #expanded)
         }
-        // The signature itself is wrong: keep the user's function as written
-        // beside the errors, so IDEs keep working on its body.
-        None => quote::quote!(#error #item),
+        // A receiver means the function sits in an `impl` block, where a
+        // struct cannot go: keep the function exactly as written.
+        None if item.sig.receiver().is_some() => quote::quote!(#error #item),
+        // The signature itself is wrong: keep the user's function beside
+        // the errors (IDEs keep working on its body) behind a handler that
+        // still routes, so no secondary errors follow.
+        None => {
+            let stub = expand::stub(&item, &args);
+            quote::quote!(#error #stub)
+        }
     }
 }

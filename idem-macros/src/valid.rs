@@ -66,9 +66,15 @@ pub fn check(item: &ItemFn, args: &Args, errors: &mut Errors) -> Option<Handler>
             "`#[idempotent]` handlers must be `async fn`",
         ));
     }
-    if !sig.generics.params.is_empty() || sig.generics.where_clause.is_some() {
+    let generics = &sig.generics;
+    let generic_span = match (&generics.lt_token, &generics.where_clause) {
+        (Some(_), _) => Some(generics.span()),
+        (None, Some(where_clause)) => Some(where_clause.span()),
+        (None, None) => None,
+    };
+    if let Some(span) = generic_span {
         errors.push(syn::Error::new(
-            sig.generics.span(),
+            span,
             "`#[idempotent]` handlers cannot be generic: axum needs one concrete handler type",
         ));
     }
@@ -81,24 +87,51 @@ pub fn check(item: &ItemFn, args: &Args, errors: &mut Errors) -> Option<Handler>
 
     let mut params = Vec::new();
     let mut txs = Vec::new();
+    let mut tx_names = Vec::new();
+    let mut malformed_tx = false;
     for (index, input) in sig.inputs.iter().enumerate() {
-        match input {
-            FnArg::Receiver(receiver) => errors.push(syn::Error::new(
-                receiver.span(),
-                "`#[idempotent]` handlers cannot take `self`: make it a free function",
-            )),
-            FnArg::Typed(typed) => match tx_database(&typed.ty) {
-                Some(db) => txs.push((index, db, typed.ty.span())),
-                None => params.push(Param {
-                    pat: (*typed.pat).clone(),
-                    ty: (*typed.ty).clone(),
-                    local: quote::format_ident!("__idem_arg{}", index),
-                }),
-            },
+        let typed = match input {
+            FnArg::Receiver(receiver) => {
+                errors.push(syn::Error::new(
+                    receiver.span(),
+                    "`#[idempotent]` handlers cannot take `self`: make it a free function",
+                ));
+                continue;
+            }
+            FnArg::Typed(typed) => typed,
+        };
+        if let Type::ImplTrait(impl_trait) = &*typed.ty {
+            errors.push(syn::Error::new(
+                impl_trait.span(),
+                "`#[idempotent]` handlers cannot be generic: name the extractor's concrete type \
+                 instead of `impl Trait`",
+            ));
+            continue;
+        }
+        match tx_database(&typed.ty) {
+            TxParam::Tx(db) => {
+                txs.push((index, db, typed.ty.span()));
+                if let Pat::Ident(ident) = &*typed.pat {
+                    tx_names.push(ident.ident.to_string());
+                }
+            }
+            TxParam::Malformed(span) => {
+                malformed_tx = true;
+                errors.push(syn::Error::new(
+                    span,
+                    "`Tx` takes the database type: `Tx<sqlx::Postgres>`",
+                ));
+            }
+            TxParam::No => params.push(Param {
+                pat: (*typed.pat).clone(),
+                ty: (*typed.ty).clone(),
+                local: quote::format_ident!("__idem_arg{}", index),
+            }),
         }
     }
 
     let tx = match txs.as_slice() {
+        [] if malformed_tx => None,
         [] => {
             errors.push(syn::Error::new(
                 sig.ident.span(),
@@ -130,17 +163,22 @@ pub fn check(item: &ItemFn, args: &Args, errors: &mut Errors) -> Option<Handler>
         }
     }
 
-    let scope_index = args
-        .scope
-        .as_ref()
-        .and_then(|scope| find_scope(scope, &params, errors));
-    if args.scope.is_none() {
-        errors.push(syn::Error::new(
-            proc_macro2::Span::call_site(),
-            "missing `scope = \"<parameter>\"`: keys must never be shared across callers, so name the \
-             parameter that identifies the caller (its type implements `idem::Scope`)",
-        ));
-    }
+    let scope_index = match &args.scope {
+        Some(scope) => find_scope(scope, &params, &tx_names, errors),
+        // Written with a wrong value: that error is already reported.
+        None if args.scope_written => None,
+        None => {
+            errors.push(syn::Error::new(
+                proc_macro2::Span::call_site(),
+                format!(
+                    "missing `scope = \"<parameter>\"`: keys must never be shared across callers, so \
+                     name the parameter that identifies the caller (its type implements `idem::Scope`); {}",
+                    candidates(&params)
+                ),
+            ));
+            None
+        }
+    };
 
     if errors.count() != before {
         return None;
@@ -154,23 +192,38 @@ pub fn check(item: &ItemFn, args: &Args, errors: &mut Errors) -> Option<Handler>
     })
 }
 
-/// `Tx<DB>` (any path ending in `Tx` with one type argument) yields `DB`.
-fn tx_database(ty: &Type) -> Option<Type> {
-    let Type::Path(path) = ty else { return None };
-    let last = path.path.segments.last()?;
+/// What a parameter's type says about the transaction.
+enum TxParam {
+    /// `Tx<DB>`: the request's transaction over `DB`.
+    Tx(Type),
+    /// `Tx` without exactly one type argument.
+    Malformed(proc_macro2::Span),
+    No,
+}
+
+/// `Tx<DB>` (any path ending in `Tx`) yields `DB`.
+fn tx_database(ty: &Type) -> TxParam {
+    let Type::Path(path) = ty else {
+        return TxParam::No;
+    };
+    let Some(last) = path.path.segments.last() else {
+        return TxParam::No;
+    };
     if last.ident != "Tx" {
-        return None;
+        return TxParam::No;
     }
+    let malformed = TxParam::Malformed(ty.span());
     let PathArguments::AngleBracketed(args) = &last.arguments else {
-        return None;
+        return malformed;
     };
     match args.args.iter().collect::<Vec<_>>().as_slice() {
-        [GenericArgument::Type(db)] => Some(db.clone()),
-        _ => None,
+        [GenericArgument::Type(db)] => TxParam::Tx(db.clone()),
+        _ => malformed,
     }
 }
 
-fn body_extractor(ty: &Type) -> Option<String> {
+/// The name of a well-known extractor that consumes the request body.
+pub fn body_extractor(ty: &Type) -> Option<String> {
     let Type::Path(path) = ty else { return None };
     let last = path.path.segments.last()?;
     BODY_EXTRACTORS
@@ -178,9 +231,13 @@ fn body_extractor(ty: &Type) -> Option<String> {
         .then(|| last.ident.to_string())
 }
 
-fn find_scope(scope: &syn::LitStr, params: &[Param], errors: &mut Errors) -> Option<usize> {
+fn find_scope(
+    scope: &syn::LitStr,
+    params: &[Param],
+    tx_names: &[String],
+    errors: &mut Errors,
+) -> Option<usize> {
     let wanted = scope.value();
-    let mut names = Vec::new();
     for (index, param) in params.iter().enumerate() {
         match &param.pat {
             Pat::Ident(ident) if ident.ident == wanted => {
@@ -193,32 +250,51 @@ fn find_scope(scope: &syn::LitStr, params: &[Param], errors: &mut Errors) -> Opt
                 }
                 return Some(index);
             }
-            Pat::Ident(ident) => names.push(format!("`{}`", ident.ident)),
-            other => {
-                if binds(other, &wanted) {
-                    errors.push(syn::Error::new(
-                        other.span(),
-                        format!(
-                            "`scope = \"{wanted}\"` names a binding inside a pattern; bind the whole \
-                             extractor to a name (e.g. `{wanted}: {}`) and name that",
-                            quote::ToTokens::to_token_stream(&param.ty)
-                        ),
-                    ));
-                    return None;
-                }
+            Pat::Ident(_) => {}
+            other if binds(other, &wanted) => {
+                errors.push(syn::Error::new(
+                    other.span(),
+                    format!(
+                        "`scope = \"{wanted}\"` names a binding inside a pattern; bind the whole \
+                         extractor to a name (e.g. `{wanted}: {}`) and name that",
+                        quote::ToTokens::to_token_stream(&param.ty)
+                    ),
+                ));
+                return None;
             }
+            _ => {}
         }
     }
-    let listing = if names.is_empty() {
-        "the handler has no parameter bound to a plain name".to_owned()
+    let message = if tx_names.contains(&wanted) {
+        format!(
+            "`scope = \"{wanted}\"` names the transaction; the scope is the caller the key belongs \
+             to; {}",
+            candidates(params)
+        )
     } else {
-        format!("it could name {}", names.join(", "))
+        format!(
+            "`scope = \"{wanted}\"` names no parameter of this handler; {}",
+            candidates(params)
+        )
     };
-    errors.push(syn::Error::new(
-        scope.span(),
-        format!("`scope = \"{wanted}\"` names no parameter of this handler; {listing}"),
-    ));
+    errors.push(syn::Error::new(scope.span(), message));
     None
+}
+
+/// The parameters a `scope` could name, for error messages.
+fn candidates(params: &[Param]) -> String {
+    let names: Vec<String> = params
+        .iter()
+        .filter_map(|param| match &param.pat {
+            Pat::Ident(ident) if ident.subpat.is_none() => Some(format!("`{}`", ident.ident)),
+            _ => None,
+        })
+        .collect();
+    match names.as_slice() {
+        [] => "the handler has no parameter bound to a plain name".to_owned(),
+        [one] => format!("it could name {one}"),
+        [rest @ .., last] => format!("it could name {} or {last}", rest.join(", ")),
+    }
 }
 
 /// Whether a destructuring pattern binds `name` somewhere inside.

@@ -20,7 +20,7 @@ use http_body_util::BodyExt;
 use tracing::{Instrument, Span};
 
 use crate::Idem;
-use crate::backend::{Backend, Claim, ClaimOutcome, abandon};
+use crate::backend::{Backend, Claim, ClaimOutcome, OpenTx, abandon};
 use crate::fingerprint::Fingerprint;
 use crate::key::{IdempotencyKey, parse_key};
 use crate::observe::{self, Outcome};
@@ -259,7 +259,10 @@ where
         }
     };
     match DB::finish(&mut conn, idem.table_name(), Some(claim), Some(&stored)).await {
-        Ok(()) => (Outcome::Claimed, stored.into_original(headers)),
+        Ok(()) => {
+            conn.release();
+            (Outcome::Claimed, stored.into_original(headers))
+        }
         Err(error) => (Outcome::StoreUnavailable, commit_failed(conn, error).await),
     }
 }
@@ -292,7 +295,10 @@ where
         return (Outcome::RolledBack, response);
     }
     match DB::finish(&mut conn, idem.table_name(), None, None).await {
-        Ok(()) => (Outcome::Unkeyed, response),
+        Ok(()) => {
+            conn.release();
+            (Outcome::Unkeyed, response)
+        }
         Err(error) => (Outcome::StoreUnavailable, commit_failed(conn, error).await),
     }
 }
@@ -300,10 +306,10 @@ where
 /// Runs the handler on the claimed transaction and takes the connection
 /// back. A panic, or a `Tx` that outlives its handler, rolls back.
 async fn execute<DB, H, Fut, R>(
-    conn: sqlx::pool::PoolConnection<DB>,
+    conn: OpenTx<DB>,
     key: Option<IdempotencyKey>,
     handler: H,
-) -> Result<(Response, sqlx::pool::PoolConnection<DB>), Response>
+) -> Result<(Response, OpenTx<DB>), Response>
 where
     DB: Backend,
     H: FnOnce(Tx<DB>) -> Fut,
@@ -339,7 +345,7 @@ where
 /// The commit failed, so the client must not be told the work succeeded.
 /// If the commit did land, a retry replays it; if not, a retry redoes it.
 async fn commit_failed<DB: Backend>(
-    conn: sqlx::pool::PoolConnection<DB>,
+    conn: OpenTx<DB>,
     error: sqlx::Error,
 ) -> Response {
     tracing::warn!(error = %error, "storing the idempotent response failed; rolled back");

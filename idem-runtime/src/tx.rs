@@ -3,9 +3,9 @@
 use std::ops::{Deref, DerefMut};
 
 use sqlx::Database;
-use sqlx::pool::PoolConnection;
 use tokio::sync::oneshot;
 
+use crate::backend::OpenTx;
 use crate::key::IdempotencyKey;
 
 /// The transaction an `#[idempotent]` handler runs in.
@@ -28,18 +28,18 @@ use crate::key::IdempotencyKey;
 /// handler's response is storable (below 500, not 408/429) and rolls back
 /// otherwise, on error and on panic.
 pub struct Tx<DB: Database> {
-    conn: Option<PoolConnection<DB>>,
+    conn: Option<OpenTx<DB>>,
     key: Option<IdempotencyKey>,
-    home: Option<oneshot::Sender<PoolConnection<DB>>>,
+    home: Option<oneshot::Sender<OpenTx<DB>>>,
 }
 
 impl<DB: Database> Tx<DB> {
     /// Hands a connection with an open transaction to a handler; the
     /// connection comes back through `home` when the `Tx` is dropped.
     pub(crate) fn new(
-        conn: PoolConnection<DB>,
+        conn: OpenTx<DB>,
         key: Option<IdempotencyKey>,
-    ) -> (Self, oneshot::Receiver<PoolConnection<DB>>) {
+    ) -> (Self, oneshot::Receiver<OpenTx<DB>>) {
         let (home, back) = oneshot::channel();
         let tx = Self {
             conn: Some(conn),
@@ -60,29 +60,26 @@ impl<DB: Database> Deref for Tx<DB> {
     type Target = DB::Connection;
 
     fn deref(&self) -> &Self::Target {
-        self.conn.as_ref().expect("Tx used after drop")
+        let conn: &sqlx::pool::PoolConnection<DB> = self.conn.as_ref().expect("Tx used after drop");
+        conn
     }
 }
 
 impl<DB: Database> DerefMut for Tx<DB> {
     fn deref_mut(&mut self) -> &mut Self::Target {
-        self.conn.as_mut().expect("Tx used after drop")
+        let conn: &mut sqlx::pool::PoolConnection<DB> = self.conn.as_mut().expect("Tx used after drop");
+        conn
     }
 }
 
 impl<DB: Database> Drop for Tx<DB> {
     fn drop(&mut self) {
-        let Some(conn) = self.conn.take() else { return };
-        let sent = match self.home.take() {
-            Some(home) => home.send(conn),
-            None => Err(conn),
-        };
-        // Nobody is waiting to commit or roll back (the request was
-        // cancelled, or the Tx outlived its handler): close the connection
-        // so the server rolls the transaction back, rather than returning
-        // it to the pool mid-transaction.
-        if let Err(mut conn) = sent {
-            conn.close_on_drop();
+        // Hand the transaction back to the wrapper to commit or roll back.
+        // If nobody waits for it (the request was cancelled, or the Tx
+        // outlived its handler), `OpenTx` closes the connection when
+        // dropped, so the server rolls the transaction back.
+        if let (Some(conn), Some(home)) = (self.conn.take(), self.home.take()) {
+            let _ = home.send(conn);
         }
     }
 }

@@ -70,6 +70,19 @@ pub struct Holds(Arc<Mutex<HashMap<String, Arc<Hold>>>>);
 pub struct Hold {
     pub entered: Notify,
     pub release: Notify,
+    /// Notified when a held handler's future is dropped unfinished.
+    pub dropped: Notify,
+}
+
+/// Signals `Hold::dropped` if the handler is cancelled while parked.
+pub struct DropSignal(pub Option<Arc<Hold>>);
+
+impl Drop for DropSignal {
+    fn drop(&mut self) {
+        if let Some(hold) = self.0.take() {
+            hold.dropped.notify_one();
+        }
+    }
 }
 
 impl Holds {
@@ -185,8 +198,10 @@ macro_rules! define_app {
                     }
                     m if m.starts_with("hold:") => {
                         let hold = holds.get(&m[5..]);
+                        let mut signal = $crate::app::DropSignal(Some(hold.clone()));
                         hold.entered.notify_one();
                         hold.release.notified().await;
+                        signal.0 = None;
                     }
                     m if m.starts_with("status:") => {
                         let status = StatusCode::from_u16(m[7..].parse().unwrap()).unwrap();

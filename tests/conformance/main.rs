@@ -44,6 +44,7 @@ macro_rules! all_engines {
                 optional_keys,
                 first_answer_is_the_handlers,
                 unreachable_store_is_503,
+                cancelled_requests_roll_back,
             );
         )*
 

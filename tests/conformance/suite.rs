@@ -478,3 +478,32 @@ pub async fn unreachable_store_is_503<DB: TestDb>() {
     assert_eq!(answer.header("retry-after"), Some("1"));
     assert_eq!(answer.problem_code(), "idempotency_store_unavailable");
 }
+
+/// A client that gives up mid-handler: the dropped request rolls back and
+/// its connection never returns to the pool inside the transaction.
+pub async fn cancelled_requests_roll_back<DB: TestDb>() {
+    let server = start::<DB>().await;
+    let caller = unique("cancel");
+    let client = server.client(&caller);
+    let hold = server.state.holds.get(&caller);
+    let request = client
+        .post("/effects", "k", BODY)
+        .header("x-test-mode", format!("hold:{caller}"));
+    let abandoned = tokio::spawn(request.send());
+    hold.entered.notified().await;
+    abandoned.abort();
+    tokio::time::timeout(std::time::Duration::from_secs(10), hold.dropped.notified())
+        .await
+        .expect("the server drops the handler of a closed connection");
+    assert_eq!(server.effects(&caller).await, 0);
+    let retry = send(client.post("/effects/wait", "k", BODY)).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
+    assert!(!retry.replayed());
+    // Every pooled connection is usable and outside any transaction: many
+    // requests in a row each commit exactly their own effect.
+    for i in 0..20 {
+        let answer = send(client.post("/effects", &format!("after-{i}"), BODY)).await;
+        assert_eq!(answer.status, StatusCode::CREATED);
+    }
+    assert_eq!(server.effects(&caller).await, 21);
+}

@@ -14,8 +14,14 @@ use crate::Error;
 use crate::fingerprint::Fingerprint;
 use crate::response::StoredResponse;
 
+#[cfg(feature = "mysql")]
+mod mysql;
 #[cfg(feature = "postgres")]
 mod postgres;
+#[cfg(feature = "sqlite")]
+mod single_flight;
+#[cfg(feature = "sqlite")]
+mod sqlite;
 
 /// One claim of `(scope, key)`: what a backend needs to insert the row.
 #[derive(Debug, Clone, Copy)]
@@ -37,7 +43,7 @@ pub struct Claim<'a> {
 pub enum ClaimOutcome<DB: Database> {
     /// The key is ours: the connection holds an open transaction in which
     /// the claim row is the first write.
-    Claimed(PoolConnection<DB>),
+    Claimed(OpenTx<DB>),
     /// A previous attempt finished; its transaction is already closed.
     Finished {
         /// The fingerprint that attempt was made with.
@@ -56,7 +62,8 @@ mod sealed {
 /// A database engine `idem` can keep keys in.
 ///
 /// Implemented for the sqlx database types of the enabled features
-/// (`sqlx::Postgres` with `postgres`); sealed, because every engine must keep
+/// (`sqlx::Postgres` with `postgres`, `sqlx::Sqlite` with `sqlite`,
+/// `sqlx::MySql` with `mysql`); sealed, because every engine must keep
 /// the atomic contract, which the conformance suite checks.
 pub trait Backend: Database + sealed::Sealed {
     /// Creates the key table and its expiry index if they do not exist.
@@ -75,7 +82,7 @@ pub trait Backend: Database + sealed::Sealed {
     #[doc(hidden)]
     fn begin(
         pool: &Pool<Self>,
-    ) -> impl Future<Output = Result<PoolConnection<Self>, sqlx::Error>> + Send;
+    ) -> impl Future<Output = Result<OpenTx<Self>, sqlx::Error>> + Send;
 
     /// Stores the response on the claimed row and commits, in as few round
     /// trips as the engine allows. `None` commits without storing.
@@ -102,13 +109,71 @@ pub trait Backend: Database + sealed::Sealed {
     ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
 }
 
+/// A pooled connection that may be inside a transaction.
+///
+/// Dropped anywhere but through [`OpenTx::release`] (a cancelled request, a
+/// panic, a failed rollback), it closes the connection instead of returning
+/// it to the pool, so the server rolls the transaction back and no later
+/// checkout can ever run inside it. sqlx only pings a returned connection,
+/// which would not notice an open transaction.
+pub struct OpenTx<DB: Database>(Option<PoolConnection<DB>>, Option<Box<dyn Send + Sync>>);
+
+impl<DB: Database> OpenTx<DB> {
+    /// Guards a connection about to begin a transaction.
+    pub fn new(conn: PoolConnection<DB>) -> Self {
+        Self(Some(conn), None)
+    }
+
+    /// Keeps `guard` alive exactly as long as the transaction: it is dropped
+    /// after the connection is released or closed. An engine's in-process
+    /// bookkeeping of a claim (SQLite's in-flight keys) rides here.
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+    pub(crate) fn hold(mut self, guard: impl Send + Sync + 'static) -> Self {
+        self.1 = Some(Box::new(guard));
+        self
+    }
+
+    /// Returns the connection to the pool: call only once its transaction
+    /// has ended (committed or rolled back).
+    pub fn release(mut self) {
+        drop(self.0.take());
+    }
+}
+
+impl<DB: Database> std::ops::Deref for OpenTx<DB> {
+    type Target = PoolConnection<DB>;
+
+    fn deref(&self) -> &Self::Target {
+        self.0.as_ref().expect("OpenTx used after release")
+    }
+}
+
+impl<DB: Database> std::ops::DerefMut for OpenTx<DB> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        self.0.as_mut().expect("OpenTx used after release")
+    }
+}
+
+impl<DB: Database> Drop for OpenTx<DB> {
+    fn drop(&mut self) {
+        if let Some(mut conn) = self.0.take() {
+            conn.close_on_drop();
+        }
+    }
+}
+
+impl<DB: Database> std::fmt::Debug for OpenTx<DB> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OpenTx").finish_non_exhaustive()
+    }
+}
+
 /// Ends a transaction that will not commit. A connection whose rollback
-/// fails is closed instead of going back to the pool, so no later checkout
-/// can ever run inside a half-finished transaction.
-pub(crate) async fn abandon<DB: Backend>(mut conn: PoolConnection<DB>) {
-    if let Err(error) = DB::rollback(&mut conn).await {
-        tracing::warn!(%error, "rollback failed; closing the connection");
-        conn.close_on_drop();
+/// fails is closed instead of going back to the pool.
+pub(crate) async fn abandon<DB: Backend>(mut conn: OpenTx<DB>) {
+    match DB::rollback(&mut conn).await {
+        Ok(()) => conn.release(),
+        Err(error) => tracing::warn!(%error, "rollback failed; closing the connection"),
     }
 }
 

@@ -11,7 +11,7 @@ use sqlx::pool::PoolConnection;
 use sqlx::postgres::PgRow;
 use sqlx::{AssertSqlSafe, Pool, Postgres, Row};
 
-use super::{Backend, Claim, ClaimOutcome, hex};
+use super::{Backend, Claim, ClaimOutcome, OpenTx, hex};
 use crate::Error;
 use crate::fingerprint::Fingerprint;
 use crate::response::StoredResponse;
@@ -70,7 +70,7 @@ impl Backend for Postgres {
         table: &str,
         claim: &Claim<'_>,
     ) -> Result<ClaimOutcome<Self>, sqlx::Error> {
-        let mut conn = pool.acquire().await?;
+        let mut conn = OpenTx::new(pool.acquire().await?);
         let row = ClaimRow::new(table, claim);
         let first = format!(
             "BEGIN; SET LOCAL lock_timeout = '{}ms'; {} {}",
@@ -99,9 +99,9 @@ impl Backend for Postgres {
         }
     }
 
-    async fn begin(pool: &Pool<Self>) -> Result<PoolConnection<Self>, sqlx::Error> {
-        let mut conn = pool.acquire().await?;
-        sqlx::raw_sql("BEGIN").execute(&mut *conn).await?;
+    async fn begin(pool: &Pool<Self>) -> Result<OpenTx<Self>, sqlx::Error> {
+        let mut conn = OpenTx::new(pool.acquire().await?);
+        sqlx::raw_sql("BEGIN").execute(&mut **conn).await?;
         Ok(conn)
     }
 

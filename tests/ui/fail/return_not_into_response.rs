@@ -1,16 +1,21 @@
+#[path = "../support.rs"]
+mod support;
+
 use axum::Router;
 use axum::routing::post;
-use idem::{Idem, Tx, idempotent};
+use idem::{Tx, idempotent};
 use sqlx::Postgres;
+use support::{Account, AppState};
 
+/// Serializable, but not a response.
 struct Receipt;
 
 #[idempotent(scope = "account")]
-async fn create(account: String, _tx: Tx<Postgres>) -> Receipt {
-    let _ = account;
-    Receipt
+async fn create(account: Account, mut tx: Tx<Postgres>) -> Result<Receipt, String> {
+    let _ = (account, &mut tx);
+    Ok(Receipt)
 }
 
 fn main() {
-    let _: Router<Idem<Postgres>> = Router::new().route("/", post(create));
+    let _: Router<AppState> = Router::new().route("/", post(create));
 }

@@ -1,9 +1,12 @@
-use std::borrow::Cow;
+#[path = "../support.rs"]
+mod support;
 
 use axum::Router;
 use axum::routing::post;
-use idem::{Idem, Scope, Tx, idempotent};
+use idem::{Scope, Tx, idempotent};
 use sqlx::Postgres;
+use support::AppState;
+use std::borrow::Cow;
 
 /// Implements `Scope`, but axum cannot extract it from a request.
 struct AccountId(String);
@@ -15,11 +18,11 @@ impl Scope for AccountId {
 }
 
 #[idempotent(scope = "account")]
-async fn create(account: AccountId, _tx: Tx<Postgres>) -> &'static str {
-    let _ = account;
+async fn create(account: AccountId, mut tx: Tx<Postgres>) -> &'static str {
+    let _ = (account, &mut tx);
     "created"
 }
 
 fn main() {
-    let _: Router<Idem<Postgres>> = Router::new().route("/", post(create));
+    let _: Router<AppState> = Router::new().route("/", post(create));
 }

@@ -1,15 +1,19 @@
+#[path = "../support.rs"]
+mod support;
+
 use axum::Router;
-use axum::http::HeaderMap;
 use axum::routing::post;
-use idem::{Idem, Tx, idempotent};
+use idem::{Tx, idempotent};
 use sqlx::Postgres;
+use support::AppState;
+use axum::http::HeaderMap;
 
 #[idempotent(scope = "headers")]
-async fn create(headers: HeaderMap, _tx: Tx<Postgres>) -> &'static str {
-    let _ = headers;
+async fn create(headers: HeaderMap, mut tx: Tx<Postgres>) -> &'static str {
+    let _ = (headers, &mut tx);
     "created"
 }
 
 fn main() {
-    let _: Router<Idem<Postgres>> = Router::new().route("/", post(create));
+    let _: Router<AppState> = Router::new().route("/", post(create));
 }

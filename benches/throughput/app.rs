@@ -1,0 +1,372 @@
+//! The service under load: one charge handler written three ways (plain
+//! transaction, `#[idempotent]`, the hand-written two-phase recipe), with
+//! the same SQL, run in a child process so its memory can be measured alone.
+
+use std::io::BufRead;
+use std::net::SocketAddr;
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::{FromRef, FromRequestParts, Path, State};
+use axum::http::{HeaderMap, Method, StatusCode, Uri, header, request::Parts};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use idem::{Fingerprint, Idem, Scope, Tx, idempotent};
+use serde::{Deserialize, Serialize};
+use sqlx::postgres::PgPoolOptions;
+use sqlx::{Connection, PgConnection, PgPool, Postgres};
+
+/// The idempotency table of the benchmark (not the default one, which tests
+/// and examples share).
+pub const KEYS_TABLE: &str = "idem_bench_keys";
+
+/// Client accounts with a balance row each: client `i` is `c{i}`, so the
+/// 3-statement handler's `UPDATE` never waits on another client's row.
+pub const ACCOUNTS: usize = 256;
+
+/// Environment of the child server.
+pub const ROLE: &str = "IDEM_BENCH_ROLE";
+const SERVER_THREADS: &str = "IDEM_BENCH_SERVER_THREADS";
+const POOL: &str = "IDEM_BENCH_POOL";
+
+/// What a server process is started with.
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    pub database_url: String,
+    pub pool: u32,
+    pub threads: usize,
+}
+
+impl ServerConfig {
+    pub fn from_env(database_url: String) -> Self {
+        let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
+        Self {
+            database_url,
+            pool: env_number(POOL, 16),
+            threads: env_number(SERVER_THREADS, threads),
+        }
+    }
+
+    pub fn to_env(&self) -> Vec<(&'static str, String)> {
+        vec![
+            (ROLE, "server".to_owned()),
+            ("IDEM_BENCH_DATABASE_URL", self.database_url.clone()),
+            (POOL, self.pool.to_string()),
+            (SERVER_THREADS, self.threads.to_string()),
+        ]
+    }
+}
+
+pub fn env_number<T: std::str::FromStr>(name: &str, default: T) -> T {
+    match std::env::var(name) {
+        Ok(value) => value
+            .parse()
+            .unwrap_or_else(|_| panic!("{name}={value} is not a number")),
+        Err(_) => default,
+    }
+}
+
+/// Creates the tables (and empties them: every run starts alike).
+pub async fn setup(pool: &PgPool) -> Result<(), Box<dyn std::error::Error>> {
+    Idem::new(pool.clone()).table(KEYS_TABLE)?.migrate().await?;
+    sqlx::raw_sql(
+        "CREATE TABLE IF NOT EXISTS bench_charges (
+            id bigserial PRIMARY KEY, account text NOT NULL, amount bigint NOT NULL,
+            currency text NOT NULL, created_at timestamptz NOT NULL DEFAULT now());
+         CREATE TABLE IF NOT EXISTS bench_accounts (
+            account text PRIMARY KEY, balance bigint NOT NULL DEFAULT 0,
+            charges bigint NOT NULL DEFAULT 0);
+         CREATE TABLE IF NOT EXISTS bench_ledger (
+            id bigserial PRIMARY KEY, charge_id bigint NOT NULL, account text NOT NULL,
+            amount bigint NOT NULL);
+         CREATE TABLE IF NOT EXISTS bench_two_phase_keys (
+            scope text NOT NULL, key text NOT NULL, fingerprint bytea NOT NULL,
+            status smallint, body bytea, expires_at timestamptz NOT NULL,
+            PRIMARY KEY (scope, key));
+         TRUNCATE bench_charges, bench_accounts, bench_ledger, bench_two_phase_keys, idem_bench_keys;
+         INSERT INTO bench_accounts (account) SELECT 'c' || i FROM generate_series(0, 255) i;
+         VACUUM ANALYZE bench_accounts;",
+    )
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// The child process: serve until the parent closes our stdin or kills us.
+pub fn serve_child() {
+    let url = std::env::var("IDEM_BENCH_DATABASE_URL").expect("started by the benchmark");
+    let config = ServerConfig::from_env(url);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(config.threads)
+        .enable_all()
+        .build()
+        .expect("server runtime");
+    runtime.block_on(async {
+        let pool = connect(&config.database_url, config.pool).await;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        println!("LISTENING {}", listener.local_addr().unwrap());
+        let server = tokio::spawn(async move {
+            axum::serve(listener, router(pool)).await.unwrap();
+        });
+        // The parent holds our stdin: its end (or death) ends us.
+        tokio::task::spawn_blocking(|| for _ in std::io::stdin().lock().lines() {})
+            .await
+            .ok();
+        server.abort();
+    });
+}
+
+pub async fn connect(url: &str, size: u32) -> PgPool {
+    PgPoolOptions::new()
+        .max_connections(size)
+        .min_connections(size)
+        .connect(url)
+        .await
+        .unwrap_or_else(|error| panic!("PostgreSQL is required at {url}: {error}"))
+}
+
+/// The routes, `{statements}` being 1 or 3.
+pub fn router(pool: PgPool) -> axum::Router {
+    let idem = Idem::new(pool.clone())
+        .table(KEYS_TABLE)
+        .expect("table name");
+    axum::Router::new()
+        .route("/{statements}/baseline", post(baseline))
+        .route("/{statements}/idempotent", post(idempotent))
+        .route("/{statements}/two_phase", post(two_phase))
+        .with_state(AppState { idem, pool })
+}
+
+/// A server listening on loopback in this process (for counting round
+/// trips through the proxy).
+pub async fn serve_here(pool: PgPool) -> (SocketAddr, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let app = router(pool);
+    let task = tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    (addr, task)
+}
+
+#[derive(Clone, FromRef)]
+struct AppState {
+    idem: Idem<Postgres>,
+    pool: PgPool,
+}
+
+/// The caller, from `x-account`.
+struct Account(String);
+
+impl Scope for Account {
+    fn scope(&self) -> std::borrow::Cow<'_, str> {
+        self.0.as_str().into()
+    }
+}
+
+impl<S: Send + Sync> FromRequestParts<S> for Account {
+    type Rejection = StatusCode;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, StatusCode> {
+        let account = parts
+            .headers
+            .get("x-account")
+            .ok_or(StatusCode::UNAUTHORIZED)?;
+        let account = account.to_str().map_err(|_| StatusCode::UNAUTHORIZED)?;
+        Ok(Account(account.to_owned()))
+    }
+}
+
+#[derive(Deserialize)]
+struct NewCharge {
+    amount: i64,
+    currency: String,
+}
+
+#[derive(Serialize)]
+struct Charge {
+    id: i64,
+    account: String,
+    amount: i64,
+    currency: String,
+}
+
+struct ApiError(sqlx::Error);
+
+impl From<sqlx::Error> for ApiError {
+    fn from(error: sqlx::Error) -> Self {
+        Self(error)
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (StatusCode::INTERNAL_SERVER_ERROR, self.0.to_string()).into_response()
+    }
+}
+
+/// The handler's SQL, identical in every variant: the charge; with 3
+/// statements also the account's balance and a ledger line.
+async fn work(
+    conn: &mut PgConnection,
+    account: &str,
+    new: &NewCharge,
+    statements: u32,
+) -> Result<Charge, sqlx::Error> {
+    let id: i64 = sqlx::query_scalar(
+        "INSERT INTO bench_charges (account, amount, currency) VALUES ($1, $2, $3) RETURNING id",
+    )
+    .bind(account)
+    .bind(new.amount)
+    .bind(&new.currency)
+    .fetch_one(&mut *conn)
+    .await?;
+    if statements >= 3 {
+        sqlx::query(
+            "UPDATE bench_accounts SET balance = balance + $2, charges = charges + 1 WHERE account = $1",
+        )
+        .bind(account)
+        .bind(new.amount)
+        .execute(&mut *conn)
+        .await?;
+        sqlx::query("INSERT INTO bench_ledger (charge_id, account, amount) VALUES ($1, $2, $3)")
+            .bind(id)
+            .bind(account)
+            .bind(new.amount)
+            .execute(&mut *conn)
+            .await?;
+    }
+    Ok(Charge {
+        id,
+        account: account.to_owned(),
+        amount: new.amount,
+        currency: new.currency.clone(),
+    })
+}
+
+fn created(charge: Charge) -> Response {
+    let location = format!("/charges/{}", charge.id);
+    (
+        StatusCode::CREATED,
+        [(header::LOCATION, location)],
+        Json(charge),
+    )
+        .into_response()
+}
+
+/// baseline: the handler as it would be written without idempotency.
+async fn baseline(
+    account: Account,
+    Path(statements): Path<u32>,
+    State(pool): State<PgPool>,
+    Json(new): Json<NewCharge>,
+) -> Result<Response, ApiError> {
+    let mut tx = pool.begin().await?;
+    let charge = work(&mut tx, &account.0, &new, statements).await?;
+    tx.commit().await?;
+    Ok(created(charge))
+}
+
+/// idempotent (and replay): the same handler with the attribute.
+#[idempotent(scope = "account")]
+async fn idempotent(
+    account: Account,
+    Path(statements): Path<u32>,
+    mut tx: Tx<Postgres>,
+    Json(new): Json<NewCharge>,
+) -> Result<Response, ApiError> {
+    Ok(created(work(&mut tx, &account.0, &new, statements).await?))
+}
+
+/// two_phase: the recipe blog posts publish. Claim the key in its own
+/// transaction and commit it (here an autocommitted `INSERT`, the cheapest
+/// form: one round trip, on the connection phase 2 reuses), then do the
+/// work and record the response in a second transaction.
+async fn two_phase(
+    account: Account,
+    Path(statements): Path<u32>,
+    State(pool): State<PgPool>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let Some(key) = headers
+        .get("idempotency-key")
+        .and_then(|value| value.to_str().ok())
+    else {
+        return Ok((StatusCode::BAD_REQUEST, "Idempotency-Key required").into_response());
+    };
+    let fingerprint = Fingerprint::of(&method, uri.path(), uri.query(), &headers, &body);
+    let Ok(new) = serde_json::from_slice::<NewCharge>(&body) else {
+        return Ok((StatusCode::UNPROCESSABLE_ENTITY, "bad JSON").into_response());
+    };
+    let mut conn = pool.acquire().await?;
+    // Phase 1: the claim, committed on its own.
+    let claimed = sqlx::query(
+        "INSERT INTO bench_two_phase_keys (scope, key, fingerprint, expires_at) \
+         VALUES ($1, $2, $3, now() + interval '24 hours') ON CONFLICT (scope, key) DO NOTHING",
+    )
+    .bind(&account.0)
+    .bind(key)
+    .bind(&fingerprint.as_bytes()[..])
+    .execute(&mut *conn)
+    .await?
+    .rows_affected()
+        == 1;
+    if !claimed {
+        return replay_two_phase(&mut conn, &account.0, key, &fingerprint).await;
+    }
+    // Phase 2: the work and the response, together.
+    let result = async {
+        let mut tx = Connection::begin(&mut *conn).await?;
+        let charge = work(&mut tx, &account.0, &new, statements).await?;
+        let stored = serde_json::to_vec(&charge).expect("serializable");
+        sqlx::query(
+            "UPDATE bench_two_phase_keys SET status = 201, body = $3 WHERE scope = $1 AND key = $2",
+        )
+        .bind(&account.0)
+        .bind(key)
+        .bind(stored)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok::<_, sqlx::Error>(charge)
+    }
+    .await;
+    match result {
+        Ok(charge) => Ok(created(charge)),
+        Err(error) => {
+            // Release the claim so a retry can run.
+            sqlx::query("DELETE FROM bench_two_phase_keys WHERE scope = $1 AND key = $2")
+                .bind(&account.0)
+                .bind(key)
+                .execute(&mut *conn)
+                .await?;
+            Err(error.into())
+        }
+    }
+}
+
+async fn replay_two_phase(
+    conn: &mut PgConnection,
+    scope: &str,
+    key: &str,
+    fingerprint: &Fingerprint,
+) -> Result<Response, ApiError> {
+    let row: Option<(Option<i16>, Vec<u8>, Option<Vec<u8>>)> = sqlx::query_as(
+        "SELECT status, fingerprint, body FROM bench_two_phase_keys WHERE scope = $1 AND key = $2",
+    )
+    .bind(scope)
+    .bind(key)
+    .fetch_optional(conn)
+    .await?;
+    Ok(match row {
+        Some((Some(status), stored, Some(body))) if stored == fingerprint.as_bytes() => (
+            StatusCode::from_u16(status as u16).unwrap_or(StatusCode::OK),
+            [(header::CONTENT_TYPE, "application/json")],
+            body,
+        )
+            .into_response(),
+        Some((Some(_), _, _)) => StatusCode::UNPROCESSABLE_ENTITY.into_response(),
+        _ => StatusCode::CONFLICT.into_response(),
+    })
+}

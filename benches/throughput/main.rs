@@ -1,0 +1,397 @@
+//! Side-by-side throughput of one write handler: without idempotency
+//! (`baseline`), with `#[idempotent]` (`idempotent`, a fresh key per
+//! request), answered from the store (`replay`), and the hand-written
+//! claim-commit-then-work recipe (`two_phase`); 1 and 3 statements, 16 and
+//! 64 concurrent clients, over real HTTP on loopback.
+//!
+//! ```text
+//! cargo bench --bench throughput
+//! ```
+//!
+//! The server runs in a child process (so its memory is its own); the load
+//! generator is in this process. Prints one table and the path of a JSON
+//! file with every figure, last. Environment:
+//!
+//! | variable | default | |
+//! |---|---|---|
+//! | `IDEM_TEST_POSTGRES_URL` | `postgres://postgres@127.0.0.1:5432/test` | the server |
+//! | `IDEM_BENCH_SECS` | 4 | measured seconds per scenario (after 1 s warm-up) |
+//! | `IDEM_BENCH_WARMUP_MS` | 1000 | warm-up per scenario |
+//! | `IDEM_BENCH_ROUNDS` | 1 | runs per scenario, interleaved; the best is kept |
+//! | `IDEM_BENCH_CONCURRENCY` | `16,64` | concurrent clients |
+//! | `IDEM_BENCH_STATEMENTS` | `1,3` | statements per handler |
+//! | `IDEM_BENCH_POOL` | 16 | the server's connection pool (all scenarios) |
+//! | `IDEM_BENCH_SERVER_THREADS` | cores | the server's tokio workers |
+//! | `IDEM_BENCH_JSON` | `<target>/idem-bench/throughput.json` | the JSON file |
+
+mod app;
+mod count;
+mod load;
+mod memory;
+#[path = "../../tests/support/pg_proxy.rs"]
+mod pg_proxy;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::Duration;
+
+use bytes::Bytes;
+use serde_json::{Value, json};
+use tokio::io::{AsyncBufReadExt, BufReader};
+
+use app::{ServerConfig, env_number};
+use load::{Keys, Load, Outcome};
+
+const SCENARIOS: [&str; 4] = ["baseline", "idempotent", "replay", "two_phase"];
+/// Finished keys per client that a replay run cycles through.
+const REPLAY_KEYS: usize = 16;
+
+fn main() {
+    if std::env::var(app::ROLE).as_deref() == Ok("server") {
+        return app::serve_child();
+    }
+    // `cargo test --benches` runs this binary without `--bench`: nothing to test.
+    if !std::env::args().any(|arg| arg == "--bench") {
+        println!("throughput: a benchmark; run it with `cargo bench --bench throughput`");
+        return;
+    }
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("load generator runtime")
+        .block_on(bench());
+}
+
+struct Settings {
+    url: String,
+    secs: u64,
+    warmup: Duration,
+    rounds: usize,
+    concurrency: Vec<usize>,
+    statements: Vec<u32>,
+    server: ServerConfig,
+}
+
+impl Settings {
+    fn from_env() -> Self {
+        let url = std::env::var("IDEM_TEST_POSTGRES_URL")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+        Self {
+            server: ServerConfig::from_env(url.clone()),
+            url,
+            secs: env_number("IDEM_BENCH_SECS", 4),
+            warmup: Duration::from_millis(env_number("IDEM_BENCH_WARMUP_MS", 1000)),
+            rounds: env_number("IDEM_BENCH_ROUNDS", 1usize).max(1),
+            concurrency: env_list("IDEM_BENCH_CONCURRENCY", "16,64"),
+            statements: env_list("IDEM_BENCH_STATEMENTS", "1,3"),
+        }
+    }
+}
+
+fn env_list<T: std::str::FromStr>(name: &str, default: &str) -> Vec<T> {
+    let value = std::env::var(name).unwrap_or_else(|_| default.to_owned());
+    value
+        .split(',')
+        .map(|item| {
+            item.trim()
+                .parse()
+                .unwrap_or_else(|_| panic!("{name}={value}: not a list of numbers"))
+        })
+        .collect()
+}
+
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|load| {
+            load.split_whitespace()
+                .take(3)
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .unwrap_or_default()
+}
+
+async fn bench() {
+    let settings = Settings::from_env();
+    let load_before = loadavg();
+    println!(
+        "idem throughput: PostgreSQL at {}, {} s per scenario after {} ms warm-up, best of {}, \
+         server pool {} connections, {} server threads; load average {load_before}",
+        settings.url,
+        settings.secs,
+        settings.warmup.as_millis(),
+        settings.rounds,
+        settings.server.pool,
+        settings.server.threads,
+    );
+    let admin = app::connect(&settings.url, 2).await;
+    app::setup(&admin)
+        .await
+        .expect("create the benchmark tables");
+    admin.close().await;
+
+    let trips = count::count(&settings.url, &settings.statements).await;
+    for t in &trips {
+        println!(
+            "round trips per request ({} statement(s), pool pings included): baseline {}, \
+             idempotent {}, replay {}, two_phase {} => extra_round_trips = {}",
+            t.statements_per_handler,
+            t.baseline,
+            t.idempotent,
+            t.replay,
+            t.two_phase,
+            t.extra_round_trips
+        );
+    }
+
+    let server = ServerProcess::start(&settings.server).await;
+    let mut runs = Vec::new();
+    println!(
+        "\n{:<9} {:>5} {:>7}  {:<10} {:>9} {:>8} {:>8} {:>11}",
+        "engine", "stmts", "clients", "scenario", "req/s", "p50 ms", "p99 ms", "vs baseline"
+    );
+    for &statements in &settings.statements {
+        for &concurrency in &settings.concurrency {
+            let results = group(&settings, &server, statements, concurrency).await;
+            let extra = trips
+                .iter()
+                .find(|t| t.statements_per_handler == statements)
+                .map(|t| t.extra_round_trips);
+            runs.push(run_json(
+                "postgres",
+                statements,
+                concurrency,
+                &results,
+                extra,
+            ));
+        }
+    }
+    drop(server);
+
+    let mut memory = Vec::new();
+    for route in ["baseline", "idempotent"] {
+        memory.push(memory::measure(&settings.server, route).await);
+    }
+    println!();
+    for m in &memory {
+        println!(
+            "memory, {} clients x {} KiB bodies ({:.0} MiB in flight) on {:<10}: RSS {:.1} MiB \
+             before, peak {:.1} MiB (+{:.1} MiB)",
+            m.concurrency,
+            m.body_bytes / 1024,
+            m.bodies_in_flight_mib,
+            m.route,
+            m.rss_before_mib,
+            m.peak_rss_mib,
+            m.peak_growth_mib
+        );
+    }
+    println!("sqlite: skipped (this build has no SQLite backend in idem)");
+
+    println!();
+    targets(&runs, &trips);
+    let load_after = loadavg();
+    println!("load average before {load_before}, after {load_after}");
+
+    let report = json!({
+        "command": "cargo bench --bench throughput",
+        "engine": "postgres",
+        "extra_round_trips": trips.iter().map(|t| t.extra_round_trips).max(),
+        "round_trips": trips,
+        "runs": runs,
+        "memory": memory,
+        "skipped": ["sqlite: this build has no SQLite backend in idem"],
+        "settings": {
+            "secs": settings.secs,
+            "warmup_ms": settings.warmup.as_millis() as u64,
+            "rounds": settings.rounds,
+            "pool": settings.server.pool,
+            "server_threads": settings.server.threads,
+            "cores": std::thread::available_parallelism().map_or(0, |n| n.get()),
+        },
+        "load_average_before": load_before,
+        "load_average_after": load_after,
+    });
+    let path = json_path();
+    std::fs::create_dir_all(path.parent().expect("a directory"))
+        .expect("create the JSON directory");
+    std::fs::write(&path, serde_json::to_string_pretty(&report).unwrap()).expect("write the JSON");
+    println!("{}", path.display());
+}
+
+/// The four scenarios at one shape, interleaved `rounds` times, best kept.
+async fn group(
+    settings: &Settings,
+    server: &ServerProcess,
+    statements: u32,
+    concurrency: usize,
+) -> Vec<Outcome> {
+    let mut best: Vec<Outcome> = vec![Outcome::default(); SCENARIOS.len()];
+    for round in 0..settings.rounds {
+        for (i, scenario) in SCENARIOS.iter().enumerate() {
+            let route = if *scenario == "replay" {
+                "idempotent"
+            } else {
+                scenario
+            };
+            let load = Load {
+                addr: server.addr,
+                path: format!("/{statements}/{route}"),
+                concurrency,
+                warmup: settings.warmup,
+                measure: Duration::from_secs(settings.secs),
+                keys: if *scenario == "replay" {
+                    Keys::Replay(REPLAY_KEYS)
+                } else {
+                    Keys::Fresh
+                },
+                prefix: format!("{scenario}-{statements}-{concurrency}-{round}"),
+                body: Bytes::from_static(load::CHARGE.as_bytes()),
+            };
+            if *scenario == "replay" {
+                load::prepare(&load, REPLAY_KEYS).await;
+            }
+            let outcome = load::run(&load).await;
+            if outcome.errors > 0 {
+                eprintln!(
+                    "{scenario}: {} errors, first: {}",
+                    outcome.errors,
+                    outcome.first_error.as_deref().unwrap_or("?")
+                );
+            }
+            if outcome.rps > best[i].rps {
+                best[i] = outcome;
+            }
+        }
+    }
+    for (scenario, outcome) in SCENARIOS.iter().zip(&best) {
+        println!(
+            "{:<9} {:>5} {:>7}  {:<10} {:>9.0} {:>8.2} {:>8.2} {:>11.2}",
+            "postgres",
+            statements,
+            concurrency,
+            scenario,
+            outcome.rps,
+            outcome.p50_ms,
+            outcome.p99_ms,
+            outcome.rps / best[0].rps
+        );
+    }
+    best
+}
+
+fn run_json(
+    engine: &str,
+    statements: u32,
+    concurrency: usize,
+    results: &[Outcome],
+    extra_round_trips: Option<i64>,
+) -> Value {
+    let mut run = json!({
+        "engine": engine,
+        "statements_per_handler": statements,
+        "concurrency": concurrency,
+        "extra_round_trips": extra_round_trips,
+    });
+    let fields = run.as_object_mut().unwrap();
+    for (scenario, outcome) in SCENARIOS.iter().zip(results) {
+        fields.insert(format!("{scenario}_rps"), round2(outcome.rps));
+        fields.insert(format!("{scenario}_p50_ms"), round2(outcome.p50_ms));
+        fields.insert(format!("{scenario}_p99_ms"), round2(outcome.p99_ms));
+        fields.insert(format!("{scenario}_requests"), json!(outcome.requests));
+        fields.insert(format!("{scenario}_errors"), json!(outcome.errors));
+    }
+    let ratio = |a: usize, b: usize| round2(results[a].rps / results[b].rps);
+    fields.insert("ratio_idempotent_to_baseline".into(), ratio(1, 0));
+    fields.insert("ratio_replay_to_baseline".into(), ratio(2, 0));
+    fields.insert("ratio_two_phase_to_baseline".into(), ratio(3, 0));
+    fields.insert("ratio_idempotent_to_two_phase".into(), ratio(1, 3));
+    run
+}
+
+fn round2(x: f64) -> Value {
+    json!((x * 100.0).round() / 100.0)
+}
+
+/// The issue's targets, checked on the PostgreSQL runs at 16 clients.
+fn targets(runs: &[Value], trips: &[count::RoundTrips]) {
+    let verdict = |ok: bool| if ok { "met" } else { "MISSED" };
+    let extra = trips
+        .iter()
+        .map(|t| t.extra_round_trips)
+        .max()
+        .unwrap_or(i64::MAX);
+    println!(
+        "target extra_round_trips <= 1 (goal 0): {extra} -> {}",
+        verdict(extra <= 1)
+    );
+    for run in runs.iter().filter(|run| run["concurrency"] == 16) {
+        let s = run["statements_per_handler"].as_u64().unwrap_or(0);
+        let get = |field: &str| run[field].as_f64().unwrap_or(f64::NAN);
+        let floor = if s >= 3 { 0.80 } else { 0.65 };
+        let idem = get("ratio_idempotent_to_baseline");
+        let replay = get("ratio_replay_to_baseline");
+        let two = get("ratio_idempotent_to_two_phase");
+        println!(
+            "{s} statement(s), 16 clients: idempotent/baseline {idem:.2} (>= {floor:.2}: {}), \
+             replay/baseline {replay:.2} (>= 2.0: {}), idempotent/two_phase {two:.2} (>= 1.3: {})",
+            verdict(idem >= floor),
+            verdict(replay >= 2.0),
+            verdict(two >= 1.3)
+        );
+    }
+}
+
+fn json_path() -> PathBuf {
+    if let Ok(path) = std::env::var("IDEM_BENCH_JSON") {
+        return path.into();
+    }
+    // <target>/release/deps/throughput-<hash>
+    let exe = std::env::current_exe().expect("this executable");
+    let target = exe.ancestors().nth(3).unwrap_or(std::path::Path::new("."));
+    target.join("idem-bench").join("throughput.json")
+}
+
+/// The server, a child process running this executable; killed when dropped.
+pub struct ServerProcess {
+    pub addr: SocketAddr,
+    child: tokio::process::Child,
+}
+
+impl ServerProcess {
+    pub async fn start(config: &ServerConfig) -> ServerProcess {
+        let mut child = tokio::process::Command::new(std::env::current_exe().unwrap())
+            .envs(config.to_env())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("start the server process");
+        let stdout = child.stdout.take().unwrap();
+        let mut lines = BufReader::new(stdout).lines();
+        let addr = loop {
+            let line = lines
+                .next_line()
+                .await
+                .expect("server output")
+                .expect("the server exited before listening");
+            if let Some(addr) = line.strip_prefix("LISTENING ") {
+                break addr.parse().expect("server address");
+            }
+        };
+        ServerProcess { addr, child }
+    }
+
+    /// A `/proc/<pid>/status` field in KiB (`VmRSS:`, `VmHWM:`).
+    pub fn status_kib(&self, field: &str) -> u64 {
+        let pid = self.child.id().expect("server running");
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("proc status");
+        status
+            .lines()
+            .find_map(|line| line.strip_prefix(field))
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|kib| kib.parse().ok())
+            .unwrap_or(0)
+    }
+}

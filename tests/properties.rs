@@ -1,0 +1,499 @@
+//! Property tests of the pure parts: the fingerprint and its JSON
+//! canonicaliser, the key header parser, the stored-response encoding.
+//!
+//! Each property runs `PROPTEST_CASES` cases (256 unless set), so CI runs a
+//! bounded number; `PROPTEST_CASES=100000 cargo test --test properties`
+//! digs deeper. The fuzz targets in `fuzz/` cover the same ground with
+//! coverage guidance.
+
+use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, header::CONTENT_TYPE};
+use idem::{Fingerprint, KeyError, MAX_KEY_LEN, StoredResponse, canonicalize, decode_headers};
+use idem::{parse_key_value, redact};
+use proptest::prelude::*;
+use proptest::test_runner::Config;
+use serde_json::{Map, Value};
+
+fn config() -> Config {
+    let cases = std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|cases| cases.parse().ok())
+        .unwrap_or(256);
+    Config {
+        cases,
+        // A failure prints its minimal case; nothing is written to the tree.
+        failure_persistence: None,
+        ..Config::default()
+    }
+}
+
+// ---------------------------------------------------------------- JSON
+
+/// Any JSON value: scalars (unicode strings included), nested arrays and
+/// objects, integers kept within 2^53 so that every two different values
+/// are different doubles (RFC 8785 compares numbers as doubles).
+fn json() -> impl Strategy<Value = Value> {
+    let leaf = prop_oneof![
+        Just(Value::Null),
+        any::<bool>().prop_map(Value::Bool),
+        (-(1i64 << 53)..(1i64 << 53)).prop_map(Value::from),
+        (-1.0e300f64..1.0e300).prop_map(Value::from),
+        any::<String>().prop_map(Value::String),
+        "[a-z\"\\\\/\u{0}-\u{1f}\u{e9}\u{1F600}]{0,6}".prop_map(Value::String),
+    ];
+    leaf.prop_recursive(4, 48, 6, |inner| {
+        prop_oneof![
+            prop::collection::vec(inner.clone(), 0..6).prop_map(Value::Array),
+            prop::collection::btree_map("[a-zA-Z0-9_\u{e9}\u{1F600}]{0,5}", inner, 0..6)
+                .prop_map(|map| Value::Object(map.into_iter().collect())),
+        ]
+    })
+}
+
+/// One spelling of `value`: object members in an order drawn from `order`
+/// and whitespace drawn from `spaces` between every two tokens.
+fn spell(value: &Value, order: &mut impl Iterator<Item = u64>, spaces: &[&str]) -> String {
+    let mut out = String::new();
+    let mut pick = |order: &mut dyn Iterator<Item = u64>| {
+        spaces[order.next().unwrap_or(0) as usize % spaces.len()].to_owned()
+    };
+    fn go(
+        value: &Value,
+        out: &mut String,
+        order: &mut dyn Iterator<Item = u64>,
+        ws: &mut dyn FnMut(&mut dyn Iterator<Item = u64>) -> String,
+    ) {
+        out.push_str(&ws(order));
+        match value {
+            Value::Array(items) => {
+                out.push('[');
+                for (i, item) in items.iter().enumerate() {
+                    if i > 0 {
+                        out.push_str(&ws(order));
+                        out.push(',');
+                    }
+                    go(item, out, order, ws);
+                }
+                out.push_str(&ws(order));
+                out.push(']');
+            }
+            Value::Object(members) => {
+                let mut members: Vec<(&String, &Value)> = members.iter().collect();
+                // A Fisher-Yates shuffle driven by the drawn numbers.
+                for i in (1..members.len()).rev() {
+                    let j = order.next().unwrap_or(0) as usize % (i + 1);
+                    members.swap(i, j);
+                }
+                out.push('{');
+                for (i, (name, item)) in members.into_iter().enumerate() {
+                    if i > 0 {
+                        out.push_str(&ws(order));
+                        out.push(',');
+                    }
+                    out.push_str(&ws(order));
+                    out.push_str(&serde_json::to_string(name).unwrap());
+                    out.push_str(&ws(order));
+                    out.push(':');
+                    go(item, out, order, ws);
+                }
+                out.push_str(&ws(order));
+                out.push('}');
+            }
+            scalar => out.push_str(&serde_json::to_string(scalar).unwrap()),
+        }
+        out.push_str(&ws(order));
+    }
+    go(value, &mut out, order, &mut pick);
+    out
+}
+
+const WHITESPACE: &[&str] = &["", " ", "\n", "\t", "\r\n", "  \n\t "];
+
+fn json_headers(content_type: &str) -> HeaderMap {
+    let mut headers = HeaderMap::new();
+    headers.insert(CONTENT_TYPE, HeaderValue::from_str(content_type).unwrap());
+    headers
+}
+
+fn content_type() -> impl Strategy<Value = &'static str> {
+    prop::sample::select(vec![
+        "application/json",
+        "application/json; charset=utf-8",
+        "Application/JSON",
+        "application/merge-patch+json",
+        "application/problem+json ; charset=UTF-8",
+    ])
+}
+
+/// A value that differs from `value` in one place, as RFC 8785 sees it.
+fn mutate(value: &Value, path: &mut impl Iterator<Item = u64>) -> Value {
+    match value {
+        Value::Null => Value::from(0),
+        Value::Bool(b) => Value::Bool(!b),
+        Value::Number(n) => match n.as_i64() {
+            Some(i) if i.unsigned_abs() < (1u64 << 53) => Value::from(i + 1),
+            _ => Value::from(n.as_f64().unwrap() * 2.0 + 1.0),
+        },
+        Value::String(s) => Value::String(format!("{s}x")),
+        Value::Array(items) if items.is_empty() => Value::Array(vec![Value::Null]),
+        Value::Array(items) => {
+            let mut items = items.clone();
+            let at = path.next().unwrap_or(0) as usize % items.len();
+            if path.next().unwrap_or(0) % 4 == 0 {
+                items.remove(at);
+            } else {
+                items[at] = mutate(&items[at], path);
+            }
+            Value::Array(items)
+        }
+        Value::Object(members) if members.is_empty() => {
+            Value::Object(Map::from_iter([("k".to_owned(), Value::Null)]))
+        }
+        Value::Object(members) => {
+            let mut members = members.clone();
+            let name = members
+                .keys()
+                .nth(path.next().unwrap_or(0) as usize % members.len())
+                .unwrap()
+                .clone();
+            match path.next().unwrap_or(0) % 4 {
+                0 => {
+                    members.remove(&name);
+                }
+                1 => {
+                    let item = members.remove(&name).unwrap();
+                    members.insert(format!("{name}~"), item);
+                }
+                _ => {
+                    let item = mutate(&members[&name], path);
+                    members.insert(name, item);
+                }
+            }
+            Value::Object(members)
+        }
+    }
+}
+
+fn method() -> impl Strategy<Value = Method> {
+    prop_oneof![
+        prop::sample::select(vec![
+            Method::POST,
+            Method::PUT,
+            Method::PATCH,
+            Method::DELETE,
+            Method::GET
+        ]),
+        "[A-Z]{1,8}".prop_map(|m| Method::from_bytes(m.as_bytes()).unwrap()),
+    ]
+}
+
+proptest! {
+    #![proptest_config(config())]
+
+    #[test]
+    fn json_spellings_share_one_fingerprint(
+        value in json(),
+        order_a in prop::collection::vec(any::<u64>(), 64),
+        order_b in prop::collection::vec(any::<u64>(), 64),
+        ct_a in content_type(),
+        ct_b in content_type(),
+    ) {
+        let a = spell(&value, &mut order_a.into_iter().cycle(), WHITESPACE);
+        let b = spell(&value, &mut order_b.into_iter().cycle(), WHITESPACE);
+        prop_assert_eq!(canonicalize(a.as_bytes()), canonicalize(b.as_bytes()));
+        prop_assert!(canonicalize(a.as_bytes()).is_some(), "not JSON: {}", a);
+        let fa = Fingerprint::of(&Method::POST, "/v1/x", Some("q=1"), &json_headers(ct_a), a.as_bytes());
+        let fb = Fingerprint::of(&Method::POST, "/v1/x", Some("q=1"), &json_headers(ct_b), b.as_bytes());
+        prop_assert_eq!(fa, fb, "{} vs {}", a, b);
+    }
+
+    #[test]
+    fn a_changed_value_changes_the_fingerprint(
+        value in json(),
+        path in prop::collection::vec(any::<u64>(), 32),
+        order in prop::collection::vec(any::<u64>(), 64),
+    ) {
+        let changed = mutate(&value, &mut path.into_iter().cycle());
+        let a = spell(&value, &mut order.clone().into_iter().cycle(), WHITESPACE);
+        let b = spell(&changed, &mut order.into_iter().cycle(), WHITESPACE);
+        let headers = json_headers("application/json");
+        prop_assert_ne!(
+            Fingerprint::of(&Method::POST, "/p", None, &headers, a.as_bytes()),
+            Fingerprint::of(&Method::POST, "/p", None, &headers, b.as_bytes()),
+            "{} vs {}", a, b
+        );
+    }
+
+    #[test]
+    fn method_path_and_query_each_count(
+        (m1, m2) in (method(), method()).prop_filter("two methods", |(a, b)| a != b),
+        (p1, p2) in (".{0,12}", ".{0,12}").prop_filter("two paths", |(a, b)| a != b),
+        (q1, q2) in (proptest::option::of(".{0,12}"), proptest::option::of(".{0,12}"))
+            .prop_filter("two queries", |(a, b)| a != b),
+        body in prop::collection::vec(any::<u8>(), 0..64),
+        ct in prop_oneof![content_type().prop_map(Some), Just(None)],
+    ) {
+        let headers = ct.map(json_headers).unwrap_or_default();
+        let base = Fingerprint::of(&m1, &p1, q1.as_deref(), &headers, &body);
+        prop_assert_eq!(base, Fingerprint::of(&m1, &p1, q1.as_deref(), &headers, &body));
+        prop_assert_ne!(base, Fingerprint::of(&m2, &p1, q1.as_deref(), &headers, &body));
+        prop_assert_ne!(base, Fingerprint::of(&m1, &p2, q1.as_deref(), &headers, &body));
+        prop_assert_ne!(base, Fingerprint::of(&m1, &p1, q2.as_deref(), &headers, &body));
+        // Bytes moved between the path and the query are another request.
+        if let Some(q) = &q1 {
+            let moved_path = format!("{p1}?{q}");
+            prop_assert_ne!(base, Fingerprint::of(&m1, &moved_path, None, &headers, &body));
+        }
+    }
+
+    #[test]
+    fn a_changed_raw_body_changes_the_fingerprint(
+        body in prop::collection::vec(any::<u8>(), 0..64),
+        flip in any::<prop::sample::Index>(),
+        bit in 0u8..8,
+    ) {
+        let text = json_headers("text/plain");
+        let base = Fingerprint::of(&Method::POST, "/p", None, &text, &body);
+        let mut other = body.clone();
+        if other.is_empty() {
+            other.push(0);
+        } else {
+            let at = flip.index(other.len());
+            other[at] ^= 1 << bit;
+        }
+        prop_assert_ne!(base, Fingerprint::of(&Method::POST, "/p", None, &text, &other));
+    }
+
+    #[test]
+    fn canonical_form_is_stable(value in json(), order in prop::collection::vec(any::<u64>(), 64)) {
+        let text = spell(&value, &mut order.into_iter().cycle(), WHITESPACE);
+        let once = canonicalize(text.as_bytes()).expect("valid JSON canonicalises");
+        let twice = canonicalize(&once).expect("canonical JSON is JSON");
+        prop_assert_eq!(&once, &twice);
+        // And it still means the same thing.
+        let back: Value = serde_json::from_slice(&once).unwrap();
+        prop_assert_eq!(canonicalize(serde_json::to_string(&back).unwrap().as_bytes()), Some(once));
+    }
+
+    #[test]
+    fn canonicaliser_never_panics_and_is_stable_on_any_bytes(
+        bytes in prop_oneof![
+            prop::collection::vec(any::<u8>(), 0..128),
+            "[\\[\\]{}:,\" 0-9.eE+\\-tfnrulase\\\\u]{0,48}".prop_map(String::into_bytes),
+        ]
+    ) {
+        if let Some(once) = canonicalize(&bytes) {
+            prop_assert_eq!(canonicalize(&once), Some(once.clone()));
+        }
+    }
+}
+
+// ---------------------------------------------------------------- keys
+
+/// The key language of the design, written independently of the parser:
+/// after trimming ASCII whitespace, either an RFC 8941 sf-string
+/// (`"`, then printable ASCII with `\"` and `\\` as the only escapes, then
+/// `"` ending the value) or the bytes as they are; the resulting key must
+/// be 1 to 255 visible ASCII characters (`!` to `~`).
+fn key_model(raw: &[u8]) -> Option<String> {
+    let trimmed: &[u8] = {
+        let start = raw.iter().position(|b| !b.is_ascii_whitespace());
+        let end = raw.iter().rposition(|b| !b.is_ascii_whitespace());
+        match (start, end) {
+            (Some(s), Some(e)) => &raw[s..=e],
+            _ => &[],
+        }
+    };
+    let key: Vec<u8> = if trimmed.first() == Some(&b'"') {
+        // The closing quote is the first unescaped quote after the opening
+        // one, and it must be the last byte.
+        let inner = trimmed.get(1..trimmed.len().checked_sub(1)?)?;
+        if trimmed.len() < 2 || trimmed.last() != Some(&b'"') {
+            return None;
+        }
+        let mut out = Vec::new();
+        let mut escaped = false;
+        for &b in inner {
+            if escaped {
+                if b != b'"' && b != b'\\' {
+                    return None;
+                }
+                out.push(b);
+                escaped = false;
+            } else if b == b'\\' {
+                escaped = true;
+            } else if b == b'"' || !(0x20..=0x7e).contains(&b) {
+                return None;
+            } else {
+                out.push(b);
+            }
+        }
+        if escaped {
+            return None;
+        }
+        out
+    } else {
+        trimmed.to_vec()
+    };
+    let valid =
+        (1..=MAX_KEY_LEN).contains(&key.len()) && key.iter().all(|b| (0x21..=0x7e).contains(b));
+    valid.then(|| String::from_utf8(key).unwrap())
+}
+
+/// Bytes that exercise every branch of the grammar.
+fn key_bytes() -> impl Strategy<Value = Vec<u8>> {
+    let interesting = prop_oneof![
+        4 => 0x21u8..=0x7e,
+        1 => Just(b'"'),
+        1 => Just(b'\\'),
+        1 => Just(b' '),
+        1 => Just(b'\t'),
+        1 => Just(0u8),
+        1 => Just(0x7f),
+        1 => 0x80u8..=0xff,
+    ];
+    prop_oneof![
+        prop::collection::vec(interesting.clone(), 0..12),
+        prop::collection::vec(interesting, 250..262),
+        prop::collection::vec(any::<u8>(), 0..300),
+    ]
+}
+
+/// Any valid key: 1 to 255 visible ASCII characters.
+fn valid_key() -> impl Strategy<Value = String> {
+    prop_oneof![
+        "[!-~]{1,16}",
+        "[!-~]{250,255}",
+        prop::collection::vec(
+            prop::sample::select(vec![b'"', b'\\', b'a', b'-', b':']),
+            1..8
+        )
+        .prop_map(|b| String::from_utf8(b).unwrap()),
+    ]
+}
+
+fn quote(key: &str) -> String {
+    let mut out = String::from("\"");
+    for c in key.chars() {
+        if c == '"' || c == '\\' {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out.push('"');
+    out
+}
+
+proptest! {
+    #![proptest_config(config())]
+
+    #[test]
+    fn key_parser_accepts_exactly_the_documented_language(raw in key_bytes()) {
+        let parsed = parse_key_value(&raw);
+        prop_assert_eq!(parsed.clone().ok(), key_model(&raw), "{:?} -> {:?}", String::from_utf8_lossy(&raw), parsed);
+        if let Ok(key) = parsed {
+            // What is accepted is a valid key in both spellings.
+            prop_assert_eq!(parse_key_value(quote(&key).as_bytes()), Ok(key.clone()));
+            if !key.starts_with('"') {
+                prop_assert_eq!(parse_key_value(key.as_bytes()), Ok(key));
+            }
+        }
+    }
+
+    #[test]
+    fn every_valid_key_parses_in_both_spellings(key in valid_key(), pad in "[ \t]{0,3}") {
+        if !key.starts_with('"') {
+            prop_assert_eq!(parse_key_value(format!("{pad}{key}{pad}").as_bytes()), Ok(key.clone()));
+        }
+        prop_assert_eq!(parse_key_value(format!("{pad}{}{pad}", quote(&key)).as_bytes()), Ok(key));
+    }
+
+    #[test]
+    fn keys_over_255_characters_are_too_long(key in "[!-~]{256,300}") {
+        prop_assume!(!key.starts_with('"'));
+        prop_assert_eq!(parse_key_value(key.as_bytes()), Err(KeyError::TooLong));
+        prop_assert_eq!(parse_key_value(quote(&key).as_bytes()), Err(KeyError::TooLong));
+    }
+
+    #[test]
+    fn redaction_never_shows_its_input(parts in prop::collection::vec("[a-z0-9:/]{4,20}", 1..3)) {
+        let parts: Vec<&str> = parts.iter().map(String::as_str).collect();
+        let tag = redact(&parts);
+        prop_assert_eq!(tag.len(), 16);
+        prop_assert!(tag.bytes().all(|b| b.is_ascii_hexdigit()));
+        for part in parts {
+            prop_assert!(!tag.contains(part));
+        }
+    }
+}
+
+// ---------------------------------------------------------------- stored responses
+
+fn header_name() -> impl Strategy<Value = HeaderName> {
+    prop_oneof![
+        prop::sample::select(idem::DEFAULT_REPLAY_HEADERS.to_vec()),
+        "[a-z][a-z0-9!#$%&'*+.^_`|~-]{0,30}"
+            .prop_map(|n| HeaderName::from_bytes(n.as_bytes()).unwrap()),
+    ]
+}
+
+/// Every byte `HeaderValue` accepts: visible ASCII, space, tab, obs-text.
+fn header_value() -> impl Strategy<Value = HeaderValue> {
+    let byte = prop_oneof![0x20u8..=0x7e, Just(b'\t'), 0x80u8..=0xff];
+    prop::collection::vec(byte, 0..40).prop_map(|v| HeaderValue::from_bytes(&v).unwrap())
+}
+
+fn stored_response() -> impl Strategy<Value = StoredResponse> {
+    (
+        100u16..=999,
+        prop::collection::vec((header_name(), header_value()), 0..8),
+        prop::collection::vec(any::<u8>(), 0..256),
+    )
+        .prop_map(|(status, headers, body)| StoredResponse {
+            status: StatusCode::from_u16(status).unwrap(),
+            headers,
+            body: body.into(),
+        })
+}
+
+proptest! {
+    #![proptest_config(config())]
+
+    #[test]
+    fn stored_responses_round_trip(response in stored_response()) {
+        let encoded = response.encode_headers();
+        prop_assert_eq!(decode_headers(&encoded), Some(response.headers.clone()));
+        let decoded = StoredResponse::decode(
+            response.status.as_u16().into(),
+            &encoded,
+            response.body.to_vec(),
+        );
+        prop_assert_eq!(decoded, Some(response));
+    }
+
+    #[test]
+    fn decoding_never_panics_and_what_decodes_re_encodes(
+        bytes in prop_oneof![
+            prop::collection::vec(any::<u8>(), 0..256),
+            // Mostly well-framed input, so the decoder gets past the lengths.
+            stored_response().prop_flat_map(|r| {
+                let encoded = r.encode_headers();
+                let len = encoded.len();
+                (Just(encoded), 0..=len, any::<u8>()).prop_map(|(mut e, at, b)| {
+                    if at < e.len() { e[at] = b } else { e.truncate(at) }
+                    e
+                })
+            }),
+        ],
+        status in any::<i64>(),
+    ) {
+        if let Some(headers) = decode_headers(&bytes) {
+            let again = StoredResponse { status: StatusCode::OK, headers, body: Default::default() };
+            prop_assert_eq!(decode_headers(&again.encode_headers()), Some(again.headers));
+        }
+        let decoded = StoredResponse::decode(status, &bytes, vec![1, 2, 3]);
+        if let Some(decoded) = decoded {
+            prop_assert!((100..=999).contains(&status));
+            prop_assert_eq!(i64::from(decoded.status.as_u16()), status);
+        }
+    }
+}

@@ -1,0 +1,23 @@
+#[path = "../support.rs"]
+mod support;
+
+use axum::{Json, Router};
+use axum::routing::post;
+use idem::{Tx, idempotent};
+use sqlx::Postgres;
+use support::{Account, AppState};
+
+/// No `Deserialize`: cannot be a JSON payload.
+struct NewCharge {
+    amount: i64,
+}
+
+#[idempotent(scope = "account")]
+async fn create(account: Account, mut tx: Tx<Postgres>, Json(new): Json<NewCharge>) -> &'static str {
+    let _ = (account, &mut tx, new.amount);
+    "created"
+}
+
+fn main() {
+    let _: Router<AppState> = Router::new().route("/", post(create));
+}

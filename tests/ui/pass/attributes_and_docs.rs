@@ -1,0 +1,33 @@
+//! Docs, `#[cfg]`, lint attributes and strict crate-level lints: nothing
+//! the macro generates adds a warning.
+#![deny(warnings, clippy::all, missing_docs, missing_debug_implementations)]
+#![deny(unused_qualifications, rust_2018_idioms, unreachable_pub)]
+
+#[path = "../support.rs"]
+#[allow(missing_docs, missing_debug_implementations, unreachable_pub)]
+mod support;
+
+use axum::Router;
+use axum::routing::post;
+use idem::{Tx, idempotent};
+use sqlx::Postgres;
+use support::{Account, AppState};
+
+/// Creates a charge; the docs land on the generated handler type.
+#[idempotent(scope = "account")]
+#[allow(clippy::unused_async)]
+pub async fn create_charge(account: Account, mut tx: Tx<Postgres>) -> &'static str {
+    let _ = (account, &mut tx);
+    "created"
+}
+
+/// Compiled out: neither the handler nor its impls exist.
+#[idempotent(scope = "account")]
+#[cfg(any())]
+pub async fn compiled_out(account: Account, tx: Tx<Postgres>) -> DoesNotExist {
+    let _ = (account, tx);
+}
+
+fn main() {
+    let _: Router<AppState> = Router::new().route("/", post(create_charge));
+}
