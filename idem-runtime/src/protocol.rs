@@ -344,10 +344,7 @@ where
 
 /// The commit failed, so the client must not be told the work succeeded.
 /// If the commit did land, a retry replays it; if not, a retry redoes it.
-async fn commit_failed<DB: Backend>(
-    conn: OpenTx<DB>,
-    error: sqlx::Error,
-) -> Response {
+async fn commit_failed<DB: Backend>(conn: OpenTx<DB>, error: sqlx::Error) -> Response {
     tracing::warn!(error = %error, "storing the idempotent response failed; rolled back");
     abandon(conn).await;
     Problem::StoreUnavailable.into_response()

@@ -67,7 +67,8 @@ impl<DB: Database> Deref for Tx<DB> {
 
 impl<DB: Database> DerefMut for Tx<DB> {
     fn deref_mut(&mut self) -> &mut Self::Target {
-        let conn: &mut sqlx::pool::PoolConnection<DB> = self.conn.as_mut().expect("Tx used after drop");
+        let conn: &mut sqlx::pool::PoolConnection<DB> =
+            self.conn.as_mut().expect("Tx used after drop");
         conn
     }
 }

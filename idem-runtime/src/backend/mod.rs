@@ -80,9 +80,7 @@ pub trait Backend: Database + sealed::Sealed {
 
     /// Opens a plain transaction (a request without a key, `key = "optional"`).
     #[doc(hidden)]
-    fn begin(
-        pool: &Pool<Self>,
-    ) -> impl Future<Output = Result<OpenTx<Self>, sqlx::Error>> + Send;
+    fn begin(pool: &Pool<Self>) -> impl Future<Output = Result<OpenTx<Self>, sqlx::Error>> + Send;
 
     /// Stores the response on the claimed row and commits, in as few round
     /// trips as the engine allows. `None` commits without storing.
@@ -177,8 +175,32 @@ pub(crate) async fn abandon<DB: Backend>(mut conn: OpenTx<DB>) {
     }
 }
 
+/// A finished row as the engines without a shared row type read it:
+/// `status`, `fingerprint`, `headers`, `body`.
+#[cfg(any(feature = "sqlite", feature = "mysql"))]
+pub(crate) fn finished<DB: Database>(
+    status: i64,
+    fingerprint: &[u8],
+    headers: Option<Vec<u8>>,
+    body: Option<Vec<u8>>,
+) -> Result<ClaimOutcome<DB>, sqlx::Error> {
+    let corrupt = || sqlx::Error::Decode("corrupt stored idempotent response".into());
+    let fingerprint = Fingerprint::from_bytes(fingerprint).ok_or_else(corrupt)?;
+    let response = StoredResponse::decode(
+        status,
+        &headers.unwrap_or_default(),
+        body.unwrap_or_default(),
+    )
+    .ok_or_else(corrupt)?;
+    Ok(ClaimOutcome::Finished {
+        fingerprint,
+        response,
+    })
+}
+
 /// The hex form used to inline binary values into simple-protocol SQL:
 /// only `[0-9a-f]` reaches the statement, so nothing can inject.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) fn hex(bytes: &[u8]) -> String {
     hex::encode(bytes)
 }

@@ -21,6 +21,8 @@ impl super::sealed::Sealed for Postgres {}
 const LOCK_NOT_AVAILABLE: &str = "55P03";
 const UNIQUE_VIOLATION: &str = "23505";
 const DUPLICATE_TABLE: &str = "42P07";
+const SERIALIZATION_FAILURE: &str = "40001";
+const DEADLOCK_DETECTED: &str = "40P01";
 
 /// How many times a claim re-reads a row that vanished (swept) or was taken
 /// over between two statements before giving up with a store error.
@@ -70,7 +72,6 @@ impl Backend for Postgres {
         table: &str,
         claim: &Claim<'_>,
     ) -> Result<ClaimOutcome<Self>, sqlx::Error> {
-        let mut conn = OpenTx::new(pool.acquire().await?);
         let row = ClaimRow::new(table, claim);
         let first = format!(
             "BEGIN; SET LOCAL lock_timeout = '{}ms'; {} {}",
@@ -78,24 +79,33 @@ impl Backend for Postgres {
             row.insert(),
             row.select()
         );
-        match settle(&mut conn, &row, first).await {
-            Ok(Found::Ours) => Ok(ClaimOutcome::Claimed(conn)),
-            Ok(Found::Finished(fingerprint, response)) => {
-                super::abandon(conn).await;
-                Ok(ClaimOutcome::Finished {
-                    fingerprint,
-                    response,
-                })
-            }
-            Ok(Found::Expired) => unreachable!("settle takes expired rows over"),
-            Err(error) => {
-                super::abandon(conn).await;
-                if has_code(&error, &[LOCK_NOT_AVAILABLE]) {
-                    Ok(ClaimOutcome::InUse)
-                } else {
-                    Err(error)
+        let mut attempt = 1;
+        loop {
+            let mut conn = OpenTx::new(pool.acquire().await?);
+            let error = match settle(&mut conn, &row, first.clone()).await {
+                Ok(Settled::Ours) => return Ok(ClaimOutcome::Claimed(conn)),
+                Ok(Settled::Finished(fingerprint, response)) => {
+                    super::abandon(conn).await;
+                    return Ok(ClaimOutcome::Finished {
+                        fingerprint,
+                        response,
+                    });
                 }
+                Err(error) => error,
+            };
+            super::abandon(conn).await;
+            if has_code(&error, &[LOCK_NOT_AVAILABLE]) {
+                return Ok(ClaimOutcome::InUse);
             }
+            // CockroachDB and YugabyteDB ask clients to retry these; the
+            // claim has done nothing yet, so retrying it is always safe.
+            if attempt < CLAIM_ATTEMPTS
+                && has_code(&error, &[SERIALIZATION_FAILURE, DEADLOCK_DETECTED])
+            {
+                attempt += 1;
+                continue;
+            }
+            return Err(error);
         }
     }
 
@@ -158,7 +168,7 @@ async fn settle(
     conn: &mut PoolConnection<Postgres>,
     row: &ClaimRow,
     first: String,
-) -> Result<Found, sqlx::Error> {
+) -> Result<Settled, sqlx::Error> {
     let mut sql = first;
     for _ in 0..CLAIM_ATTEMPTS {
         let rows = sqlx::raw_sql(AssertSqlSafe(sql))
@@ -172,11 +182,14 @@ async fn settle(
                     .execute(&mut **conn)
                     .await?;
                 if taken.rows_affected() == 1 {
-                    return Ok(Found::Ours);
+                    return Ok(Settled::Ours);
                 }
                 row.select()
             }
-            Some(found) => return Ok(found),
+            Some(Found::Ours) => return Ok(Settled::Ours),
+            Some(Found::Finished(fingerprint, response)) => {
+                return Ok(Settled::Finished(fingerprint, response));
+            }
         };
     }
     Err(sqlx::Error::Protocol(
@@ -184,9 +197,16 @@ async fn settle(
     ))
 }
 
+/// What the claim's `SELECT` saw.
 enum Found {
     Ours,
     Expired,
+    Finished(Fingerprint, StoredResponse),
+}
+
+/// Where a claim ended: expired rows have been taken over by then.
+enum Settled {
+    Ours,
     Finished(Fingerprint, StoredResponse),
 }
 

@@ -1,0 +1,265 @@
+//! MySQL and MariaDB (InnoDB): the primary key is the claim.
+//!
+//! The claim is one multi-statement round trip: set the lock wait, `START
+//! TRANSACTION`, `INSERT ... ON DUPLICATE KEY UPDATE`, restore the lock
+//! wait, read the row back with `SELECT ... FOR UPDATE`. Values are inlined
+//! as hex literals (`X'..'`) or integers we formatted, as on PostgreSQL.
+//!
+//! InnoDB facts this relies on (checked on MariaDB 10.11):
+//!
+//! - An insert whose primary key equals an uncommitted row waits for that
+//!   row's lock; `ON DUPLICATE KEY UPDATE` asks for an exclusive record lock
+//!   on the primary key (no gap lock), so the duplicate queues behind the
+//!   first attempt and, after its commit, takes the committed row over if
+//!   it expired or leaves it alone; after its rollback it inserts.
+//! - Under REPEATABLE READ a plain `SELECT` would read the snapshot of the
+//!   transaction's first read, which may predate the commit it waited for;
+//!   the read back is a locking read (`FOR UPDATE`), which always sees the
+//!   latest committed row, and the lock is already ours, so it never waits.
+//! - The lock wait ends with error 1205 when `innodb_lock_wait_timeout`
+//!   (whole seconds) runs out; that becomes 409. The claim sets it for its
+//!   own insert only and restores the session's value before the handler
+//!   runs. A deadlock (1213) rolls the claim back and it is retried; after a
+//!   few attempts the client gets 503. Nothing is stored in either case.
+//!
+//! # Sub-second `wait`
+//!
+//! `innodb_lock_wait_timeout` counts whole seconds. `wait = 0` sets it to 0,
+//! which MariaDB (10.3+) treats as "do not wait"; MySQL raises 0 to its
+//! minimum of one second. A fractional `wait` rounds the lock timeout up and,
+//! on MariaDB, also bounds the insert with `SET STATEMENT max_statement_time
+//! = <wait> FOR` (in a `/*M! ... */` comment, which only MariaDB executes;
+//! the interrupted insert, error 1969, is a 409 too). So on MariaDB `wait`
+//! is honoured to the millisecond; on MySQL a duplicate may wait up to the
+//! next whole second (never less than `wait`).
+
+use sqlx::mysql::MySqlRow;
+use sqlx::pool::PoolConnection;
+use sqlx::{AssertSqlSafe, MySql, Pool, Row};
+
+use super::{Backend, Claim, ClaimOutcome, OpenTx, abandon, finished, hex};
+use crate::Error;
+use crate::response::StoredResponse;
+
+impl super::sealed::Sealed for MySql {}
+
+const ER_LOCK_WAIT_TIMEOUT: u16 = 1205;
+const ER_LOCK_DEADLOCK: u16 = 1213;
+/// MariaDB: `max_statement_time` interrupted the statement.
+const ER_STATEMENT_TIMEOUT: u16 = 1969;
+
+/// The longest scope the key column takes: the primary key (scope, key)
+/// must stay within InnoDB's 3,072-byte index limit.
+const MAX_SCOPE_BYTES: usize = 2048;
+
+/// How many times a claim that lost a deadlock is retried.
+const CLAIM_ATTEMPTS: usize = 3;
+
+/// The session variable holding the lock wait the claim replaced.
+const SAVED_LOCK_WAIT: &str = "@idem_saved_lock_wait";
+
+impl Backend for MySql {
+    async fn migrate(pool: &Pool<Self>, table: &str) -> Result<(), Error> {
+        let name = table.rsplit('.').next().unwrap_or(table);
+        let ddl = format!(
+            "CREATE TABLE IF NOT EXISTS {table} (
+                scope VARBINARY({MAX_SCOPE_BYTES}) NOT NULL,
+                `key` VARBINARY(255) NOT NULL,
+                fingerprint BINARY(32) NOT NULL,
+                status SMALLINT NULL,
+                headers MEDIUMBLOB NULL,
+                body LONGBLOB NULL,
+                created_at DATETIME(6) NOT NULL,
+                expires_at DATETIME(6) NOT NULL,
+                PRIMARY KEY (scope, `key`),
+                KEY {name}_expires_at_idx (expires_at)
+            ) ENGINE = InnoDB ROW_FORMAT = DYNAMIC"
+        );
+        // DDL takes a metadata lock: concurrent migrations queue, no race.
+        sqlx::raw_sql(AssertSqlSafe(ddl)).execute(pool).await?;
+        Ok(())
+    }
+
+    async fn claim(
+        pool: &Pool<Self>,
+        table: &str,
+        claim: &Claim<'_>,
+    ) -> Result<ClaimOutcome<Self>, sqlx::Error> {
+        if claim.scope.len() > MAX_SCOPE_BYTES {
+            return Err(sqlx::Error::InvalidArgument(format!(
+                "idempotency scope is {} bytes; the MySQL key store takes at most {MAX_SCOPE_BYTES}",
+                claim.scope.len()
+            )));
+        }
+        let sql = claim_sql(table, claim);
+        let mut attempt = 1;
+        loop {
+            let mut conn = OpenTx::new(pool.acquire().await?);
+            let rows = sqlx::raw_sql(AssertSqlSafe(sql.clone()))
+                .fetch_all(&mut **conn)
+                .await;
+            let found = match rows {
+                Ok(rows) => match rows.first() {
+                    Some(row) => read_row(row),
+                    None => Err(sqlx::Error::RowNotFound),
+                },
+                Err(error) => {
+                    reset(conn).await;
+                    match number(&error) {
+                        Some(ER_LOCK_WAIT_TIMEOUT | ER_STATEMENT_TIMEOUT) => {
+                            return Ok(ClaimOutcome::InUse);
+                        }
+                        Some(ER_LOCK_DEADLOCK) if attempt < CLAIM_ATTEMPTS => {
+                            attempt += 1;
+                            continue;
+                        }
+                        _ => return Err(error),
+                    }
+                }
+            };
+            return match found {
+                Ok(None) => Ok(ClaimOutcome::Claimed(conn)),
+                Ok(Some(finished)) => {
+                    abandon(conn).await;
+                    Ok(finished)
+                }
+                Err(error) => {
+                    abandon(conn).await;
+                    Err(error)
+                }
+            };
+        }
+    }
+
+    async fn begin(pool: &Pool<Self>) -> Result<OpenTx<Self>, sqlx::Error> {
+        let mut conn = OpenTx::new(pool.acquire().await?);
+        sqlx::raw_sql("START TRANSACTION")
+            .execute(&mut **conn)
+            .await?;
+        Ok(conn)
+    }
+
+    async fn finish(
+        conn: &mut PoolConnection<Self>,
+        table: &str,
+        claim: Option<&Claim<'_>>,
+        response: Option<&StoredResponse>,
+    ) -> Result<(), sqlx::Error> {
+        let sql = match (claim, response) {
+            (Some(claim), Some(response)) => format!(
+                "UPDATE {table} SET status = {}, headers = X'{}', body = X'{}' WHERE {}; COMMIT",
+                response.status.as_u16(),
+                hex(&response.encode_headers()),
+                hex(&response.body),
+                matches(claim),
+            ),
+            _ => "COMMIT".to_owned(),
+        };
+        sqlx::raw_sql(AssertSqlSafe(sql))
+            .execute(&mut **conn)
+            .await?;
+        Ok(())
+    }
+
+    async fn rollback(conn: &mut PoolConnection<Self>) -> Result<(), sqlx::Error> {
+        sqlx::raw_sql("ROLLBACK").execute(&mut **conn).await?;
+        Ok(())
+    }
+
+    async fn sweep(pool: &Pool<Self>, table: &str, batch: u32) -> Result<u64, sqlx::Error> {
+        // READ COMMITTED: the range delete takes no gap locks, so claims
+        // inserting new keys never wait for the sweeper.
+        let sql = format!(
+            "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; \
+             DELETE FROM {table} WHERE expires_at <= UTC_TIMESTAMP(6) LIMIT {batch}"
+        );
+        Ok(sqlx::raw_sql(AssertSqlSafe(sql))
+            .execute(pool)
+            .await?
+            .rows_affected())
+    }
+}
+
+/// Ends a claim whose statements failed part-way: the batch stopped at the
+/// error, so the session's lock wait may still be the claim's. A connection
+/// that cannot be reset is closed (`OpenTx` drop).
+async fn reset(mut conn: OpenTx<MySql>) {
+    let sql = format!("ROLLBACK; SET SESSION innodb_lock_wait_timeout = {SAVED_LOCK_WAIT}");
+    match sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut **conn).await {
+        Ok(_) => conn.release(),
+        Err(error) => {
+            tracing::warn!(%error, "resetting a failed claim failed; closing the connection")
+        }
+    }
+}
+
+/// The claim's round trip. An expired row is taken over inside the upsert:
+/// MySQL applies the assignments left to right, so `expires_at` goes last
+/// and every condition before it still sees the old expiry.
+fn claim_sql(table: &str, claim: &Claim<'_>) -> String {
+    let now = "UTC_TIMESTAMP(6)";
+    let expires = format!("{now} + INTERVAL {} MICROSECOND", claim.ttl.as_micros());
+    let expired = format!("expires_at <= {now}");
+    let fingerprint = hex(claim.fingerprint.as_bytes());
+    let wait = claim.wait;
+    let lock_wait_secs = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
+    let bounded = if wait.subsec_nanos() > 0 {
+        format!(
+            "/*M!100300 SET STATEMENT max_statement_time = {}.{:06} FOR */ ",
+            wait.as_secs(),
+            wait.subsec_micros()
+        )
+    } else {
+        String::new()
+    };
+    format!(
+        "SET {SAVED_LOCK_WAIT} = @@SESSION.innodb_lock_wait_timeout, \
+             SESSION innodb_lock_wait_timeout = {lock_wait_secs}; \
+         START TRANSACTION; \
+         {bounded}INSERT INTO {table} (scope, `key`, fingerprint, created_at, expires_at) \
+             VALUES (X'{scope}', X'{key}', X'{fingerprint}', {now}, {expires}) \
+             ON DUPLICATE KEY UPDATE \
+             fingerprint = IF({expired}, X'{fingerprint}', fingerprint), \
+             status = IF({expired}, NULL, status), \
+             headers = IF({expired}, NULL, headers), \
+             body = IF({expired}, NULL, body), \
+             created_at = IF({expired}, {now}, created_at), \
+             expires_at = IF({expired}, {expires}, expires_at); \
+         SET SESSION innodb_lock_wait_timeout = {SAVED_LOCK_WAIT}; \
+         SELECT status, fingerprint, headers, body FROM {table} WHERE {matches} FOR UPDATE",
+        scope = hex(claim.scope.as_bytes()),
+        key = hex(claim.key.as_bytes()),
+        matches = matches(claim),
+    )
+}
+
+fn matches(claim: &Claim<'_>) -> String {
+    format!(
+        "scope = X'{}' AND `key` = X'{}'",
+        hex(claim.scope.as_bytes()),
+        hex(claim.key.as_bytes())
+    )
+}
+
+/// `None`: the row is ours (just inserted or taken over, status unset).
+fn read_row(row: &MySqlRow) -> Result<Option<ClaimOutcome<MySql>>, sqlx::Error> {
+    let Some(status) = row.try_get::<Option<i16>, _>("status")? else {
+        return Ok(None);
+    };
+    finished(
+        status.into(),
+        &row.try_get::<Vec<u8>, _>("fingerprint")?,
+        row.try_get("headers")?,
+        row.try_get("body")?,
+    )
+    .map(Some)
+}
+
+fn number(error: &sqlx::Error) -> Option<u16> {
+    match error {
+        sqlx::Error::Database(db) => db
+            .try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+            .map(|db| db.number()),
+        _ => None,
+    }
+}

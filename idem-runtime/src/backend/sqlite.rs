@@ -1,0 +1,317 @@
+//! SQLite: the embedded default. One writer at a time, so the claim is the
+//! first write of a `BEGIN IMMEDIATE` transaction.
+//!
+//! # How waiting works on SQLite
+//!
+//! SQLite has one write lock per database, and a claim must hold it from its
+//! insert to its commit. So while one handler runs, *every* other claim
+//! waits for the lock, whatever its key, and an uncommitted claim row is
+//! invisible to every other connection: a duplicate cannot be recognised by
+//! the database before it gets the lock. Hence two waits:
+//!
+//! - **The write lock**: `BEGIN IMMEDIATE` waits up to the connection's busy
+//!   timeout (`SqliteConnectOptions::busy_timeout`, sqlx's default 5 s) for
+//!   any other writer. A deferred `BEGIN` would not do: its upgrade to a
+//!   writer fails with `SQLITE_BUSY` at once, without waiting. A claim that
+//!   does not get the lock in time gets 503 + `Retry-After` ("store busy"),
+//!   never 409: it does not know whose key is in the way.
+//! - **A duplicate of a key in flight in this process** waits `wait` (the
+//!   handler's attribute) for that attempt to end, without touching the
+//!   database, then 409 (see `single_flight`). Attempts of one key in
+//!   different processes sharing a file meet at the write lock instead:
+//!   the later one waits for the lock, then replays (or gets 503 if the
+//!   first holds the lock beyond the busy timeout).
+//!
+//! `SQLITE_BUSY` therefore means "store busy" at claim time (503, nothing
+//! written). After `BEGIN IMMEDIATE` the transaction owns the lock, so in
+//! WAL mode neither the handler's writes nor the `COMMIT` can be busy; in a
+//! rollback-journal database the `COMMIT` can be (it waits for readers), and
+//! then the whole transaction rolls back and the client gets 503: never an
+//! effect without its stored response, and never a stored 5xx.
+//!
+//! A replay never takes the write lock: a finished, unexpired row is read
+//! outside any transaction (WAL readers do not wait for the writer).
+//!
+//! Use WAL (`SqliteConnectOptions::journal_mode(SqliteJournalMode::Wal)`);
+//! [`migrate`](Backend::migrate) warns when a file database is not in WAL.
+//! A shared-cache in-memory database (`sqlite:file:name?mode=memory&cache=shared`)
+//! works too; there sqlx waits on SQLite's unlock notification instead of
+//! the busy timeout, so the write-lock wait is unbounded.
+//!
+//! Values are bound, not inlined: a "round trip" to SQLite is a hop to the
+//! connection's worker thread, not a network exchange.
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use sqlx::sqlite::SqliteRow;
+use sqlx::{AssertSqlSafe, Pool, Row, Sqlite};
+use tokio::time::Instant;
+
+use super::single_flight::{self, Slot};
+use super::{Backend, Claim, ClaimOutcome, OpenTx, abandon, finished};
+use crate::Error;
+use crate::response::StoredResponse;
+
+impl super::sealed::Sealed for Sqlite {}
+
+/// Primary result codes (the low byte of the extended code sqlx reports).
+const SQLITE_BUSY: i32 = 5;
+const SQLITE_LOCKED: i32 = 6;
+
+impl Backend for Sqlite {
+    async fn migrate(pool: &Pool<Self>, table: &str) -> Result<(), Error> {
+        let (schema, name) = match table.split_once('.') {
+            Some((schema, name)) => (format!("{schema}."), name),
+            None => (String::new(), table),
+        };
+        let ddl = format!(
+            "CREATE TABLE IF NOT EXISTS {table} (
+                scope BLOB NOT NULL,
+                \"key\" BLOB NOT NULL,
+                fingerprint BLOB NOT NULL,
+                status INTEGER,
+                headers BLOB,
+                body BLOB,
+                created_at INTEGER NOT NULL,
+                expires_at INTEGER NOT NULL,
+                PRIMARY KEY (scope, \"key\")
+            );
+            CREATE INDEX IF NOT EXISTS {schema}{name}_expires_at_idx ON {name} (expires_at);"
+        );
+        // Both statements run under the write lock, so concurrent migrations
+        // simply queue; no catalog race to retry.
+        sqlx::raw_sql(AssertSqlSafe(ddl)).execute(pool).await?;
+        let mode: String =
+            sqlx::query_scalar(AssertSqlSafe(format!("PRAGMA {schema}journal_mode")))
+                .fetch_one(pool)
+                .await?;
+        if !matches!(mode.to_ascii_lowercase().as_str(), "wal" | "memory") {
+            tracing::warn!(
+                journal_mode = %mode,
+                "the SQLite database keeping idempotency keys is not in WAL mode: \
+                 readers and the writer's commit will wait for each other \
+                 (use SqliteConnectOptions::journal_mode(SqliteJournalMode::Wal))"
+            );
+        }
+        Ok(())
+    }
+
+    async fn claim(
+        pool: &Pool<Self>,
+        table: &str,
+        claim: &Claim<'_>,
+    ) -> Result<ClaimOutcome<Self>, sqlx::Error> {
+        let database = pool
+            .connect_options()
+            .get_filename()
+            .to_string_lossy()
+            .into_owned();
+        let slot = Slot::new(&database, table, claim.scope, claim.key);
+        let deadline = Instant::now() + claim.wait;
+        let sql = Sql::new(table);
+        let flight = loop {
+            if let Some(busy) = single_flight::in_flight(&slot) {
+                if !busy.ended_by(deadline).await {
+                    return Ok(ClaimOutcome::InUse);
+                }
+                continue;
+            }
+            if let Some(found) = replay(pool, &sql, claim).await? {
+                return Ok(found);
+            }
+            match single_flight::enter(&slot) {
+                Ok(flight) => break flight,
+                Err(busy) => {
+                    if !busy.ended_by(deadline).await {
+                        return Ok(ClaimOutcome::InUse);
+                    }
+                }
+            }
+        };
+
+        let mut conn = OpenTx::new(pool.acquire().await?);
+        if let Err(error) = sqlx::raw_sql("BEGIN IMMEDIATE").execute(&mut **conn).await {
+            // A busy BEGIN IMMEDIATE starts no transaction (the lock is
+            // taken before autocommit is switched off): the connection is
+            // clean. After any other failure, `OpenTx` closes it.
+            if is_busy(&error) {
+                conn.release();
+            }
+            return Err(error);
+        }
+        let now = now_ms();
+        let row = sqlx::query(AssertSqlSafe(sql.claim))
+            .bind(claim.scope.as_bytes())
+            .bind(claim.key.as_bytes())
+            .bind(&claim.fingerprint.as_bytes()[..])
+            .bind(now)
+            .bind(now.saturating_add(ttl_ms(claim)))
+            .fetch_optional(&mut **conn)
+            .await;
+        let outcome = match row {
+            Ok(Some(row)) => read_row(&row),
+            Ok(None) => Err(sqlx::Error::RowNotFound),
+            Err(error) => Err(error),
+        };
+        match outcome {
+            Ok(Found::Ours) => Ok(ClaimOutcome::Claimed(conn.hold(flight))),
+            Ok(Found::Finished(finished)) => {
+                abandon(conn).await;
+                Ok(finished)
+            }
+            Err(error) => {
+                abandon(conn).await;
+                Err(error)
+            }
+        }
+    }
+
+    async fn begin(pool: &Pool<Self>) -> Result<OpenTx<Self>, sqlx::Error> {
+        let mut conn = OpenTx::new(pool.acquire().await?);
+        match sqlx::raw_sql("BEGIN IMMEDIATE").execute(&mut **conn).await {
+            Ok(_) => Ok(conn),
+            Err(error) => {
+                if is_busy(&error) {
+                    conn.release();
+                }
+                Err(error)
+            }
+        }
+    }
+
+    async fn finish(
+        conn: &mut sqlx::pool::PoolConnection<Self>,
+        table: &str,
+        claim: Option<&Claim<'_>>,
+        response: Option<&StoredResponse>,
+    ) -> Result<(), sqlx::Error> {
+        match (claim, response) {
+            (Some(claim), Some(response)) => {
+                sqlx::query(AssertSqlSafe(Sql::new(table).finish))
+                    .bind(i64::from(response.status.as_u16()))
+                    .bind(response.encode_headers())
+                    .bind(&response.body[..])
+                    .bind(claim.scope.as_bytes())
+                    .bind(claim.key.as_bytes())
+                    .execute(&mut **conn)
+                    .await?;
+            }
+            _ => {
+                sqlx::raw_sql("COMMIT").execute(&mut **conn).await?;
+            }
+        }
+        Ok(())
+    }
+
+    async fn rollback(conn: &mut sqlx::pool::PoolConnection<Self>) -> Result<(), sqlx::Error> {
+        sqlx::raw_sql("ROLLBACK").execute(&mut **conn).await?;
+        Ok(())
+    }
+
+    async fn sweep(pool: &Pool<Self>, table: &str, batch: u32) -> Result<u64, sqlx::Error> {
+        let sql = format!(
+            "DELETE FROM {table} WHERE rowid IN \
+             (SELECT rowid FROM {table} WHERE expires_at <= ?1 LIMIT {batch})"
+        );
+        Ok(sqlx::query(AssertSqlSafe(sql))
+            .bind(now_ms())
+            .execute(pool)
+            .await?
+            .rows_affected())
+    }
+}
+
+/// A finished, unexpired row read without the write lock: the fast path of
+/// every replay. Rows only change once expired (takeover, sweep), so what
+/// this read sees is final.
+async fn replay(
+    pool: &Pool<Sqlite>,
+    sql: &Sql,
+    claim: &Claim<'_>,
+) -> Result<Option<ClaimOutcome<Sqlite>>, sqlx::Error> {
+    let row = sqlx::query(AssertSqlSafe(sql.replay.clone()))
+        .bind(claim.scope.as_bytes())
+        .bind(claim.key.as_bytes())
+        .bind(now_ms())
+        .fetch_optional(pool)
+        .await?;
+    match row.as_ref().map(read_row).transpose()? {
+        Some(Found::Finished(found)) => Ok(Some(found)),
+        _ => Ok(None),
+    }
+}
+
+enum Found {
+    Ours,
+    Finished(ClaimOutcome<Sqlite>),
+}
+
+fn read_row(row: &SqliteRow) -> Result<Found, sqlx::Error> {
+    let Some(status) = row.try_get::<Option<i64>, _>("status")? else {
+        return Ok(Found::Ours);
+    };
+    finished(
+        status,
+        &row.try_get::<Vec<u8>, _>("fingerprint")?,
+        row.try_get("headers")?,
+        row.try_get("body")?,
+    )
+    .map(Found::Finished)
+}
+
+/// The statements of one table. Parameters are numbered: sqlx binds `?N`
+/// by number across all statements of a query.
+struct Sql {
+    claim: String,
+    replay: String,
+    finish: String,
+}
+
+impl Sql {
+    fn new(table: &str) -> Self {
+        let columns = "status, fingerprint, headers, body";
+        let row = "scope = ?1 AND \"key\" = ?2";
+        Self {
+            // The upsert takes an expired row over; an unexpired one is
+            // left alone and read back. We hold the write lock, so nothing
+            // can happen between the two statements.
+            claim: format!(
+                "INSERT INTO {table} (scope, \"key\", fingerprint, created_at, expires_at) \
+                 VALUES (?1, ?2, ?3, ?4, ?5) \
+                 ON CONFLICT (scope, \"key\") DO UPDATE SET fingerprint = excluded.fingerprint, \
+                 status = NULL, headers = NULL, body = NULL, \
+                 created_at = excluded.created_at, expires_at = excluded.expires_at \
+                 WHERE expires_at <= ?4; \
+                 SELECT {columns} FROM {table} WHERE {row}"
+            ),
+            replay: format!(
+                "SELECT {columns} FROM {table} WHERE {row} AND status IS NOT NULL AND expires_at > ?3"
+            ),
+            finish: format!(
+                "UPDATE {table} SET status = ?1, headers = ?2, body = ?3 \
+                 WHERE scope = ?4 AND \"key\" = ?5; COMMIT"
+            ),
+        }
+    }
+}
+
+fn is_busy(error: &sqlx::Error) -> bool {
+    let sqlx::Error::Database(db) = error else {
+        return false;
+    };
+    db.code()
+        .and_then(|code| code.parse::<i32>().ok())
+        .is_some_and(|code| matches!(code & 0xff, SQLITE_BUSY | SQLITE_LOCKED))
+}
+
+fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |since| {
+            i64::try_from(since.as_millis()).unwrap_or(i64::MAX)
+        })
+}
+
+fn ttl_ms(claim: &Claim<'_>) -> i64 {
+    i64::try_from(claim.ttl.as_millis()).unwrap_or(i64::MAX)
+}
