@@ -24,7 +24,7 @@ pub enum KeyMode {
 #[derive(Default)]
 pub struct Args {
     pub scope: Option<LitStr>,
-    /// Whether `scope` was written at all, even with a wrong value: only
+    /// Whether `scope` was (or may have been) written, even wrongly: only
     /// an absent `scope` is reported as missing.
     pub scope_written: bool,
     pub ttl: Option<(u64, Span)>,
@@ -83,6 +83,9 @@ pub fn parse(tokens: TokenStream, errors: &mut Errors) -> Args {
         let Arg { name, value } = match syn::parse2::<Arg>(chunk) {
             Ok(arg) => arg,
             Err(error) => {
+                // Too malformed to tell which argument it meant: it may
+                // have been the `scope`, so do not also report it missing.
+                args.scope_written = true;
                 errors.push(error);
                 continue;
             }
@@ -220,9 +223,16 @@ fn duration(key: &str, value: &Expr) -> syn::Result<u64> {
     )?;
     let ms = parse_ms(&lit.value()).map_err(|message| syn::Error::new(lit.span(), message))?;
     let (max, max_text) = if key == "ttl" {
-        (MAX_TTL_MS, "365d")
+        (
+            MAX_TTL_MS,
+            "365d: keys kept longer are a storage leak, not a retry window",
+        )
     } else {
-        (MAX_WAIT_MS, "60s")
+        (
+            MAX_WAIT_MS,
+            "60s: a waiting duplicate holds a connection; past a minute, a 409 and a \
+             client retry serve everyone better",
+        )
     };
     if key == "ttl" && ms == 0 {
         return Err(syn::Error::new(

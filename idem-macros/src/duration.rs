@@ -24,6 +24,12 @@ pub fn parse_ms(text: &str) -> Result<u64, String> {
     if digits.is_empty() {
         return Err(format!("`{text}` is not a duration: {hint}"));
     }
+    if unit.starts_with(char::is_whitespace) {
+        let tight = format!("{digits}{}", unit.trim_start());
+        return Err(format!(
+            "`{text}` has a space before its unit: write `{tight}`"
+        ));
+    }
     let per_unit = match unit {
         "ms" => 1,
         "s" => 1000,
@@ -52,12 +58,22 @@ mod tests {
         assert_eq!(parse_ms("24h"), Ok(86_400_000));
         assert_eq!(parse_ms("7d"), Ok(604_800_000));
         assert_eq!(parse_ms("0s"), Ok(0));
+        assert_eq!(parse_ms(" 2m "), Ok(120_000));
+        assert_eq!(parse_ms("0365d"), Ok(MAX_TTL_MS));
     }
 
     #[test]
     fn explains_what_is_wrong() {
         assert!(parse_ms("24").unwrap_err().contains("no unit"));
-        assert!(parse_ms("24 hours").unwrap_err().contains("not a unit"));
+        assert!(
+            parse_ms("24hours")
+                .unwrap_err()
+                .contains("`hours` is not a unit")
+        );
+        assert_eq!(
+            parse_ms("1 d").unwrap_err(),
+            "`1 d` has a space before its unit: write `1d`"
+        );
         assert!(parse_ms("1.5h").unwrap_err().contains("not a unit"));
         assert!(parse_ms("h").unwrap_err().contains("not a duration"));
         assert!(parse_ms("").unwrap_err().contains("not a duration"));

@@ -1,10 +1,17 @@
 //! Emitting the handler: a unit struct named like the function, with an
 //! axum `Handler` impl generic over the router state.
+//!
+//! Extractors and the store are reached through small traits implemented
+//! for the state (`__IdemS: __IdemFromParts<T>` rather than
+//! `T: FromRequestParts<__IdemS>`).
+//! While the router's state type is still being inferred at `post(handler)`,
+//! a bound whose self type is that state stays open, so rustc picks this
+//! impl and later names the extractor that fails, pointing at its
+//! parameter, instead of reporting that `Handler<_, _>` is not implemented.
 
-use proc_macro2::{Group, Span, TokenStream, TokenTree};
+use proc_macro2::{Delimiter, Group, Span, TokenStream, TokenTree};
 use quote::{ToTokens, format_ident, quote};
-use syn::spanned::Spanned;
-use syn::{Attribute, ItemFn, ReturnType};
+use syn::{Attribute, ItemFn, ReturnType, Type};
 
 use crate::attr::{Args, KeyMode};
 use crate::valid::{self, Handler, Param};
@@ -14,12 +21,6 @@ pub fn expand(item: &ItemFn, args: &Args, handler: &Handler) -> TokenStream {
     let krate = krate(args);
     let private = quote!(#krate::__private);
     let db = &handler.db;
-    let ttl = args.ttl_ms();
-    let wait = args.wait_ms();
-    let mode = match args.key.unwrap_or(KeyMode::Required) {
-        KeyMode::Required => quote!(Required),
-        KeyMode::Optional => quote!(Optional),
-    };
 
     // The scope identifies the caller, so it comes from the request's
     // head, never from its body: it is always a parts extractor. Only a
@@ -28,25 +29,17 @@ pub fn expand(item: &ItemFn, args: &Args, handler: &Handler) -> TokenStream {
         Some((last, rest)) if handler.scope_index != rest.len() => (rest, Some(last)),
         _ => (handler.extractors.as_slice(), None),
     };
-    let part_bounds = parts.iter().map(|param| {
-        let ty = &param.ty;
-        let bound = respan(quote!(#private::FromRequestParts<__IdemS>), ty.span());
-        quote!(#ty: #bound,)
-    });
+    let part_bounds = parts
+        .iter()
+        .map(|param| bound_over(quote!(__IdemFromParts), &param.ty, quote!()));
     let extract_parts = parts.iter().map(|param| {
         let (ty, local) = (&param.ty, &param.local);
         quote! {
-            let #local = match <#ty as #private::FromRequestParts<__IdemS>>::from_request_parts(
-                &mut __idem_parts,
-                &__idem_state,
-            )
-            .await
-            {
-                ::core::result::Result::Ok(value) => value,
-                ::core::result::Result::Err(rejection) => {
-                    return #private::IntoResponse::into_response(rejection);
-                }
-            };
+            let (__idem_request, #local) =
+                match <__IdemS as __IdemFromParts<#ty>>::extract(__idem_request, &__idem_state).await {
+                    ::core::result::Result::Ok(extracted) => extracted,
+                    ::core::result::Result::Err(rejection) => return rejection,
+                };
         }
     });
     let Body {
@@ -54,33 +47,18 @@ pub fn expand(item: &ItemFn, args: &Args, handler: &Handler) -> TokenStream {
         marker,
         bound: body_bound,
         extract: extract_body,
-    } = Body::new(body, &private);
+    } = Body::new(body);
 
-    let scope = &handler.extractors[handler.scope_index];
-    let (scope_ty, scope_local) = (&scope.ty, &scope.local);
-    // Spanned at the scope's type: a type without `Scope` is reported there,
-    // with `Scope`'s own `on_unimplemented` message.
-    let scope_call = respan(quote!(#krate::Scope>::scope), scope_ty.span());
-    // The response is converted here, by a call spanned at the return
-    // type, so a type that is not `IntoResponse` is reported there (and a
-    // future that is not `Send` fails `run`'s bound, spanned there too).
-    let output_span = match &item.sig.output {
-        ReturnType::Default => item.sig.ident.span(),
-        ReturnType::Type(_, ty) => ty.span(),
+    // Spanned over the `Tx<..>` parameter, which is what needs the store.
+    let store_bound = {
+        let (first, last) = first_last(&handler.tx_ty);
+        let head = respan(quote!(__IdemS: __IdemFromRef<#krate::Idem<), first);
+        let tail = respan(quote!(>>,), last);
+        quote!(#head #db #tail)
     };
-    let into_response = respan(
-        quote!(#private::IntoResponse::into_response(__idem_output)),
-        output_span,
-    );
-    let run = respan(quote!(#private::run), output_span);
 
-    let mut call_args: Vec<TokenStream> = handler
-        .extractors
-        .iter()
-        .map(|p| p.local.to_token_stream())
-        .collect();
-    call_args.insert(handler.tx_index, quote!(__idem_tx));
-
+    let (config, finish) = (config(args, &private), finish(item, handler, &krate));
+    let helpers = helper_traits(&private);
     let Shell {
         cfgs,
         declaration,
@@ -90,39 +68,195 @@ pub fn expand(item: &ItemFn, args: &Args, handler: &Handler) -> TokenStream {
         #declaration
 
         #(#cfgs)*
-        #[automatically_derived]
-        impl<__IdemS #marker_param> #private::Handler<(#marker,), __IdemS> for #name
-        where
-            __IdemS: ::core::clone::Clone + ::core::marker::Send + ::core::marker::Sync + 'static,
-            #krate::Idem<#db>: #private::FromRef<__IdemS>,
-            #(#part_bounds)*
-            #body_bound
-        {
-            type Future = #private::BoxFuture;
+        const _: () = {
+            #helpers
 
-            fn call(self, __idem_request: #private::Request, __idem_state: __IdemS) -> Self::Future {
-                ::std::boxed::Box::pin(async move {
-                    const __IDEM_CONFIG: #private::Config =
-                        #private::Config::new(#ttl, #wait, #private::KeyMode::#mode);
-                    let (mut __idem_parts, __idem_body) = #private::into_parts(__idem_request);
-                    #(#extract_parts)*
-                    let __idem_store =
-                        <#krate::Idem<#db> as #private::FromRef<__IdemS>>::from_ref(&__idem_state);
-                    let (__idem_prepared, __idem_request) =
-                        match #private::prepare(&__idem_store, __idem_parts, __idem_body, &__IDEM_CONFIG).await {
-                            ::core::result::Result::Ok(prepared) => prepared,
-                            ::core::result::Result::Err(response) => return response,
-                        };
-                    #extract_body
-                    let __idem_scope = ::std::borrow::Cow::<'static, str>::Owned(
-                        <#scope_ty as #scope_call(&#scope_local).into_owned(),
-                    );
-                    #run(__idem_store, __idem_prepared, __idem_scope, move |__idem_tx| async move {
-                        let __idem_output = Self::__idem_handler(#(#call_args),*).await;
-                        #into_response
+            #[automatically_derived]
+            impl<__IdemS #marker_param> #private::Handler<(#marker,), __IdemS> for #name
+            where
+                __IdemS: ::core::clone::Clone + ::core::marker::Send + ::core::marker::Sync + 'static,
+                #store_bound
+                #(#part_bounds)*
+                #body_bound
+            {
+                type Future = #private::BoxFuture;
+
+                fn call(self, __idem_request: #private::Request, __idem_state: __IdemS) -> Self::Future {
+                    ::std::boxed::Box::pin(async move {
+                        #config
+                        #(#extract_parts)*
+                        let __idem_store =
+                            <__IdemS as __IdemFromRef<#krate::Idem<#db>>>::from_ref(&__idem_state);
+                        let (__idem_parts, __idem_body) = #private::into_parts(__idem_request);
+                        let (__idem_prepared, __idem_request) =
+                            match #private::prepare(&__idem_store, __idem_parts, __idem_body, &__IDEM_CONFIG).await {
+                                ::core::result::Result::Ok(prepared) => prepared,
+                                ::core::result::Result::Err(response) => return response,
+                            };
+                        #extract_body
+                        #finish
                     })
+                }
+            }
+        };
+    }
+}
+
+/// The handler's arguments, checked, as the runtime takes them.
+fn config(args: &Args, private: &TokenStream) -> TokenStream {
+    let ttl = args.ttl_ms();
+    let wait = args.wait_ms();
+    let mode = match args.key.unwrap_or(KeyMode::Required) {
+        KeyMode::Required => quote!(Required),
+        KeyMode::Optional => quote!(Optional),
+    };
+    quote! {
+        const __IDEM_CONFIG: #private::Config =
+            #private::Config::new(#ttl, #wait, #private::KeyMode::#mode);
+    }
+}
+
+/// Once every extractor ran: the scope, then the user's function run
+/// once through the runtime, its output turned into the response.
+fn finish(item: &ItemFn, handler: &Handler, krate: &TokenStream) -> TokenStream {
+    let private = quote!(#krate::__private);
+    let scope = &handler.extractors[handler.scope_index];
+    let (scope_ty, scope_local) = (&scope.ty, &scope.local);
+    // Spanned over the scope's type: a type without `Scope` is reported
+    // there, with `Scope`'s own `on_unimplemented` message.
+    let scope_fn = spanned_over(quote!(<#scope_ty as #krate::Scope>::scope), scope_ty);
+    // The response is converted here, by a call spanned over the return
+    // type, so a type that is not `IntoResponse` is reported there (and a
+    // future that is not `Send` fails `run`'s bound, spanned there too).
+    let output: &dyn ToTokens = match &item.sig.output {
+        ReturnType::Default => &item.sig.ident,
+        ReturnType::Type(_, ty) => ty,
+    };
+    // The argument is a field access so that its span, where rustc puts
+    // the error, can run from the type's first token to its last.
+    let (first, last) = first_last(output);
+    let into_response = {
+        let callee = spanned_over(quote!(#private::IntoResponse::into_response), output);
+        let base = respan(quote!(__idem_output), first);
+        let field = respan(quote!(.0), last);
+        let mut args = Group::new(Delimiter::Parenthesis, quote!(#base #field));
+        args.set_span(Span::call_site().located_at(last));
+        quote!(#callee #args)
+    };
+    let run = spanned_over(quote!(#private::run), output);
+
+    let mut call_args: Vec<TokenStream> = handler
+        .extractors
+        .iter()
+        .map(|p| p.local.to_token_stream())
+        .collect();
+    call_args.insert(handler.tx_index, quote!(__idem_tx));
+
+    quote! {
+        let __idem_scope = ::std::borrow::Cow::<'static, str>::Owned(
+            #scope_fn(&#scope_local).into_owned(),
+        );
+        #run(__idem_store, __idem_prepared, __idem_scope, move |__idem_tx| async move {
+            let __idem_output = (Self::__idem_handler(#(#call_args),*).await,);
+            #into_response
+        })
+        .await
+    }
+}
+
+/// The traits the `Handler` impl reaches the state, the extractors and the
+/// store through (see the module docs), private to its `const _` block.
+fn helper_traits(private: &TokenStream) -> TokenStream {
+    quote! {
+        #[doc(hidden)]
+        pub trait __IdemFromRef<T> {
+            fn from_ref(state: &Self) -> T;
+        }
+
+        impl<S, T: #private::FromRef<S>> __IdemFromRef<T> for S {
+            fn from_ref(state: &Self) -> T {
+                <T as #private::FromRef<S>>::from_ref(state)
+            }
+        }
+
+        #[doc(hidden)]
+        pub trait __IdemFromParts<T> {
+            fn extract(
+                request: #private::Request,
+                state: &Self,
+            ) -> impl ::core::future::Future<
+                Output = ::core::result::Result<(#private::Request, T), #private::Response>,
+            > + ::core::marker::Send;
+        }
+
+        impl<S, T> __IdemFromParts<T> for S
+        where
+            S: ::core::marker::Send + ::core::marker::Sync,
+            T: #private::FromRequestParts<S>,
+        {
+            async fn extract(
+                request: #private::Request,
+                state: &Self,
+            ) -> ::core::result::Result<(#private::Request, T), #private::Response> {
+                let (mut parts, body) = request.into_parts();
+                match <T as #private::FromRequestParts<S>>::from_request_parts(&mut parts, state).await {
+                    ::core::result::Result::Ok(value) => {
+                        ::core::result::Result::Ok((#private::Request::from_parts(parts, body), value))
+                    }
+                    ::core::result::Result::Err(rejection) => {
+                        ::core::result::Result::Err(#private::IntoResponse::into_response(rejection))
+                    }
+                }
+            }
+        }
+
+        #[doc(hidden)]
+        pub trait __IdemFromRequest<T, M> {
+            fn extract(
+                request: #private::Request,
+                state: &Self,
+            ) -> impl ::core::future::Future<
+                Output = ::core::result::Result<T, #private::Response>,
+            > + ::core::marker::Send;
+        }
+
+        impl<S, T, M> __IdemFromRequest<T, M> for S
+        where
+            S: ::core::marker::Send + ::core::marker::Sync,
+            T: #private::FromRequest<S, M>,
+        {
+            async fn extract(
+                request: #private::Request,
+                state: &Self,
+            ) -> ::core::result::Result<T, #private::Response> {
+                <T as #private::FromRequest<S, M>>::from_request(request, state)
                     .await
-                })
+                    .map_err(#private::IntoResponse::into_response)
+            }
+        }
+
+        #[doc(hidden)]
+        pub trait __IdemFromBody<T> {
+            fn extract(
+                request: #private::Request,
+                state: &Self,
+            ) -> impl ::core::future::Future<
+                Output = ::core::result::Result<T, #private::Response>,
+            > + ::core::marker::Send;
+        }
+
+        impl<S, T> __IdemFromBody<T> for S
+        where
+            S: ::core::marker::Send + ::core::marker::Sync,
+            T: #private::FromRequest<S>,
+        {
+            async fn extract(
+                request: #private::Request,
+                state: &Self,
+            ) -> ::core::result::Result<T, #private::Response> {
+                <T as #private::FromRequest<S>>::from_request(request, state)
+                    .await
+                    .map_err(#private::IntoResponse::into_response)
             }
         }
     }
@@ -176,9 +310,9 @@ struct Body {
 impl Body {
     /// A last extractor's `FromRequest` has a marker parameter that only the
     /// use site can infer. Where the macro knows it (no body extractor, or a
-    /// well-known one such as `Json`) the impl names it, so rustc explains an
-    /// unsatisfied bound instead of reporting an ambiguous `Handler`.
-    fn new(body: Option<&Param>, private: &TokenStream) -> Self {
+    /// well-known one such as `Json`) the impl does without, so rustc
+    /// explains an unsatisfied bound instead of reporting ambiguity.
+    fn new(body: Option<&Param>) -> Self {
         let Some(param) = body else {
             return Self {
                 marker_param: quote!(),
@@ -188,31 +322,38 @@ impl Body {
             };
         };
         let (ty, local) = (&param.ty, &param.local);
-        let (marker_param, marker, via) = if valid::body_extractor(ty).is_some() {
-            (quote!(), quote!(()), quote!())
+        let (marker_param, marker, trait_, via) = if valid::body_extractor(ty).is_some() {
+            (quote!(), quote!(()), quote!(__IdemFromBody), quote!())
         } else {
-            (quote!(, __IdemM), quote!(__IdemM), quote!(, __IdemM))
+            (
+                quote!(, __IdemM),
+                quote!(__IdemM),
+                quote!(__IdemFromRequest),
+                quote!(, __IdemM),
+            )
         };
-        let bound = respan(quote!(#private::FromRequest<__IdemS #via>), ty.span());
         Self {
             marker_param,
             marker,
-            bound: quote!(#ty: #bound,),
+            bound: bound_over(trait_.clone(), ty, via.clone()),
             extract: quote! {
-                let #local = match <#ty as #private::FromRequest<__IdemS #via>>::from_request(
-                    __idem_request,
-                    &__idem_state,
-                )
-                .await
-                {
-                    ::core::result::Result::Ok(value) => value,
-                    ::core::result::Result::Err(rejection) => {
-                        return #private::IntoResponse::into_response(rejection);
-                    }
-                };
+                let #local =
+                    match <__IdemS as #trait_<#ty #via>>::extract(__idem_request, &__idem_state).await {
+                        ::core::result::Result::Ok(value) => value,
+                        ::core::result::Result::Err(rejection) => return rejection,
+                    };
             },
         }
     }
+}
+
+/// `__IdemS: Trait<Ty, ..>,` spanned over the user's `Ty`, where rustc's
+/// "unsatisfied trait bound introduced here" then points.
+fn bound_over(trait_: TokenStream, ty: &Type, rest: TokenStream) -> TokenStream {
+    let (first, last) = first_last(ty);
+    let head = respan(quote!(__IdemS: #trait_<), first);
+    let tail = respan(quote!(#rest>,), last);
+    quote!(#head #ty #tail)
 }
 
 /// The unit struct standing for the handler, and the user's function kept
@@ -241,10 +382,15 @@ impl Shell {
             }
         }
         // The user's function, verbatim, as an associated function: type
-        // errors in its body point at the user's code.
+        // errors in its body point at the user's code. Only a `const`
+        // (already reported) goes: const evaluation rules would add errors.
         let mut sig = item.sig.clone();
         sig.ident = format_ident!("__idem_handler", span = name.span());
+        sig.constness = None;
         let block = &item.block;
+        // `async` is required by the attribute, so `clippy::unused_async`'s
+        // advice cannot be followed (it is silent for a plain axum handler,
+        // which is passed by value rather than called).
         let declaration = quote! {
             #(#cfgs)*
             #(#docs)*
@@ -255,7 +401,7 @@ impl Shell {
             #(#cfgs)*
             impl #name {
                 #(#attrs)*
-                #[allow(dead_code, clippy::too_many_arguments)]
+                #[allow(dead_code, clippy::too_many_arguments, clippy::unused_async)]
                 #sig #block
             }
         };
@@ -265,6 +411,28 @@ impl Shell {
             name,
         }
     }
+}
+
+/// The spans of `tokens`' first and last token.
+fn first_last(tokens: &dyn ToTokens) -> (Span, Span) {
+    let mut iter = tokens.to_token_stream().into_iter();
+    let first = iter
+        .next()
+        .map_or_else(Span::call_site, |token| token.span());
+    let last = iter.last().map_or(first, |token| token.span());
+    (first, last)
+}
+
+/// Spans `tokens` over all of `over`: every token at its first token but
+/// the last at its last, so rustc underlines the whole of `over` (stable
+/// proc macros cannot `join` spans; this is `syn::Error::new_spanned`'s trick).
+fn spanned_over(tokens: TokenStream, over: &dyn ToTokens) -> TokenStream {
+    let (first, last) = first_last(over);
+    let mut tokens: Vec<TokenTree> = tokens.into_iter().collect();
+    let tail = tokens.pop();
+    let head = respan(tokens.into_iter().collect(), first);
+    let tail = respan(tail.into_iter().collect(), last);
+    quote!(#head #tail)
 }
 
 /// Puts every token at `span`'s location, so errors about generated paths
@@ -286,4 +454,59 @@ fn respan(tokens: TokenStream, span: Span) -> TokenStream {
             }
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use quote::quote;
+
+    use crate::errors::Errors;
+    use crate::{attr, valid};
+
+    fn expansion(args: proc_macro2::TokenStream, item: proc_macro2::TokenStream) -> String {
+        let item: syn::ItemFn = syn::parse2(item).unwrap();
+        let mut errors = Errors::default();
+        let args = attr::parse(args, &mut errors);
+        let handler = valid::check(&item, &args, &mut errors).expect("a valid handler");
+        assert!(errors.into_result().is_ok());
+        super::expand(&item, &args, &handler).to_string()
+    }
+
+    #[test]
+    fn the_crate_override_replaces_every_path_to_idem() {
+        let handler = quote! {
+            async fn create(account: Account, mut tx: Tx<Postgres>, Json(n): Json<i64>) -> String {
+                String::new()
+            }
+        };
+        let default = expansion(quote!(scope = "account"), handler.clone());
+        assert!(default.contains(":: idem :: __private"));
+        let renamed = expansion(quote!(scope = "account", crate = "::my_idem"), handler);
+        assert!(renamed.contains(":: my_idem :: __private"));
+        assert!(renamed.contains(":: my_idem :: Scope"));
+        assert!(!renamed.contains(":: idem ::"), "{renamed}");
+    }
+
+    #[test]
+    fn generated_names_are_prefixed() {
+        let text = expansion(
+            quote!(scope = "account"),
+            quote! {
+                async fn create(account: Account, tx: Tx<Postgres>, body: Body) {}
+            },
+        );
+        for word in text.split(|c: char| !(c.is_alphanumeric() || c == '_')) {
+            if word.starts_with("__") {
+                assert!(
+                    word.starts_with("__idem")
+                        || word.starts_with("__Idem")
+                        || word == "__IDEM_CONFIG"
+                        || word == "__private",
+                    "unprefixed generated name {word}"
+                );
+            }
+        }
+        assert!(text.contains("struct create"));
+        assert!(text.contains("fn __idem_handler"));
+    }
 }

@@ -1,7 +1,7 @@
 //! Checking the handler's signature: every misuse reported on its own token.
 
-use syn::spanned::Spanned;
-use syn::{FnArg, GenericArgument, Ident, ItemFn, Pat, PathArguments, Type};
+use quote::ToTokens;
+use syn::{FnArg, GenericArgument, Ident, ItemFn, Pat, PathArguments, Signature, Type};
 
 use crate::attr::Args;
 use crate::errors::Errors;
@@ -33,6 +33,8 @@ pub struct Handler {
     pub extractors: Vec<Param>,
     /// Where the `Tx` goes among the original parameters.
     pub tx_index: usize,
+    /// The `Tx<...>` parameter's type, as written.
+    pub tx_ty: Type,
     /// The database type inside `Tx<...>`.
     pub db: Type,
     /// Index into `extractors` of the scope parameter.
@@ -41,7 +43,45 @@ pub struct Handler {
 
 pub fn check(item: &ItemFn, args: &Args, errors: &mut Errors) -> Option<Handler> {
     let before = errors.count();
-    let sig = &item.sig;
+    check_qualifiers(&item.sig, errors);
+    let Params {
+        extractors,
+        tx,
+        tx_names,
+    } = Params::split(&item.sig, errors);
+    check_body_is_last(&extractors, errors);
+    let scope_index = match &args.scope {
+        Some(scope) => find_scope(scope, &extractors, &tx_names, errors),
+        // Written with a wrong value: that error is already reported.
+        None if args.scope_written => None,
+        None => {
+            errors.push(syn::Error::new(
+                proc_macro2::Span::call_site(),
+                format!(
+                    "missing `scope = \"<parameter>\"`: keys must never be shared across callers, so \
+                     name the parameter that identifies the caller (its type implements `idem::Scope`); {}",
+                    candidates(&extractors)
+                ),
+            ));
+            None
+        }
+    };
+    if errors.count() != before {
+        return None;
+    }
+    let (tx_index, db, tx_ty) = tx?;
+    Some(Handler {
+        extractors,
+        tx_index,
+        tx_ty,
+        db,
+        scope_index: scope_index?,
+    })
+}
+
+/// `async`, and nothing axum cannot call: no `const`, `unsafe`, `extern`,
+/// generics or variadics.
+fn check_qualifiers(sig: &Signature, errors: &mut Errors) {
     if let Some(token) = &sig.constness {
         errors.push(syn::Error::new(
             token.span,
@@ -55,8 +95,8 @@ pub fn check(item: &ItemFn, args: &Args, errors: &mut Errors) -> Option<Handler>
         ));
     }
     if let Some(abi) = &sig.abi {
-        errors.push(syn::Error::new(
-            abi.span(),
+        errors.push(syn::Error::new_spanned(
+            abi,
             "`#[idempotent]` handlers cannot be `extern`",
         ));
     }
@@ -67,142 +107,131 @@ pub fn check(item: &ItemFn, args: &Args, errors: &mut Errors) -> Option<Handler>
         ));
     }
     let generics = &sig.generics;
-    let generic_span = match (&generics.lt_token, &generics.where_clause) {
-        (Some(_), _) => Some(generics.span()),
-        (None, Some(where_clause)) => Some(where_clause.span()),
+    let generic = match (&generics.lt_token, &generics.where_clause) {
+        (Some(_), _) => Some(generics.to_token_stream()),
+        (None, Some(where_clause)) => Some(where_clause.to_token_stream()),
         (None, None) => None,
     };
-    if let Some(span) = generic_span {
-        errors.push(syn::Error::new(
-            span,
+    if let Some(generic) = generic {
+        errors.push(syn::Error::new_spanned(
+            generic,
             "`#[idempotent]` handlers cannot be generic: axum needs one concrete handler type",
         ));
     }
     if let Some(variadic) = &sig.variadic {
-        errors.push(syn::Error::new(
-            variadic.span(),
+        errors.push(syn::Error::new_spanned(
+            variadic,
             "`#[idempotent]` handlers cannot be variadic",
         ));
     }
+}
 
-    let mut params = Vec::new();
-    let mut txs = Vec::new();
-    let mut tx_names = Vec::new();
-    let mut malformed_tx = false;
-    for (index, input) in sig.inputs.iter().enumerate() {
-        let typed = match input {
-            FnArg::Receiver(receiver) => {
-                errors.push(syn::Error::new(
-                    receiver.span(),
-                    "`#[idempotent]` handlers cannot take `self`: make it a free function",
+/// The parameters, split into the extractors and the one `Tx`.
+struct Params {
+    extractors: Vec<Param>,
+    /// Position, database type and written type of the single `Tx`.
+    tx: Option<(usize, Type, Type)>,
+    /// The names the `Tx` parameters are bound to.
+    tx_names: Vec<String>,
+}
+
+impl Params {
+    fn split(sig: &Signature, errors: &mut Errors) -> Self {
+        let mut extractors = Vec::new();
+        let mut txs = Vec::new();
+        let mut tx_names = Vec::new();
+        let mut malformed_tx = false;
+        for (index, input) in sig.inputs.iter().enumerate() {
+            let typed = match input {
+                FnArg::Receiver(receiver) => {
+                    errors.push(syn::Error::new_spanned(
+                        receiver,
+                        "`#[idempotent]` handlers cannot take `self`: make it a free function",
+                    ));
+                    continue;
+                }
+                FnArg::Typed(typed) => typed,
+            };
+            if let Type::ImplTrait(impl_trait) = &*typed.ty {
+                errors.push(syn::Error::new_spanned(
+                    impl_trait,
+                    "`#[idempotent]` handlers cannot be generic: name the extractor's concrete type \
+                     instead of `impl Trait`",
                 ));
                 continue;
             }
-            FnArg::Typed(typed) => typed,
-        };
-        if let Type::ImplTrait(impl_trait) = &*typed.ty {
-            errors.push(syn::Error::new(
-                impl_trait.span(),
-                "`#[idempotent]` handlers cannot be generic: name the extractor's concrete type \
-                 instead of `impl Trait`",
-            ));
-            continue;
-        }
-        match tx_database(&typed.ty) {
-            TxParam::Tx(db) => {
-                txs.push((index, db, typed.ty.span()));
-                if let Pat::Ident(ident) = &*typed.pat {
-                    tx_names.push(ident.ident.to_string());
+            match tx_database(&typed.ty) {
+                TxParam::Tx(db) => {
+                    txs.push((index, db, &*typed.ty));
+                    if let Pat::Ident(ident) = &*typed.pat {
+                        tx_names.push(ident.ident.to_string());
+                    }
                 }
+                // rustc reports a `Tx` without its database type on the
+                // function kept beside the errors (with a suggested fix).
+                TxParam::Malformed => malformed_tx = true,
+                TxParam::No => extractors.push(Param {
+                    pat: (*typed.pat).clone(),
+                    ty: (*typed.ty).clone(),
+                    local: quote::format_ident!("__idem_arg{}", index),
+                }),
             }
-            TxParam::Malformed(span) => {
-                malformed_tx = true;
+        }
+        let tx = match txs.as_slice() {
+            [] if malformed_tx => None,
+            [] => {
                 errors.push(syn::Error::new(
-                    span,
-                    "`Tx` takes the database type: `Tx<sqlx::Postgres>`",
+                    sig.ident.span(),
+                    "`#[idempotent]` handlers take exactly one `Tx<DB>` parameter, the request's \
+                     transaction; add one, e.g. `mut tx: idem::Tx<sqlx::Postgres>`",
                 ));
+                None
             }
-            TxParam::No => params.push(Param {
-                pat: (*typed.pat).clone(),
-                ty: (*typed.ty).clone(),
-                local: quote::format_ident!("__idem_arg{}", index),
-            }),
+            [(index, db, ty)] => Some((*index, (*db).clone(), (*ty).clone())),
+            [_, rest @ ..] => {
+                for (_, _, ty) in rest {
+                    errors.push(syn::Error::new_spanned(
+                        ty,
+                        "a second `Tx` parameter: `#[idempotent]` handlers run in exactly one \
+                         transaction",
+                    ));
+                }
+                None
+            }
+        };
+        Self {
+            extractors,
+            tx,
+            tx_names,
         }
     }
+}
 
-    let tx = match txs.as_slice() {
-        [] if malformed_tx => None,
-        [] => {
-            errors.push(syn::Error::new(
-                sig.ident.span(),
-                "`#[idempotent]` handlers take exactly one `Tx<DB>` parameter, the request's transaction; \
-                 add one, e.g. `mut tx: idem::Tx<sqlx::Postgres>`",
-            ));
-            None
-        }
-        [(index, db, _)] => Some((*index, db.clone())),
-        [_, rest @ ..] => {
-            for (_, _, span) in rest {
-                errors.push(syn::Error::new(
-                    *span,
-                    "a second `Tx` parameter: `#[idempotent]` handlers run in exactly one transaction",
-                ));
-            }
-            None
-        }
-    };
-
-    if let Some((_last, before_last)) = params.split_last() {
+/// A well-known body extractor anywhere but last.
+fn check_body_is_last(extractors: &[Param], errors: &mut Errors) {
+    if let Some((_last, before_last)) = extractors.split_last() {
         for param in before_last {
             if let Some(name) = body_extractor(&param.ty) {
-                errors.push(syn::Error::new(
-                    param.ty.span(),
+                errors.push(syn::Error::new_spanned(
+                    &param.ty,
                     format!("`{name}` consumes the request body, so it must be the last extractor"),
                 ));
             }
         }
     }
-
-    let scope_index = match &args.scope {
-        Some(scope) => find_scope(scope, &params, &tx_names, errors),
-        // Written with a wrong value: that error is already reported.
-        None if args.scope_written => None,
-        None => {
-            errors.push(syn::Error::new(
-                proc_macro2::Span::call_site(),
-                format!(
-                    "missing `scope = \"<parameter>\"`: keys must never be shared across callers, so \
-                     name the parameter that identifies the caller (its type implements `idem::Scope`); {}",
-                    candidates(&params)
-                ),
-            ));
-            None
-        }
-    };
-
-    if errors.count() != before {
-        return None;
-    }
-    let (tx_index, db) = tx?;
-    Some(Handler {
-        extractors: params,
-        tx_index,
-        db,
-        scope_index: scope_index?,
-    })
 }
 
 /// What a parameter's type says about the transaction.
-enum TxParam {
+enum TxParam<'a> {
     /// `Tx<DB>`: the request's transaction over `DB`.
-    Tx(Type),
+    Tx(&'a Type),
     /// `Tx` without exactly one type argument.
-    Malformed(proc_macro2::Span),
+    Malformed,
     No,
 }
 
 /// `Tx<DB>` (any path ending in `Tx`) yields `DB`.
-fn tx_database(ty: &Type) -> TxParam {
+fn tx_database(ty: &Type) -> TxParam<'_> {
     let Type::Path(path) = ty else {
         return TxParam::No;
     };
@@ -212,13 +241,12 @@ fn tx_database(ty: &Type) -> TxParam {
     if last.ident != "Tx" {
         return TxParam::No;
     }
-    let malformed = TxParam::Malformed(ty.span());
     let PathArguments::AngleBracketed(args) = &last.arguments else {
-        return malformed;
+        return TxParam::Malformed;
     };
     match args.args.iter().collect::<Vec<_>>().as_slice() {
-        [GenericArgument::Type(db)] => TxParam::Tx(db.clone()),
-        _ => malformed,
+        [GenericArgument::Type(db)] => TxParam::Tx(db),
+        _ => TxParam::Malformed,
     }
 }
 
@@ -242,9 +270,20 @@ fn find_scope(
         match &param.pat {
             Pat::Ident(ident) if ident.ident == wanted => {
                 if ident.subpat.is_some() {
-                    errors.push(syn::Error::new(
-                        param.pat.span(),
+                    errors.push(syn::Error::new_spanned(
+                        &param.pat,
                         format!("bind the scope parameter `{wanted}` whole, without a `@` pattern"),
+                    ));
+                    return None;
+                }
+                if let Some(name) = body_extractor(&param.ty) {
+                    errors.push(syn::Error::new_spanned(
+                        &param.ty,
+                        format!(
+                            "the scope cannot come from the request body (`{name}`), which the \
+                             client writes freely; name the authenticated caller, an extractor of \
+                             the request's head (`FromRequestParts`) that implements `idem::Scope`"
+                        ),
                     ));
                     return None;
                 }
@@ -252,12 +291,12 @@ fn find_scope(
             }
             Pat::Ident(_) => {}
             other if binds(other, &wanted) => {
-                errors.push(syn::Error::new(
-                    other.span(),
+                errors.push(syn::Error::new_spanned(
+                    other,
                     format!(
                         "`scope = \"{wanted}\"` names a binding inside a pattern; bind the whole \
                          extractor to a name (e.g. `{wanted}: {}`) and name that",
-                        quote::ToTokens::to_token_stream(&param.ty)
+                        type_text(&param.ty)
                     ),
                 ));
                 return None;
@@ -310,5 +349,162 @@ fn binds(pat: &Pat, name: &str) -> bool {
         Pat::Paren(p) => binds(&p.pat, name),
         Pat::Type(p) => binds(&p.pat, name),
         _ => false,
+    }
+}
+
+/// A type as the user would write it, for suggestions in messages.
+fn type_text(ty: &Type) -> String {
+    let mut text = ty.to_token_stream().to_string();
+    for (spaced, tight) in [
+        (" <", "<"),
+        ("< ", "<"),
+        (" >", ">"),
+        (" ::", "::"),
+        (":: ", "::"),
+        (" ,", ","),
+        ("& ", "&"),
+    ] {
+        text = text.replace(spaced, tight);
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use quote::quote;
+
+    use super::*;
+    use crate::attr;
+
+    fn messages(args: proc_macro2::TokenStream, item: proc_macro2::TokenStream) -> Vec<String> {
+        let item: ItemFn = syn::parse2(item).unwrap();
+        let mut errors = Errors::default();
+        let args = attr::parse(args, &mut errors);
+        let handler = check(&item, &args, &mut errors);
+        match errors.into_result() {
+            Ok(()) => vec![],
+            Err(error) => {
+                assert!(handler.is_none(), "errors, yet a handler to expand");
+                error.into_iter().map(|e| e.to_string()).collect()
+            }
+        }
+    }
+
+    #[test]
+    fn a_valid_handler_is_described() {
+        let item: ItemFn = syn::parse2(quote! {
+            async fn create(h: HeaderMap, mut tx: idem::Tx<Postgres>, account: Account, Json(b): Json<B>) {}
+        })
+        .unwrap();
+        let mut errors = Errors::default();
+        let args = attr::parse(quote!(scope = "account"), &mut errors);
+        let handler = check(&item, &args, &mut errors).unwrap();
+        assert_eq!(handler.extractors.len(), 3);
+        assert_eq!((handler.tx_index, handler.scope_index), (1, 1));
+        assert_eq!(type_text(&handler.db), "Postgres");
+        assert_eq!(type_text(&handler.tx_ty), "idem::Tx<Postgres>");
+    }
+
+    #[test]
+    fn every_signature_error_is_reported_at_once() {
+        let found = messages(
+            quote!(scope = "account"),
+            quote! {
+                const unsafe extern "C" fn create<T>(Json(b): Json<T>, account: Account, id: impl Send) {}
+            },
+        );
+        assert_eq!(found.len(), 8, "{found:?}");
+        for expected in [
+            "`const`",
+            "`unsafe`",
+            "`extern`",
+            "`async fn`",
+            "generic",
+            "`impl Trait`",
+            "`Tx<DB>`",
+            "`Json` consumes",
+        ] {
+            assert!(
+                found.iter().any(|m| m.contains(expected)),
+                "{expected}: {found:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn transactions_are_counted() {
+        let two = messages(
+            quote!(scope = "a"),
+            quote!(
+                async fn f(a: A, x: Tx<Pg>, y: Tx<Pg>) {}
+            ),
+        );
+        assert_eq!(two.len(), 1);
+        assert!(two[0].starts_with("a second `Tx`"));
+        // rustc reports a bare `Tx` itself; no "missing `Tx`" on top.
+        assert!(
+            messages(
+                quote!(scope = "a"),
+                quote!(
+                    async fn f(a: A, x: Tx) {}
+                )
+            )
+            .is_empty()
+        );
+    }
+
+    #[test]
+    fn scope_messages_list_the_candidates() {
+        let item = quote!(
+            async fn f(account: A, headers: H, (x, y): P, tx: Tx<Pg>) {}
+        );
+        assert_eq!(
+            messages(quote!(scope = "acount"), item.clone()),
+            [
+                "`scope = \"acount\"` names no parameter of this handler; it could name `account` or `headers`"
+            ]
+        );
+        assert!(messages(quote!(scope = "tx"), item.clone())[0].contains("names the transaction"));
+        assert!(
+            messages(quote!(scope = "y"), item.clone())[0].contains("binding inside a pattern")
+        );
+        assert!(messages(quote!(), item)[0].contains("it could name `account` or `headers`"));
+        let body = messages(
+            quote!(scope = "s"),
+            quote!(
+                async fn f(tx: Tx<Pg>, s: String) {}
+            ),
+        );
+        assert!(body[0].starts_with("the scope cannot come from the request body (`String`)"));
+    }
+
+    #[test]
+    fn body_extractors_come_last() {
+        let found = messages(
+            quote!(scope = "a"),
+            quote!(
+                async fn f(b: axum::body::Bytes, a: A, tx: Tx<Pg>) {}
+            ),
+        );
+        assert_eq!(
+            found,
+            ["`Bytes` consumes the request body, so it must be the last extractor"]
+        );
+        // The `Tx` is no extractor: it may follow the body.
+        assert!(
+            messages(
+                quote!(scope = "a"),
+                quote!(
+                    async fn f(a: A, b: Json<B>, tx: Tx<Pg>) {}
+                )
+            )
+            .is_empty()
+        );
+    }
+
+    #[test]
+    fn types_read_as_written() {
+        let ty: Type = syn::parse2(quote!(Option<Vec<(i64, &'static str)>>)).unwrap();
+        assert_eq!(type_text(&ty), "Option<Vec<(i64, &'static str)>>");
     }
 }

@@ -1,18 +1,14 @@
 #[path = "../support.rs"]
 mod support;
 
-use axum::{Json, Router};
 use axum::routing::post;
+use axum::{Json, Router};
 use idem::{Tx, idempotent};
 use sqlx::Postgres;
 use support::{Account, AppState};
 
 #[idempotent(scope = "account")]
-async fn create(
-    Json(amount): Json<i64>,
-    account: Account,
-    mut tx: Tx<Postgres>,
-) -> &'static str {
+async fn create(Json(amount): Json<i64>, account: Account, mut tx: Tx<Postgres>) -> &'static str {
     let _ = (amount, account, &mut tx);
     "created"
 }

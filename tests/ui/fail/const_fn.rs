@@ -8,7 +8,7 @@ use sqlx::Postgres;
 use support::{Account, AppState};
 
 #[idempotent(scope = "account")]
-const fn create(account: Account, tx: Tx<Postgres>) -> &'static str {
+const async fn create(account: Account, tx: Tx<Postgres>) -> &'static str {
     let _ = (account, tx);
     "created"
 }

@@ -1,8 +1,8 @@
 #[path = "../support.rs"]
 mod support;
 
-use axum::{Json, Router};
 use axum::routing::post;
+use axum::{Json, Router};
 use idem::{Tx, idempotent};
 use sqlx::Postgres;
 use support::{Account, AppState};
@@ -13,7 +13,11 @@ struct NewCharge {
 }
 
 #[idempotent(scope = "account")]
-async fn create(account: Account, mut tx: Tx<Postgres>, Json(new): Json<NewCharge>) -> &'static str {
+async fn create(
+    account: Account,
+    mut tx: Tx<Postgres>,
+    Json(new): Json<NewCharge>,
+) -> &'static str {
     let _ = (account, &mut tx, new.amount);
     "created"
 }

@@ -1,11 +1,11 @@
 #[path = "../support.rs"]
 mod support;
 
-use axum::{Extension, Router};
 use axum::routing::post;
+use axum::{Extension, Router};
 use idem::{Tx, idempotent};
 use sqlx::Postgres;
-use support::{Account, AppState};
+use support::AppState;
 
 #[idempotent(scope = "account")]
 async fn create(Extension(account): Extension<String>, mut tx: Tx<Postgres>) -> &'static str {

@@ -5,8 +5,8 @@ use axum::Router;
 use axum::routing::post;
 use idem::{Scope, Tx, idempotent};
 use sqlx::Postgres;
-use support::AppState;
 use std::borrow::Cow;
+use support::AppState;
 
 /// Implements `Scope`, but axum cannot extract it from a request.
 struct AccountId(String);

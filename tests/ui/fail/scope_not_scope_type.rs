@@ -2,11 +2,11 @@
 mod support;
 
 use axum::Router;
+use axum::http::HeaderMap;
 use axum::routing::post;
 use idem::{Tx, idempotent};
 use sqlx::Postgres;
 use support::AppState;
-use axum::http::HeaderMap;
 
 #[idempotent(scope = "headers")]
 async fn create(headers: HeaderMap, mut tx: Tx<Postgres>) -> &'static str {

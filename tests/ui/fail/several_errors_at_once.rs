@@ -1,8 +1,8 @@
 #[path = "../support.rs"]
 mod support;
 
-use axum::{Json, Router};
 use axum::routing::post;
+use axum::{Json, Router};
 use idem::{Tx, idempotent};
 use sqlx::Postgres;
 use support::{Account, AppState};

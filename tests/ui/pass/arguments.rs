@@ -98,7 +98,7 @@ async fn krate(account: Account, mut tx: Tx<Postgres>) -> StatusCode {
     wait = "2s",
     key = "optional",
     ttl = "7d",
-    scope = "account",
+    scope = "account"
 )]
 async fn everything(account: Account, mut tx: Tx<Postgres>) -> StatusCode {
     let _ = (account, &mut tx);

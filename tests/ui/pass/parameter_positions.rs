@@ -38,11 +38,17 @@ async fn tx_in_the_middle(
     headers: HeaderMap,
 ) -> impl IntoResponse {
     account.0.push('!');
-    (StatusCode::CREATED, format!("{method} {} {}", account.0, headers.len()))
+    (
+        StatusCode::CREATED,
+        format!("{method} {} {}", account.0, headers.len()),
+    )
 }
 
 #[idempotent(scope = "account")]
-async fn returns_result(account: Account, mut tx: Tx<Postgres>) -> Result<impl IntoResponse, StatusCode> {
+async fn returns_result(
+    account: Account,
+    mut tx: Tx<Postgres>,
+) -> Result<impl IntoResponse, StatusCode> {
     sqlx::query("SELECT $1")
         .bind(&account.0)
         .execute(&mut *tx)
