@@ -14,6 +14,9 @@ use tokio::sync::Notify;
 pub trait TestDb: idem::Backend + Sized {
     /// Engine name in messages.
     const ENGINE: &'static str;
+    /// One writer at a time (SQLite): while a handler's transaction is
+    /// open, every other claim waits for it, whatever its key.
+    const SERIAL_WRITES: bool = false;
     /// Inserts one effect: (scope, key, note, nonce), returning its id.
     const INSERT_EFFECT: &'static str;
     /// Connects (failing loudly when the server is missing) and migrates.
@@ -243,6 +246,17 @@ macro_rules! define_app {
                 effect(&caller, &headers, &holds, &mut tx, req.note).await
             }
 
+            #[idempotent(scope = "caller", wait = "300ms")]
+            pub async fn create_brief(
+                caller: Caller,
+                headers: HeaderMap,
+                State(holds): State<Holds>,
+                mut tx: Tx<$db>,
+                Json(req): Json<EffectRequest>,
+            ) -> Response {
+                effect(&caller, &headers, &holds, &mut tx, req.note).await
+            }
+
             #[idempotent(scope = "caller", ttl = "1s")]
             pub async fn create_short(
                 caller: Caller,
@@ -271,6 +285,7 @@ macro_rules! define_app {
                     .route("/effects", post(create).put(create))
                     .route("/other", post(create))
                     .route("/effects/wait", post(create_waiting))
+                    .route("/effects/brief", post(create_brief))
                     .route("/effects/short", post(create_short))
                     .route("/effects/optional", post(create_optional))
                     .layer(axum::extract::DefaultBodyLimit::max(64 * 1024))

@@ -7,6 +7,10 @@
 mod app;
 mod engines;
 mod harness;
+#[cfg(feature = "mysql")]
+mod mysql_only;
+#[cfg(feature = "sqlite")]
+mod sqlite_only;
 mod suite;
 
 /// Instantiates every test of `suite` for one engine.
@@ -23,14 +27,17 @@ macro_rules! conformance {
     };
 }
 
+/// Every engine whose cargo feature is on (`--all-features` runs all three).
 macro_rules! all_engines {
-    ($($engine:ident: $db:ty),* $(,)?) => {
+    ($($engine:ident: $db:ty, feature = $feature:literal);* $(;)?) => {
         $(
+            #[cfg(feature = $feature)]
             conformance!($engine, $db:
                 replay_is_verbatim,
                 quoted_and_bare_keys_match,
                 concurrent_duplicates_make_one_effect,
                 in_flight_duplicates_get_409_or_wait,
+                short_waits_are_honoured,
                 different_body_is_422,
                 other_path_or_method_is_422,
                 scopes_are_independent,
@@ -55,11 +62,18 @@ macro_rules! all_engines {
         async fn child_server() {
             let engine = std::env::var(harness::CHILD_ENGINE).expect("run by ChildServer only");
             match engine.as_str() {
-                $(stringify!($engine) => harness::serve_as_child::<$db>().await,)*
+                $(
+                    #[cfg(feature = $feature)]
+                    stringify!($engine) => harness::serve_as_child::<$db>().await,
+                )*
                 other => panic!("unknown engine {other}"),
             }
         }
     };
 }
 
-all_engines!(postgres: sqlx::Postgres);
+all_engines!(
+    postgres: sqlx::Postgres, feature = "postgres";
+    sqlite: sqlx::Sqlite, feature = "sqlite";
+    mysql: sqlx::MySql, feature = "mysql";
+);

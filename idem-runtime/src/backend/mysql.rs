@@ -32,6 +32,15 @@
 //! the interrupted insert, error 1969, is a 409 too). So on MariaDB `wait`
 //! is honoured to the millisecond; on MySQL a duplicate may wait up to the
 //! next whole second (never less than `wait`).
+//!
+//! # Limits
+//!
+//! The primary key (scope, key) must fit InnoDB's 3,072-byte index limit,
+//! so a scope may be at most 2,048 bytes (a longer one is a store error,
+//! 503, never a truncated and shared key). The stored response travels
+//! hex-encoded in the commit's statement, so `max_allowed_packet` must
+//! exceed twice `Idem::max_response_bytes` (16 MiB on MariaDB and 64 MiB on
+//! MySQL 8 by default, against the 1 MiB default cap).
 
 use sqlx::mysql::MySqlRow;
 use sqlx::pool::PoolConnection;

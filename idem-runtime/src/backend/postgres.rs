@@ -48,6 +48,24 @@ impl Backend for Postgres {
             );
             CREATE INDEX IF NOT EXISTS {index} ON {table} (expires_at);"
         );
+        // `CREATE INDEX IF NOT EXISTS` takes a SHARE lock on the table before
+        // it looks for the index: on a live table it would wait for every
+        // open claim and queue every new claim behind it. The catalog read
+        // locks nothing, so a migrated table costs a start-up nothing.
+        let qualified_index = match table.rsplit_once('.') {
+            Some((schema, _)) => format!("{schema}.{index}"),
+            None => index.clone(),
+        };
+        let migrated: bool = sqlx::query_scalar(
+            "SELECT to_regclass($1) IS NOT NULL AND to_regclass($2) IS NOT NULL",
+        )
+        .bind(table)
+        .bind(&qualified_index)
+        .fetch_one(pool)
+        .await?;
+        if migrated {
+            return Ok(());
+        }
         // Two services migrating at once can both pass `IF NOT EXISTS` and
         // collide in the catalog; the loser's retry then finds the table.
         for attempt in 0.. {

@@ -35,8 +35,11 @@
 //! Use WAL (`SqliteConnectOptions::journal_mode(SqliteJournalMode::Wal)`);
 //! [`migrate`](Backend::migrate) warns when a file database is not in WAL.
 //! A shared-cache in-memory database (`sqlite:file:name?mode=memory&cache=shared`)
-//! works too; there sqlx waits on SQLite's unlock notification instead of
-//! the busy timeout, so the write-lock wait is unbounded.
+//! works too. Shared-cache locks are per table and sqlx waits for them on
+//! SQLite's unlock notification, not the busy timeout: there the write-lock
+//! wait is unbounded, and even a replay's read of the key table waits for
+//! the writer's commit (a duplicate of a key in flight still gets its 409
+//! from the in-process wait, without touching the database).
 //!
 //! Values are bound, not inlined: a "round trip" to SQLite is a hop to the
 //! connection's worker thread, not a network exchange.

@@ -1,13 +1,10 @@
-//! The engines the suite runs on. A missing server fails its tests loudly.
+//! PostgreSQL, at `IDEM_TEST_POSTGRES_URL` (default the local server).
 
 use sqlx::{Pool, Postgres};
 use tokio::sync::OnceCell;
 
+use super::env_or;
 use crate::app::{AppState, TestDb};
-
-fn env_or(name: &str, default: &str) -> String {
-    std::env::var(name).unwrap_or_else(|_| default.to_owned())
-}
 
 pub mod postgres_app {
     crate::define_app!(sqlx::Postgres);

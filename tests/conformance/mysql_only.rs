@@ -1,0 +1,81 @@
+//! MySQL/MariaDB-only checks, at the storage layer: the claim's short lock
+//! wait must not leak into the handler's statements or the pool.
+
+use std::time::Duration;
+
+use idem::{Backend, Claim, ClaimOutcome, Fingerprint};
+use sqlx::mysql::MySqlPoolOptions;
+use sqlx::{Executor, MySql};
+
+use crate::app::TestDb;
+use crate::harness::unique;
+
+/// The lock wait the pool's sessions are configured with.
+const SESSION_LOCK_WAIT: u64 = 7;
+
+async fn lock_wait(conn: &mut sqlx::MySqlConnection) -> u64 {
+    sqlx::query_scalar("SELECT @@SESSION.innodb_lock_wait_timeout")
+        .fetch_one(conn)
+        .await
+        .unwrap()
+}
+
+/// The handler runs with the session's own `innodb_lock_wait_timeout`, and
+/// the connection goes back to the pool with it, whatever the claim set
+/// for its insert and whether the claim won (`Claimed`) or lost (`InUse`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_claim_restores_the_sessions_lock_wait() {
+    MySql::connect().await; // the server is there and the table migrated
+    let url = std::env::var("IDEM_TEST_MYSQL_URL")
+        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_owned());
+    let pool = MySqlPoolOptions::new()
+        .max_connections(2)
+        .after_connect(|conn, _| {
+            Box::pin(async move {
+                let set = format!("SET SESSION innodb_lock_wait_timeout = {SESSION_LOCK_WAIT}");
+                conn.execute(sqlx::AssertSqlSafe(set)).await?;
+                Ok(())
+            })
+        })
+        .connect(&url)
+        .await
+        .unwrap();
+    let scope = unique("lockwait");
+    let claim = Claim {
+        scope: &scope,
+        key: "k",
+        fingerprint: Fingerprint::from_bytes(&[7; 32]).unwrap(),
+        ttl: Duration::from_secs(60),
+        wait: Duration::from_millis(250),
+    };
+
+    let ClaimOutcome::Claimed(mut held) = MySql::claim(&pool, "idem_keys", &claim).await.unwrap()
+    else {
+        panic!("a fresh key is claimed")
+    };
+    assert_eq!(
+        lock_wait(&mut held).await,
+        SESSION_LOCK_WAIT,
+        "inside the handler"
+    );
+
+    // The duplicate's insert times out on the held row: its connection is
+    // reset before it goes back to the pool.
+    let duplicate = MySql::claim(&pool, "idem_keys", &claim).await.unwrap();
+    assert!(matches!(duplicate, ClaimOutcome::InUse), "{duplicate:?}");
+    let mut other = pool.acquire().await.unwrap();
+    assert_eq!(
+        lock_wait(&mut other).await,
+        SESSION_LOCK_WAIT,
+        "after a lost claim"
+    );
+    let in_transaction: u64 = sqlx::query_scalar("SELECT @@in_transaction")
+        .fetch_one(&mut *other)
+        .await
+        .unwrap();
+    assert_eq!(in_transaction, 0, "the lost claim's transaction ended");
+    drop(other);
+
+    MySql::rollback(&mut held).await.unwrap();
+    held.release();
+}
