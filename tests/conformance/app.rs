@@ -19,6 +19,13 @@ pub trait TestDb: idem::Backend + Sized {
     const SERIAL_WRITES: bool = false;
     /// Inserts one effect: (scope, key, note, nonce), returning its id.
     const INSERT_EFFECT: &'static str;
+    /// Rewrites one effect row in place (takes its row lock): `$1`/`?` = id.
+    const TOUCH_EFFECT: &'static str;
+    /// Opens a transaction holding the row lock of effect `id`.
+    fn lock_effect(
+        pool: &sqlx::Pool<Self>,
+        id: i64,
+    ) -> impl std::future::Future<Output = sqlx::Transaction<'static, Self>> + Send;
     /// Connects (failing loudly when the server is missing) and migrates.
     fn connect() -> impl std::future::Future<Output = sqlx::Pool<Self>> + Send;
     /// A pool whose server cannot be reached.
@@ -205,6 +212,14 @@ macro_rules! define_app {
                         hold.entered.notify_one();
                         hold.release.notified().await;
                         signal.0 = None;
+                    }
+                    m if m.starts_with("touch:") => {
+                        let target: i64 = m[6..].parse().unwrap();
+                        sqlx::query(<$db as TestDb>::TOUCH_EFFECT)
+                            .bind(target)
+                            .execute(&mut **tx)
+                            .await
+                            .expect("touch effect");
                     }
                     m if m.starts_with("status:") => {
                         let status = StatusCode::from_u16(m[7..].parse().unwrap()).unwrap();

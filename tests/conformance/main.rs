@@ -52,6 +52,7 @@ macro_rules! all_engines {
                 first_answer_is_the_handlers,
                 unreachable_store_is_503,
                 cancelled_requests_roll_back,
+                handler_statements_may_wait_on_locks,
             );
         )*
 

@@ -557,3 +557,26 @@ pub async fn cancelled_requests_roll_back<DB: TestDb>() {
     }
     assert_eq!(server.effects(&caller).await, 21);
 }
+
+/// The claim's short lock timeout covers the claim only: the handler's own
+/// statements may wait on locks as long as they need.
+pub async fn handler_statements_may_wait_on_locks<DB: TestDb>() {
+    let server = start::<DB>().await;
+    let caller = unique("locks");
+    let client = server.client(&caller);
+    let target = send(client.post("/effects", "target", BODY)).await;
+    let id = serde_json::from_slice::<Effect>(&target.body).unwrap().id;
+    let holder = DB::lock_effect(server.state.idem.pool(), id).await;
+    let waiting = tokio::spawn(send(
+        client
+            .post("/effects", "k", BODY)
+            .header("x-test-mode", format!("touch:{id}")),
+    ));
+    // Holding the lock far longer than the claim's 1 ms timeout is the point.
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    holder.commit().await.unwrap();
+    let answer = waiting.await.unwrap();
+    assert_eq!(answer.status, StatusCode::CREATED, "{answer:?}");
+    assert!(send(client.post("/effects", "k", BODY)).await.replayed());
+    assert_eq!(server.effects(&caller).await, 2);
+}

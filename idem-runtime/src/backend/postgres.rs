@@ -9,7 +9,7 @@
 
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::PgRow;
-use sqlx::{AssertSqlSafe, Pool, Postgres, Row};
+use sqlx::{AssertSqlSafe, Column, Pool, Postgres, Row};
 
 use super::{Backend, Claim, ClaimOutcome, OpenTx, hex};
 use crate::Error;
@@ -91,12 +91,7 @@ impl Backend for Postgres {
         claim: &Claim<'_>,
     ) -> Result<ClaimOutcome<Self>, sqlx::Error> {
         let row = ClaimRow::new(table, claim);
-        let first = format!(
-            "BEGIN; SET LOCAL lock_timeout = '{}ms'; {} {}",
-            lock_timeout_ms(claim),
-            row.insert(),
-            row.select()
-        );
+        let first = format!("BEGIN; {} {}", row.insert(), row.select());
         let mut attempt = 1;
         loop {
             let mut conn = OpenTx::new(pool.acquire().await?);
@@ -113,6 +108,13 @@ impl Backend for Postgres {
             };
             super::abandon(conn).await;
             if has_code(&error, &[LOCK_NOT_AVAILABLE]) {
+                // A timeout this short can also be a brief wait on another
+                // lock (extending the table, say) rather than a duplicate:
+                // look once more before telling a fresh key it is in use.
+                if attempt == 1 && claim.wait < SHORT_WAIT {
+                    attempt += 1;
+                    continue;
+                }
                 return Ok(ClaimOutcome::InUse);
             }
             // CockroachDB and YugabyteDB ask clients to retry these; the
@@ -178,6 +180,9 @@ fn lock_timeout_ms(claim: &Claim<'_>) -> u128 {
     claim.wait.as_millis().max(1)
 }
 
+/// Below this `wait`, a lock timeout during the claim is retried once.
+const SHORT_WAIT: std::time::Duration = std::time::Duration::from_millis(50);
+
 /// Runs the claim statements until the row is ours or finished by another
 /// attempt. An expired row is taken over with an `UPDATE` that re-checks
 /// expiry under the row lock, so of two concurrent takeovers one wins and
@@ -192,14 +197,15 @@ async fn settle(
         let rows = sqlx::raw_sql(AssertSqlSafe(sql))
             .fetch_all(&mut **conn)
             .await?;
-        sql = match rows.first().map(read_row).transpose()? {
+        let claim_row = rows.iter().find(|row| has_column(row, "expired"));
+        sql = match claim_row.map(read_row).transpose()? {
             // Swept between the insert and the select: insert again.
             None => format!("{} {}", row.insert(), row.select()),
             Some(Found::Expired) => {
                 let taken = sqlx::raw_sql(AssertSqlSafe(row.take_over()))
-                    .execute(&mut **conn)
+                    .fetch_all(&mut **conn)
                     .await?;
-                if taken.rows_affected() == 1 {
+                if taken.iter().any(|row| has_column(row, "taken")) {
                     return Ok(Settled::Ours);
                 }
                 row.select()
@@ -255,6 +261,7 @@ struct ClaimRow {
     key: String,
     fingerprint: String,
     ttl_ms: u128,
+    lock_timeout_ms: u128,
 }
 
 impl ClaimRow {
@@ -265,6 +272,7 @@ impl ClaimRow {
             key: hex(claim.key.as_bytes()),
             fingerprint: hex(claim.fingerprint.as_bytes()),
             ttl_ms: claim.ttl.as_millis(),
+            lock_timeout_ms: lock_timeout_ms(claim),
         }
     }
 
@@ -275,24 +283,39 @@ impl ClaimRow {
         )
     }
 
-    fn insert(&self) -> String {
+    /// Runs `statement` under the claim's lock timeout and restores the
+    /// transaction's previous one after it: the handler's own statements
+    /// and the final commit must not inherit a timeout of a millisecond.
+    /// (`SET LOCAL ... TO DEFAULT` would drop a session-level setting.)
+    fn bounded(&self, statement: &str) -> String {
         format!(
-            "INSERT INTO {} (scope, key, fingerprint, expires_at) VALUES \
-             (decode('{}', 'hex'), decode('{}', 'hex'), decode('{}', 'hex'), now() + interval '{} milliseconds') \
-             ON CONFLICT (scope, key) DO NOTHING;",
-            self.table, self.scope, self.key, self.fingerprint, self.ttl_ms
+            "SELECT set_config('idem.lock_timeout', current_setting('lock_timeout'), true), \
+             set_config('lock_timeout', '{}ms', true); \
+             {statement}; \
+             SELECT set_config('lock_timeout', current_setting('idem.lock_timeout'), true);",
+            self.lock_timeout_ms
         )
     }
 
+    fn insert(&self) -> String {
+        self.bounded(&format!(
+            "INSERT INTO {} (scope, key, fingerprint, expires_at) VALUES \
+             (decode('{}', 'hex'), decode('{}', 'hex'), decode('{}', 'hex'), now() + interval '{} milliseconds') \
+             ON CONFLICT (scope, key) DO NOTHING",
+            self.table, self.scope, self.key, self.fingerprint, self.ttl_ms
+        ))
+    }
+
     fn take_over(&self) -> String {
-        format!(
+        self.bounded(&format!(
             "UPDATE {} SET fingerprint = decode('{}', 'hex'), status = NULL, headers = NULL, body = NULL, \
-             created_at = now(), expires_at = now() + interval '{} milliseconds' WHERE {} AND expires_at <= now()",
+             created_at = now(), expires_at = now() + interval '{} milliseconds' \
+             WHERE {} AND expires_at <= now() RETURNING true AS taken",
             self.table,
             self.fingerprint,
             self.ttl_ms,
             self.matches()
-        )
+        ))
     }
 
     fn select(&self) -> String {
@@ -302,6 +325,10 @@ impl ClaimRow {
             self.matches()
         )
     }
+}
+
+fn has_column(row: &PgRow, name: &str) -> bool {
+    row.columns().iter().any(|column| column.name() == name)
 }
 
 fn has_code(error: &sqlx::Error, codes: &[&str]) -> bool {

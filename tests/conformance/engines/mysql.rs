@@ -17,6 +17,17 @@ impl TestDb for MySql {
     const ENGINE: &'static str = "mysql";
     // `RETURNING` on INSERT is MariaDB's (10.5+); the suite runs on MariaDB.
     const INSERT_EFFECT: &'static str = "INSERT INTO idem_test_effects (scope, `key`, note, nonce) VALUES (?, ?, ?, ?) RETURNING id";
+    const TOUCH_EFFECT: &'static str = "UPDATE idem_test_effects SET note = note WHERE id = ?";
+
+    async fn lock_effect(pool: &Pool<Self>, id: i64) -> sqlx::Transaction<'static, Self> {
+        let mut tx = pool.begin().await.unwrap();
+        sqlx::query(Self::TOUCH_EFFECT)
+            .bind(id)
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        tx
+    }
 
     async fn connect() -> Pool<Self> {
         let url = env_or("IDEM_TEST_MYSQL_URL", "mysql://root@127.0.0.1:3306/test");

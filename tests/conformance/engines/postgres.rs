@@ -15,6 +15,17 @@ static PG_READY: OnceCell<()> = OnceCell::const_new();
 impl TestDb for Postgres {
     const ENGINE: &'static str = "postgres";
     const INSERT_EFFECT: &'static str = "INSERT INTO idem_test_effects (scope, key, note, nonce) VALUES ($1, $2, $3, $4) RETURNING id";
+    const TOUCH_EFFECT: &'static str = "UPDATE idem_test_effects SET note = note WHERE id = $1";
+
+    async fn lock_effect(pool: &Pool<Self>, id: i64) -> sqlx::Transaction<'static, Self> {
+        let mut tx = pool.begin().await.unwrap();
+        sqlx::query(Self::TOUCH_EFFECT)
+            .bind(id)
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        tx
+    }
 
     async fn connect() -> Pool<Self> {
         let url = env_or(

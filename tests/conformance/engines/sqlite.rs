@@ -74,6 +74,17 @@ impl TestDb for Sqlite {
     const ENGINE: &'static str = "sqlite";
     const SERIAL_WRITES: bool = true;
     const INSERT_EFFECT: &'static str = "INSERT INTO idem_test_effects (scope, \"key\", note, nonce) VALUES ($1, $2, $3, $4) RETURNING id";
+    const TOUCH_EFFECT: &'static str = "UPDATE idem_test_effects SET note = note WHERE id = $1";
+
+    async fn lock_effect(pool: &Pool<Self>, id: i64) -> sqlx::Transaction<'static, Self> {
+        let mut tx = pool.begin().await.unwrap();
+        sqlx::query(Self::TOUCH_EFFECT)
+            .bind(id)
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        tx
+    }
 
     async fn connect() -> Pool<Self> {
         let pool = pool(file_options(shared_file()).busy_timeout(SHARED_BUSY_TIMEOUT)).await;
