@@ -62,6 +62,16 @@ fn fingerprinting(c: &mut Criterion) {
             })
         });
     }
+    // Where a JSON fingerprint's time goes: parsing alone, then the
+    // RFC 8785 form (parse + canonical serialization).
+    let big = json_body(256 * 1024);
+    group.throughput(Throughput::Bytes(big.len() as u64));
+    group.bench_function("serde_json_parse_256KiB", |b| {
+        b.iter(|| serde_json::from_slice::<serde_json::Value>(black_box(&big)).unwrap())
+    });
+    group.bench_function("canonicalize_256KiB", |b| {
+        b.iter(|| idem::canonicalize(black_box(&big)).unwrap())
+    });
     // The same 1 KiB body, not JSON: hashed raw, no canonical form.
     let raw = json_body(1024);
     let octets = HeaderMap::new();

@@ -262,6 +262,7 @@ async fn count(
     proxy.reset();
     let response = service.post(route, key, statements).await;
     settle(pool).await;
+    assert_eq!(proxy.connections(), 0, "{route} reconnected");
     (proxy.round_trips(), response)
 }
 
@@ -314,9 +315,10 @@ async fn an_idempotent_first_attempt_adds_no_round_trip() {
         assert!(extra <= 1, "the wrapper adds {extra} round trips");
         assert_eq!(extra, 0, "the wrapper adds {extra} round trips");
         // A replay: the claim (which finds the finished row), its
-        // rollback, and the same pool pings as the baseline.
+        // rollback, and the same pool pings as the baseline. Fewer is an
+        // improvement (update this bound), more is a regression.
         let pings = base - statements as u64 - 2;
-        assert_eq!(replay, pings + 2, "replay round trips");
+        assert!(replay <= pings + 2, "a replay takes {replay} round trips");
     }
 
     drop(service);
@@ -355,16 +357,21 @@ async fn the_proxy_counts_queries_and_syncs() {
     sqlx::raw_sql("SELECT 1").execute(&pool).await.unwrap();
     settle(&pool).await;
     let simple = proxy.round_trips();
-    proxy.reset();
-    // Extended protocol: Parse/Bind/Execute then one Sync.
-    sqlx::query("SELECT $1::int")
-        .bind(1)
-        .execute(&pool)
-        .await
-        .unwrap();
-    settle(&pool).await;
-    let extended = proxy.round_trips();
-    assert_eq!(extended, simple, "one statement is one round trip");
+    // Extended protocol: sqlx prepares a statement the first time it sees
+    // it on a connection (Parse/Describe, Sync), then runs it
+    // (Bind/Execute, Sync): hence the warm-up before every count.
+    let mut extended = Vec::new();
+    for _ in 0..2 {
+        proxy.reset();
+        sqlx::query("SELECT $1::int")
+            .bind(1)
+            .execute(&pool)
+            .await
+            .unwrap();
+        settle(&pool).await;
+        extended.push(proxy.round_trips());
+    }
+    assert_eq!(extended, [simple + 1, simple], "cold, then cached");
     assert_eq!(proxy.queries(), 0);
     assert!(proxy.syncs() >= 1);
     pool.close().await;

@@ -13,8 +13,10 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use idem::{Fingerprint, Idem, Scope, Tx, idempotent};
 use serde::{Deserialize, Serialize};
-use sqlx::postgres::PgPoolOptions;
-use sqlx::{Connection, PgConnection, PgPool, Postgres};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{AssertSqlSafe, Connection, PgConnection, PgPool, Postgres};
+
+use crate::proto;
 
 /// The idempotency table of the benchmark (not the default one, which tests
 /// and examples share).
@@ -32,6 +34,9 @@ const POOL: &str = "IDEM_BENCH_POOL";
 /// What a server process is started with.
 #[derive(Clone, Debug)]
 pub struct ServerConfig {
+    /// `postgres` or `sqlite`.
+    pub engine: &'static str,
+    /// A PostgreSQL URL, or a SQLite file.
     pub database_url: String,
     pub pool: u32,
     pub threads: usize,
@@ -41,6 +46,7 @@ impl ServerConfig {
     pub fn from_env(database_url: String) -> Self {
         let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
         Self {
+            engine: "postgres",
             database_url,
             pool: env_number(POOL, 16),
             threads: env_number(SERVER_THREADS, threads),
@@ -50,6 +56,7 @@ impl ServerConfig {
     pub fn to_env(&self) -> Vec<(&'static str, String)> {
         vec![
             (ROLE, "server".to_owned()),
+            ("IDEM_BENCH_ENGINE", self.engine.to_owned()),
             ("IDEM_BENCH_DATABASE_URL", self.database_url.clone()),
             (POOL, self.pool.to_string()),
             (SERVER_THREADS, self.threads.to_string()),
@@ -69,6 +76,10 @@ pub fn env_number<T: std::str::FromStr>(name: &str, default: T) -> T {
 /// Creates the tables (and empties them: every run starts alike).
 pub async fn setup(pool: &PgPool) -> Result<(), Box<dyn std::error::Error>> {
     Idem::new(pool.clone()).table(KEYS_TABLE)?.migrate().await?;
+    Idem::new(pool.clone())
+        .table(proto::PROTO_TABLE)?
+        .migrate()
+        .await?;
     sqlx::raw_sql(
         "CREATE TABLE IF NOT EXISTS bench_charges (
             id bigserial PRIMARY KEY, account text NOT NULL, amount bigint NOT NULL,
@@ -83,10 +94,21 @@ pub async fn setup(pool: &PgPool) -> Result<(), Box<dyn std::error::Error>> {
             scope text NOT NULL, key text NOT NULL, fingerprint bytea NOT NULL,
             status smallint, body bytea, expires_at timestamptz NOT NULL,
             PRIMARY KEY (scope, key));
-         TRUNCATE bench_charges, bench_accounts, bench_ledger, bench_two_phase_keys, idem_bench_keys;
-         INSERT INTO bench_accounts (account) SELECT 'c' || i FROM generate_series(0, 255) i;
-         VACUUM ANALYZE bench_accounts;",
+         TRUNCATE bench_charges, bench_accounts, bench_ledger, bench_two_phase_keys, idem_bench_keys,
+            idem_bench_proto;
+         INSERT INTO bench_accounts (account) SELECT 'c' || i FROM generate_series(0, 255) i;",
     )
+    .execute(pool)
+    .await?;
+    sqlx::raw_sql("VACUUM ANALYZE bench_accounts")
+        .execute(pool)
+        .await?;
+    // Diagnostic: room for HOT updates of the stored response.
+    let fillfactor: u32 = env_number("IDEM_BENCH_FILLFACTOR", 100);
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "ALTER TABLE idem_bench_keys SET (fillfactor = {fillfactor});
+         ALTER TABLE idem_bench_proto SET (fillfactor = {fillfactor});"
+    )))
     .execute(pool)
     .await?;
     Ok(())
@@ -96,17 +118,29 @@ pub async fn setup(pool: &PgPool) -> Result<(), Box<dyn std::error::Error>> {
 pub fn serve_child() {
     let url = std::env::var("IDEM_BENCH_DATABASE_URL").expect("started by the benchmark");
     let config = ServerConfig::from_env(url);
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("IDEM_BENCH_LOG")
+                .unwrap_or_else(|_| "warn".into()),
+        )
+        .init();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(config.threads)
         .enable_all()
         .build()
         .expect("server runtime");
     runtime.block_on(async {
-        let pool = connect(&config.database_url, config.pool).await;
+        let app = match std::env::var("IDEM_BENCH_ENGINE").as_deref() {
+            Ok("sqlite") => crate::sqlite::router(
+                crate::sqlite::connect(&config.database_url, config.pool).await,
+            ),
+            _ => router(connect(&config.database_url, config.pool, true).await),
+        };
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         println!("LISTENING {}", listener.local_addr().unwrap());
         let server = tokio::spawn(async move {
-            axum::serve(listener, router(pool)).await.unwrap();
+            axum::serve(listener, app).await.unwrap();
         });
         // The parent holds our stdin: its end (or death) ends us.
         tokio::task::spawn_blocking(|| for _ in std::io::stdin().lock().lines() {})
@@ -116,13 +150,41 @@ pub fn serve_child() {
     });
 }
 
-pub async fn connect(url: &str, size: u32) -> PgPool {
-    PgPoolOptions::new()
+/// A pool; `prototypes` also prepares the diagnostic statements on every
+/// connection (their table must exist: see [`setup`]).
+pub async fn connect(url: &str, size: u32, prototypes: bool) -> PgPool {
+    let mut options = PgPoolOptions::new();
+    if prototypes {
+        options = options.after_connect(|conn, _| Box::pin(proto::prepare(conn)));
+    }
+    let connect: PgConnectOptions = url.parse().expect("a PostgreSQL URL");
+    let name = if prototypes {
+        SERVER_APPLICATION
+    } else {
+        "idem-bench-admin"
+    };
+    options
         .max_connections(size)
         .min_connections(size)
-        .connect(url)
+        .connect_with(connect.application_name(name))
         .await
         .unwrap_or_else(|error| panic!("PostgreSQL is required at {url}: {error}"))
+}
+
+/// The `application_name` of the server's connections: their backends are
+/// the PostgreSQL CPU a scenario is charged with.
+pub const SERVER_APPLICATION: &str = "idem-bench-server";
+
+/// The backends of the server's pool.
+pub async fn server_backends(admin: &PgPool) -> Vec<u32> {
+    sqlx::query_scalar::<_, i32>("SELECT pid FROM pg_stat_activity WHERE application_name = $1")
+        .bind(SERVER_APPLICATION)
+        .fetch_all(admin)
+        .await
+        .unwrap_or_default()
+        .into_iter()
+        .map(|pid| pid as u32)
+        .collect()
 }
 
 /// The routes, `{statements}` being 1 or 3.
@@ -134,6 +196,11 @@ pub fn router(pool: PgPool) -> axum::Router {
         .route("/{statements}/baseline", post(baseline))
         .route("/{statements}/idempotent", post(idempotent))
         .route("/{statements}/two_phase", post(two_phase))
+        .route(
+            "/{statements}/proto_idempotent",
+            post(proto::proto_idempotent),
+        )
+        .route("/{statements}/read_floor", post(proto::read_floor))
         .with_state(AppState { idem, pool })
 }
 
@@ -154,7 +221,7 @@ struct AppState {
 }
 
 /// The caller, from `x-account`.
-struct Account(String);
+pub(crate) struct Account(pub(crate) String);
 
 impl Scope for Account {
     fn scope(&self) -> std::borrow::Cow<'_, str> {
@@ -176,20 +243,20 @@ impl<S: Send + Sync> FromRequestParts<S> for Account {
 }
 
 #[derive(Deserialize)]
-struct NewCharge {
-    amount: i64,
-    currency: String,
+pub(crate) struct NewCharge {
+    pub(crate) amount: i64,
+    pub(crate) currency: String,
 }
 
 #[derive(Serialize)]
-struct Charge {
-    id: i64,
-    account: String,
-    amount: i64,
-    currency: String,
+pub(crate) struct Charge {
+    pub(crate) id: i64,
+    pub(crate) account: String,
+    pub(crate) amount: i64,
+    pub(crate) currency: String,
 }
 
-struct ApiError(sqlx::Error);
+pub(crate) struct ApiError(sqlx::Error);
 
 impl From<sqlx::Error> for ApiError {
     fn from(error: sqlx::Error) -> Self {
@@ -205,7 +272,7 @@ impl IntoResponse for ApiError {
 
 /// The handler's SQL, identical in every variant: the charge; with 3
 /// statements also the account's balance and a ledger line.
-async fn work(
+pub(crate) async fn work(
     conn: &mut PgConnection,
     account: &str,
     new: &NewCharge,
@@ -242,7 +309,7 @@ async fn work(
     })
 }
 
-fn created(charge: Charge) -> Response {
+pub(crate) fn created(charge: Charge) -> Response {
     let location = format!("/charges/{}", charge.id);
     (
         StatusCode::CREATED,
@@ -346,13 +413,16 @@ async fn two_phase(
     }
 }
 
+/// A two-phase key row: status, fingerprint, body.
+type StoredRow = (Option<i16>, Vec<u8>, Option<Vec<u8>>);
+
 async fn replay_two_phase(
     conn: &mut PgConnection,
     scope: &str,
     key: &str,
     fingerprint: &Fingerprint,
 ) -> Result<Response, ApiError> {
-    let row: Option<(Option<i16>, Vec<u8>, Option<Vec<u8>>)> = sqlx::query_as(
+    let row: Option<StoredRow> = sqlx::query_as(
         "SELECT status, fingerprint, body FROM bench_two_phase_keys WHERE scope = $1 AND key = $2",
     )
     .bind(scope)

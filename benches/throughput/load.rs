@@ -11,6 +11,8 @@ use http_body_util::{BodyExt, Full};
 use hyper::client::conn::http1::SendRequest;
 use hyper_util::rt::TokioIo;
 
+use crate::cpu;
+
 /// The body every client sends (unless a test needs another).
 pub const CHARGE: &str = r#"{"amount": 1250, "currency": "eur"}"#;
 
@@ -35,11 +37,16 @@ pub struct Load {
     /// Keys are `{prefix}-{client}-{n}`; unique per run.
     pub prefix: String,
     pub body: Bytes,
+    /// The server process, for its CPU time.
+    pub server_pid: Option<u32>,
+    /// The PostgreSQL backends of the server's pool, for their CPU time.
+    pub backends: Vec<u32>,
 }
 
 /// What a run measured (the window only).
 #[derive(Clone, Debug, Default)]
 pub struct Outcome {
+    pub cpu: cpu::PerRequest,
     pub requests: u64,
     pub errors: u64,
     pub first_error: Option<String>,
@@ -114,9 +121,14 @@ pub async fn prepare(load: &Load, per_client: usize) {
         tasks.push(tokio::spawn(async move {
             let mut http = Client::connect(load.addr, format!("c{client}")).await;
             for n in 0..per_client as u64 {
-                http.send(&load.path, &key(&load.prefix, client, n), load.body.clone())
-                    .await
-                    .unwrap_or_else(|error| panic!("preparing replay keys: {error}"));
+                let key = key(&load.prefix, client, n);
+                // Retried as a client would: a 503 is transient.
+                let mut tries = 0;
+                while let Err(error) = http.send(&load.path, &key, load.body.clone()).await {
+                    tries += 1;
+                    assert!(tries < 5, "preparing replay keys: {error}");
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
             }
         }));
     }
@@ -136,6 +148,13 @@ pub async fn run(load: &Load) -> Outcome {
             drive(&load, client, start, end).await
         }));
     }
+    let (pid, backends) = (load.server_pid, load.backends.clone());
+    let sampler = tokio::spawn(async move {
+        tokio::time::sleep_until(start.into()).await;
+        let first = cpu::sample(pid, &backends);
+        tokio::time::sleep_until(end.into()).await;
+        (first, cpu::sample(pid, &backends))
+    });
     let mut outcome = Outcome::default();
     let mut latencies: Vec<u32> = Vec::new();
     for task in tasks {
@@ -146,6 +165,8 @@ pub async fn run(load: &Load) -> Outcome {
         latencies.append(&mut micros);
     }
     latencies.sort_unstable();
+    let (first, last) = sampler.await.expect("CPU sampler");
+    outcome.cpu = first.per_request(&last, outcome.requests, load.measure.as_secs_f64());
     outcome.rps = outcome.requests as f64 / load.measure.as_secs_f64();
     outcome.p50_ms = percentile(&latencies, 0.50);
     outcome.p99_ms = percentile(&latencies, 0.99);

@@ -2,34 +2,49 @@
 //! (`baseline`), with `#[idempotent]` (`idempotent`, a fresh key per
 //! request), answered from the store (`replay`), and the hand-written
 //! claim-commit-then-work recipe (`two_phase`); 1 and 3 statements, 16 and
-//! 64 concurrent clients, over real HTTP on loopback.
+//! 64 concurrent clients, over real HTTP on loopback, on PostgreSQL and on
+//! SQLite (a WAL file).
 //!
 //! ```text
 //! cargo bench --bench throughput
 //! ```
 //!
-//! The server runs in a child process (so its memory is its own); the load
-//! generator is in this process. Prints one table and the path of a JSON
-//! file with every figure, last. Environment:
+//! The server runs in a child process (so its memory and CPU are its own);
+//! the load generator is in this process. Before the load, the round trips
+//! of one request per scenario are counted exactly through a proxy
+//! (`tests/support/pg_proxy.rs`): `extra_round_trips` is idempotent minus
+//! baseline. Each row also shows the CPU per request of the load generator,
+//! the server and PostgreSQL, from `/proc`: on a machine whose cores are all
+//! busy, throughput is cores / CPU per request, so that column says what
+//! limits a scenario, and it is steadier than req/s when other work shares
+//! the machine. Prints one table, then the path of a JSON file with every
+//! figure, last. Environment:
 //!
 //! | variable | default | |
 //! |---|---|---|
 //! | `IDEM_TEST_POSTGRES_URL` | `postgres://postgres@127.0.0.1:5432/test` | the server |
-//! | `IDEM_BENCH_SECS` | 4 | measured seconds per scenario (after 1 s warm-up) |
+//! | `IDEM_BENCH_SECS` | 4 | measured seconds per scenario (after the warm-up) |
 //! | `IDEM_BENCH_WARMUP_MS` | 1000 | warm-up per scenario |
 //! | `IDEM_BENCH_ROUNDS` | 1 | runs per scenario, interleaved; the best is kept |
 //! | `IDEM_BENCH_CONCURRENCY` | `16,64` | concurrent clients |
 //! | `IDEM_BENCH_STATEMENTS` | `1,3` | statements per handler |
+//! | `IDEM_BENCH_SCENARIOS` | the four | a subset, or the diagnostics `proto_idempotent`, `read_floor` (see `proto.rs`) |
+//! | `IDEM_BENCH_ENGINES` | `postgres,sqlite` | `postgres` alone skips SQLite (PostgreSQL always runs) |
 //! | `IDEM_BENCH_POOL` | 16 | the server's connection pool (all scenarios) |
 //! | `IDEM_BENCH_SERVER_THREADS` | cores | the server's tokio workers |
+//! | `IDEM_BENCH_FILLFACTOR` | 100 | fillfactor of the key tables (diagnostic) |
+//! | `IDEM_BENCH_LOG` | `warn` | the server's log filter |
 //! | `IDEM_BENCH_JSON` | `<target>/idem-bench/throughput.json` | the JSON file |
 
 mod app;
 mod count;
+mod cpu;
 mod load;
 mod memory;
 #[path = "../../tests/support/pg_proxy.rs"]
 mod pg_proxy;
+mod proto;
+mod sqlite;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -44,6 +59,9 @@ use app::{ServerConfig, env_number};
 use load::{Keys, Load, Outcome};
 
 const SCENARIOS: [&str; 4] = ["baseline", "idempotent", "replay", "two_phase"];
+/// Diagnostic scenarios (see `proto`), run only when named in
+/// `IDEM_BENCH_SCENARIOS`; printed, not part of the JSON's ratios.
+const DIAGNOSTICS: [&str; 2] = ["proto_idempotent", "read_floor"];
 /// Finished keys per client that a replay run cycles through.
 const REPLAY_KEYS: usize = 16;
 
@@ -70,6 +88,8 @@ struct Settings {
     rounds: usize,
     concurrency: Vec<usize>,
     statements: Vec<u32>,
+    scenarios: Vec<String>,
+    engines: Vec<String>,
     server: ServerConfig,
 }
 
@@ -85,6 +105,8 @@ impl Settings {
             rounds: env_number("IDEM_BENCH_ROUNDS", 1usize).max(1),
             concurrency: env_list("IDEM_BENCH_CONCURRENCY", "16,64"),
             statements: env_list("IDEM_BENCH_STATEMENTS", "1,3"),
+            scenarios: env_list("IDEM_BENCH_SCENARIOS", &SCENARIOS.join(",")),
+            engines: env_list("IDEM_BENCH_ENGINES", "postgres,sqlite"),
         }
     }
 }
@@ -96,7 +118,7 @@ fn env_list<T: std::str::FromStr>(name: &str, default: &str) -> Vec<T> {
         .map(|item| {
             item.trim()
                 .parse()
-                .unwrap_or_else(|_| panic!("{name}={value}: not a list of numbers"))
+                .unwrap_or_else(|_| panic!("{name}={value}: not a valid list"))
         })
         .collect()
 }
@@ -114,6 +136,11 @@ fn loadavg() -> String {
 
 async fn bench() {
     let settings = Settings::from_env();
+    assert!(
+        settings.concurrency.iter().all(|&c| c <= app::ACCOUNTS),
+        "at most {} clients (one account row each)",
+        app::ACCOUNTS
+    );
     let load_before = loadavg();
     println!(
         "idem throughput: PostgreSQL at {}, {} s per scenario after {} ms warm-up, best of {}, \
@@ -125,11 +152,10 @@ async fn bench() {
         settings.server.pool,
         settings.server.threads,
     );
-    let admin = app::connect(&settings.url, 2).await;
+    let admin = app::connect(&settings.url, 2, false).await;
     app::setup(&admin)
         .await
         .expect("create the benchmark tables");
-    admin.close().await;
 
     let trips = count::count(&settings.url, &settings.statements).await;
     for t in &trips {
@@ -148,12 +174,21 @@ async fn bench() {
     let server = ServerProcess::start(&settings.server).await;
     let mut runs = Vec::new();
     println!(
-        "\n{:<9} {:>5} {:>7}  {:<10} {:>9} {:>8} {:>8} {:>11}",
-        "engine", "stmts", "clients", "scenario", "req/s", "p50 ms", "p99 ms", "vs baseline"
+        "\n{:<9} {:>5} {:>7}  {:<16} {:>9} {:>8} {:>8} {:>8}  {:>27}  {:>4}",
+        "engine",
+        "stmts",
+        "clients",
+        "scenario",
+        "req/s",
+        "p50 ms",
+        "p99 ms",
+        "vs base",
+        "CPU us/req: load srv pg all",
+        "idle"
     );
     for &statements in &settings.statements {
         for &concurrency in &settings.concurrency {
-            let results = group(&settings, &server, statements, concurrency).await;
+            let results = group(&settings, &server, &admin, statements, concurrency).await;
             let extra = trips
                 .iter()
                 .find(|t| t.statements_per_handler == statements)
@@ -168,6 +203,27 @@ async fn bench() {
         }
     }
     drop(server);
+
+    // SQLite: the same service on a WAL file, in its own server process.
+    let sqlite_file = json_path().with_file_name("bench.sqlite3");
+    if settings.engines.iter().any(|engine| engine == "sqlite") {
+        let sqlite = ServerConfig {
+            engine: "sqlite",
+            database_url: sqlite_file.display().to_string(),
+            ..settings.server.clone()
+        };
+        sqlite::setup(&sqlite.database_url)
+            .await
+            .expect("create the SQLite benchmark database");
+        let server = ServerProcess::start(&sqlite).await;
+        for &statements in &settings.statements {
+            for &concurrency in &settings.concurrency {
+                let results = group(&settings, &server, &admin, statements, concurrency).await;
+                runs.push(run_json("sqlite", statements, concurrency, &results, None));
+            }
+        }
+        drop(server);
+    }
 
     let mut memory = Vec::new();
     for route in ["baseline", "idempotent"] {
@@ -187,7 +243,6 @@ async fn bench() {
             m.peak_growth_mib
         );
     }
-    println!("sqlite: skipped (this build has no SQLite backend in idem)");
 
     println!();
     targets(&runs, &trips);
@@ -196,12 +251,12 @@ async fn bench() {
 
     let report = json!({
         "command": "cargo bench --bench throughput",
-        "engine": "postgres",
+        "engine": "postgres and sqlite (see each run)",
         "extra_round_trips": trips.iter().map(|t| t.extra_round_trips).max(),
         "round_trips": trips,
         "runs": runs,
         "memory": memory,
-        "skipped": ["sqlite: this build has no SQLite backend in idem"],
+        "sqlite_file": sqlite_file,
         "settings": {
             "secs": settings.secs,
             "warmup_ms": settings.warmup.as_millis() as u64,
@@ -220,38 +275,59 @@ async fn bench() {
     println!("{}", path.display());
 }
 
-/// The four scenarios at one shape, interleaved `rounds` times, best kept.
+/// The scenarios at one shape, interleaved `rounds` times, best kept; in
+/// the order of `SCENARIOS` then `DIAGNOSTICS` (a scenario not selected
+/// stays at zero).
 async fn group(
     settings: &Settings,
     server: &ServerProcess,
+    admin: &sqlx::PgPool,
     statements: u32,
     concurrency: usize,
 ) -> Vec<Outcome> {
-    let mut best: Vec<Outcome> = vec![Outcome::default(); SCENARIOS.len()];
+    let engine = server.engine;
+    let diagnostics: &[&str] = if engine == "postgres" {
+        &DIAGNOSTICS
+    } else {
+        &[]
+    };
+    let all: Vec<&str> = SCENARIOS.iter().chain(diagnostics).copied().collect();
+    let mut best: Vec<Outcome> = vec![Outcome::default(); all.len()];
     for round in 0..settings.rounds {
-        for (i, scenario) in SCENARIOS.iter().enumerate() {
+        for (i, scenario) in all.iter().enumerate() {
+            if !settings.scenarios.iter().any(|s| s == scenario) {
+                continue;
+            }
+            let replays = matches!(*scenario, "replay" | "read_floor");
             let route = if *scenario == "replay" {
                 "idempotent"
             } else {
                 scenario
             };
-            let load = Load {
+            let mut load = Load {
                 addr: server.addr,
-                path: format!("/{statements}/{route}"),
+                path: format!("/{statements}/idempotent"),
                 concurrency,
                 warmup: settings.warmup,
                 measure: Duration::from_secs(settings.secs),
-                keys: if *scenario == "replay" {
+                keys: if replays {
                     Keys::Replay(REPLAY_KEYS)
                 } else {
                     Keys::Fresh
                 },
                 prefix: format!("{scenario}-{statements}-{concurrency}-{round}"),
                 body: Bytes::from_static(load::CHARGE.as_bytes()),
+                server_pid: Some(server.pid),
+                backends: if engine == "postgres" {
+                    app::server_backends(admin).await
+                } else {
+                    Vec::new()
+                },
             };
-            if *scenario == "replay" {
+            if replays {
                 load::prepare(&load, REPLAY_KEYS).await;
             }
+            load.path = format!("/{statements}/{route}");
             let outcome = load::run(&load).await;
             if outcome.errors > 0 {
                 eprintln!(
@@ -265,17 +341,26 @@ async fn group(
             }
         }
     }
-    for (scenario, outcome) in SCENARIOS.iter().zip(&best) {
+    for (scenario, outcome) in all.iter().zip(&best) {
+        if outcome.requests == 0 && !SCENARIOS.contains(scenario) {
+            continue;
+        }
+        let cpu = &outcome.cpu;
         println!(
-            "{:<9} {:>5} {:>7}  {:<10} {:>9.0} {:>8.2} {:>8.2} {:>11.2}",
-            "postgres",
+            "{:<9} {:>5} {:>7}  {:<16} {:>9.0} {:>8.2} {:>8.2} {:>8.2}  {:>6.0} {:>6.0} {:>6.0} {:>6.0}  {:>3.0}%",
+            engine,
             statements,
             concurrency,
             scenario,
             outcome.rps,
             outcome.p50_ms,
             outcome.p99_ms,
-            outcome.rps / best[0].rps
+            outcome.rps / best[0].rps,
+            cpu.client_us,
+            cpu.server_us,
+            cpu.postgres_us,
+            cpu.total_us(),
+            cpu.idle_share * 100.0
         );
     }
     best
@@ -301,12 +386,26 @@ fn run_json(
         fields.insert(format!("{scenario}_p99_ms"), round2(outcome.p99_ms));
         fields.insert(format!("{scenario}_requests"), json!(outcome.requests));
         fields.insert(format!("{scenario}_errors"), json!(outcome.errors));
+        fields.insert(format!("{scenario}_cpu"), json!(outcome.cpu));
     }
     let ratio = |a: usize, b: usize| round2(results[a].rps / results[b].rps);
     fields.insert("ratio_idempotent_to_baseline".into(), ratio(1, 0));
     fields.insert("ratio_replay_to_baseline".into(), ratio(2, 0));
     fields.insert("ratio_two_phase_to_baseline".into(), ratio(3, 0));
     fields.insert("ratio_idempotent_to_two_phase".into(), ratio(1, 3));
+    // CPU per request is steadier than req/s on a shared machine, and on
+    // a saturated one throughput is cores / CPU per request.
+    let cpu_ratio =
+        |a: usize, b: usize| round2(results[b].cpu.total_us() / results[a].cpu.total_us());
+    fields.insert("cpu_ratio_idempotent_to_baseline".into(), cpu_ratio(1, 0));
+    fields.insert("cpu_ratio_replay_to_baseline".into(), cpu_ratio(2, 0));
+    fields.insert("cpu_ratio_idempotent_to_two_phase".into(), cpu_ratio(1, 3));
+    for (scenario, outcome) in DIAGNOSTICS.iter().zip(&results[SCENARIOS.len()..]) {
+        if outcome.requests > 0 {
+            fields.insert(format!("diagnostic_{scenario}_rps"), round2(outcome.rps));
+            fields.insert(format!("diagnostic_{scenario}_cpu"), json!(outcome.cpu));
+        }
+    }
     run
 }
 
@@ -326,7 +425,10 @@ fn targets(runs: &[Value], trips: &[count::RoundTrips]) {
         "target extra_round_trips <= 1 (goal 0): {extra} -> {}",
         verdict(extra <= 1)
     );
-    for run in runs.iter().filter(|run| run["concurrency"] == 16) {
+    for run in runs
+        .iter()
+        .filter(|run| run["concurrency"] == 16 && run["engine"] == "postgres")
+    {
         let s = run["statements_per_handler"].as_u64().unwrap_or(0);
         let get = |field: &str| run[field].as_f64().unwrap_or(f64::NAN);
         let floor = if s >= 3 { 0.80 } else { 0.65 };
@@ -334,7 +436,7 @@ fn targets(runs: &[Value], trips: &[count::RoundTrips]) {
         let replay = get("ratio_replay_to_baseline");
         let two = get("ratio_idempotent_to_two_phase");
         println!(
-            "{s} statement(s), 16 clients: idempotent/baseline {idem:.2} (>= {floor:.2}: {}), \
+            "postgres, {s} statement(s), 16 clients: idempotent/baseline {idem:.2} (>= {floor:.2}: {}), \
              replay/baseline {replay:.2} (>= 2.0: {}), idempotent/two_phase {two:.2} (>= 1.3: {})",
             verdict(idem >= floor),
             verdict(replay >= 2.0),
@@ -355,8 +457,11 @@ fn json_path() -> PathBuf {
 
 /// The server, a child process running this executable; killed when dropped.
 pub struct ServerProcess {
+    pub engine: &'static str,
     pub addr: SocketAddr,
-    child: tokio::process::Child,
+    pub pid: u32,
+    // Held for `kill_on_drop`.
+    _child: tokio::process::Child,
 }
 
 impl ServerProcess {
@@ -380,13 +485,19 @@ impl ServerProcess {
                 break addr.parse().expect("server address");
             }
         };
-        ServerProcess { addr, child }
+        let pid = child.id().expect("server running");
+        ServerProcess {
+            engine: config.engine,
+            addr,
+            pid,
+            _child: child,
+        }
     }
 
     /// A `/proc/<pid>/status` field in KiB (`VmRSS:`, `VmHWM:`).
     pub fn status_kib(&self, field: &str) -> u64 {
-        let pid = self.child.id().expect("server running");
-        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("proc status");
+        let status =
+            std::fs::read_to_string(format!("/proc/{}/status", self.pid)).expect("proc status");
         status
             .lines()
             .find_map(|line| line.strip_prefix(field))

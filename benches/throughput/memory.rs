@@ -50,6 +50,8 @@ pub async fn measure(config: &ServerConfig, route: &'static str) -> Memory {
         keys: Keys::Fresh,
         prefix: format!("mem-{route}-{}", std::process::id()),
         body: big_body(),
+        server_pid: None,
+        backends: Vec::new(),
     };
     load::prepare(&load, BURSTS).await;
     let peak = server.status_kib("VmHWM:");

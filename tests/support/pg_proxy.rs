@@ -87,6 +87,7 @@ struct Shared {
     upstream: SocketAddr,
     queries: AtomicU64,
     syncs: AtomicU64,
+    connections: AtomicU64,
     cut_on_commit: AtomicU8,
     refuse: AtomicBool,
     /// Bumped by `cut_all`; a connection opened under an older generation
@@ -105,6 +106,7 @@ impl PgProxy {
             upstream,
             queries: AtomicU64::new(0),
             syncs: AtomicU64::new(0),
+            connections: AtomicU64::new(0),
             cut_on_commit: AtomicU8::new(CutOnCommit::Off.as_u8()),
             refuse: AtomicBool::new(false),
             generation: watch::Sender::new(0),
@@ -140,10 +142,17 @@ impl PgProxy {
         self.shared.syncs.load(Ordering::SeqCst)
     }
 
-    /// Zeroes the counters.
+    /// Connections accepted (and not refused): a pool that reconnects
+    /// during a request shows here, not in [`round_trips`](PgProxy::round_trips).
+    pub fn connections(&self) -> u64 {
+        self.shared.connections.load(Ordering::SeqCst)
+    }
+
+    /// Zeroes the counters (round trips and connections).
     pub fn reset(&self) {
         self.shared.queries.store(0, Ordering::SeqCst);
         self.shared.syncs.store(0, Ordering::SeqCst);
+        self.shared.connections.store(0, Ordering::SeqCst);
     }
 
     /// Drops every open connection now, in both directions; nothing more
@@ -188,6 +197,7 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
             drop(client);
             continue;
         }
+        shared.connections.fetch_add(1, Ordering::SeqCst);
         // Subscribed at accept: a `cut_all` from now on reaches it.
         let cut = shared.generation.subscribe();
         tokio::spawn(serve(client, Arc::clone(&shared), cut));
@@ -375,6 +385,8 @@ fn contains_word(haystack: &[u8], word: &[u8]) -> bool {
 
 #[cfg(test)]
 mod framing_tests {
+    // A bench that includes this file compiles `cfg(test)` without its tests.
+    #[allow(unused_imports)]
     use super::*;
 
     fn typed(kind: u8, body: &[u8]) -> Vec<u8> {
