@@ -138,7 +138,7 @@ fn mutate(value: &Value, path: &mut impl Iterator<Item = u64>) -> Value {
         Value::Array(items) => {
             let mut items = items.clone();
             let at = path.next().unwrap_or(0) as usize % items.len();
-            if path.next().unwrap_or(0) % 4 == 0 {
+            if path.next().unwrap_or(0).is_multiple_of(4) {
                 items.remove(at);
             } else {
                 items[at] = mutate(&items[at], path);

@@ -32,6 +32,29 @@ pub fn pg_url() -> String {
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned())
 }
 
+/// Where PostgreSQL listens, for a proxy to forward to.
+pub async fn upstream() -> SocketAddr {
+    use std::str::FromStr;
+    let options = sqlx::postgres::PgConnectOptions::from_str(&pg_url()).unwrap();
+    tokio::net::lookup_host((options.get_host(), options.get_port()))
+        .await
+        .unwrap()
+        .next()
+        .expect("the PostgreSQL host resolves")
+}
+
+/// The test database's URL, through a proxy at `proxy` (plain TCP, so the
+/// proxy can read the protocol).
+pub fn url_via(proxy: SocketAddr) -> String {
+    use std::str::FromStr;
+    let options = sqlx::postgres::PgConnectOptions::from_str(&pg_url()).unwrap();
+    format!(
+        "postgres://{}@{proxy}/{}?sslmode=disable",
+        options.get_username(),
+        options.get_database().unwrap_or("test")
+    )
+}
+
 /// A pool on the real server; panics loudly when PostgreSQL is missing.
 pub async fn connect(max_connections: u32) -> PgPool {
     let url = pg_url();
@@ -50,9 +73,21 @@ static SCHEMA: OnceCell<()> = OnceCell::const_new();
 
 /// Creates the key table and the effects table once per process. Other test
 /// binaries may race us in the catalog; the loser retries and finds them.
+/// When both exist nothing runs: DDL would queue for locks behind other
+/// tests' open transactions.
 pub async fn ensure_schema(pool: &PgPool) {
     SCHEMA
         .get_or_init(|| async {
+            let ready: bool = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+                "SELECT to_regclass('idem_keys_expires_at_idx') IS NOT NULL \
+                 AND to_regclass('{EFFECTS}_scope_key') IS NOT NULL"
+            )))
+            .fetch_one(pool)
+            .await
+            .expect("query the catalog");
+            if ready {
+                return;
+            }
             Idem::new(pool.clone()).migrate().await.expect("migrate");
             let ddl = format!(
                 "CREATE TABLE IF NOT EXISTS {EFFECTS} (
@@ -96,6 +131,17 @@ pub struct Hold {
     pub release: Notify,
 }
 
+impl Hold {
+    /// Waits until the held handler has written its effect, bounded: a
+    /// broken store that answers without running the handler fails the
+    /// test instead of hanging it.
+    pub async fn entered(&self) {
+        tokio::time::timeout(Duration::from_secs(10), self.entered.notified())
+            .await
+            .expect("the held handler never started");
+    }
+}
+
 impl Holds {
     pub fn get(&self, name: &str) -> Arc<Hold> {
         self.0
@@ -124,9 +170,10 @@ impl<S: Send + Sync> FromRequestParts<S> for Tenant {
             .headers
             .get("x-scope")
             .ok_or((StatusCode::UNAUTHORIZED, "send x-scope\n"))?;
-        percent_decode(raw.as_bytes())
-            .map(Tenant)
-            .ok_or((StatusCode::UNAUTHORIZED, "x-scope is not percent-encoded UTF-8\n"))
+        percent_decode(raw.as_bytes()).map(Tenant).ok_or((
+            StatusCode::UNAUTHORIZED,
+            "x-scope is not percent-encoded UTF-8\n",
+        ))
     }
 }
 
@@ -277,6 +324,9 @@ impl Server {
     }
 }
 
+/// No test request waits longer than this, whatever the server does.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// An HTTP client acting for one scope.
 #[derive(Clone)]
 pub struct Client {
@@ -290,6 +340,7 @@ impl Client {
         Client::with(
             reqwest::Client::builder()
                 .pool_max_idle_per_host(64)
+                .timeout(REQUEST_TIMEOUT)
                 .build()
                 .unwrap(),
             addr,
@@ -312,16 +363,17 @@ impl Client {
 
     pub fn post_to(&self, path: &str, key: &str, body: &str) -> reqwest::RequestBuilder {
         self.bare(path)
+            .header("content-type", "application/json")
             .header("idempotency-key", key)
             .body(body.to_owned())
     }
 
-    /// `POST path` with the scope and a JSON content type, nothing else.
+    /// `POST path` with the scope and nothing else (reqwest's `header`
+    /// appends, so a test that wants an odd header value starts here).
     pub fn bare(&self, path: &str) -> reqwest::RequestBuilder {
         self.http
             .post(format!("{}{path}", self.base))
             .header("x-scope", percent_encode(self.scope.as_bytes()))
-            .header("content-type", "application/json")
     }
 }
 
@@ -492,7 +544,9 @@ impl Rng {
                     .unwrap()
                     .as_nanos() as u64
             });
-        eprintln!("{name}: IDEM_SEED={seed}");
+        // Past libtest's capture, so every log shows how to replay it.
+        use std::io::Write;
+        let _ = writeln!(std::io::stderr(), "{name}: IDEM_SEED={seed}");
         Rng(seed.max(1))
     }
 

@@ -1,0 +1,34 @@
+//! The `Idempotency-Key` parser on any bytes: no panic, and what it accepts
+//! is 1 to 255 visible ASCII characters that parse again, bare or quoted,
+//! to themselves.
+#![no_main]
+
+use http::{HeaderMap, HeaderValue};
+use idem_runtime::{IDEMPOTENCY_KEY, MAX_KEY_LEN, parse_key, parse_key_value};
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    let parsed = parse_key_value(data);
+    if let Ok(key) = &parsed {
+        assert!((1..=MAX_KEY_LEN).contains(&key.len()), "{key:?}");
+        assert!(key.bytes().all(|b| b.is_ascii_graphic()), "{key:?}");
+        let mut quoted = String::from("\"");
+        for c in key.chars() {
+            if c == '"' || c == '\\' {
+                quoted.push('\\');
+            }
+            quoted.push(c);
+        }
+        quoted.push('"');
+        assert_eq!(parse_key_value(quoted.as_bytes()).as_ref(), Ok(key));
+        if !key.starts_with('"') {
+            assert_eq!(parse_key_value(key.as_bytes()).as_ref(), Ok(key));
+        }
+    }
+    // Through a header map, as a request delivers it.
+    if let Ok(value) = HeaderValue::from_bytes(data) {
+        let mut headers = HeaderMap::new();
+        headers.insert(IDEMPOTENCY_KEY, value);
+        assert_eq!(parse_key(&headers), parsed.map(Some));
+    }
+});
