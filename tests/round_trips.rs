@@ -327,6 +327,104 @@ async fn an_idempotent_first_attempt_adds_no_round_trip() {
     drop_table(&admin, &keys).await;
 }
 
+/// idem's statements on this connection: the server's own list.
+async fn idem_statements(pool: &PgPool) -> Vec<String> {
+    sqlx::query_scalar(
+        "SELECT name FROM pg_prepared_statements WHERE name LIKE 'idem\\_%' ORDER BY name",
+    )
+    .fetch_all(pool)
+    .await
+    .expect("list prepared statements")
+}
+
+async fn deallocate(pool: &PgPool, names: &[String]) {
+    for name in names {
+        sqlx::raw_sql(AssertSqlSafe(format!("DEALLOCATE {name}")))
+            .execute(pool)
+            .await
+            .expect("deallocate");
+    }
+}
+
+/// The claim, select, takeover and finish are prepared once per connection
+/// (planning them per request was most of the wrapper's database CPU), and
+/// a session that lost them (`DEALLOCATE`, `DISCARD ALL`) prepares them
+/// again without failing a request or half-doing one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn statements_are_prepared_once_per_connection_and_again_when_lost() {
+    let (admin, upstream) = direct().await;
+    let table = unique("ps_effects");
+    let keys = unique("ps_keys");
+    create_table(&admin, &table).await;
+    let proxy = PgProxy::start(upstream).await;
+    let pool = through(&proxy).await;
+    let service = Service::start(pool.clone(), &keys, &table).await;
+
+    assert!(idem_statements(&pool).await.is_empty());
+    let (first, response) = count(&proxy, &pool, &service, "/idempotent", &unique("k"), 1).await;
+    assert_eq!(response.status(), 201);
+    let prepared = idem_statements(&pool).await;
+    assert_eq!(
+        prepared.len(),
+        4,
+        "claim, select, take over, finish: {prepared:?}"
+    );
+    // Preparing costs the first claim on a connection two round trips
+    // (the failed EXECUTE's rollback with the lookup; the PREPAREs ride on
+    // the claim), and sqlx prepares the handler's INSERT once.
+    let (warm, response) = count(&proxy, &pool, &service, "/idempotent", &unique("k"), 1).await;
+    assert_eq!(response.status(), 201);
+    assert_eq!(first, warm + 3, "first {first}, then {warm}");
+    let (again, _) = count(&proxy, &pool, &service, "/idempotent", &unique("k"), 1).await;
+    assert_eq!(again, warm, "prepared once, not per request");
+
+    // All lost: the next claim prepares them again, and its key works.
+    deallocate(&pool, &prepared).await;
+    let key = unique("lost");
+    let response = service.post("/idempotent", &key, 1).await;
+    assert_eq!(response.status(), 201);
+    let replay = service.post("/idempotent", &key, 1).await;
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    assert_eq!(idem_statements(&pool).await, prepared);
+
+    // Only the finish lost: the claim cannot notice, so that one request
+    // fails whole (nothing committed, no key stored, 503), its connection
+    // is replaced, and its retry runs as a first attempt.
+    let finish: Vec<String> = prepared
+        .iter()
+        .filter(|name| name.ends_with("_finish"))
+        .cloned()
+        .collect();
+    deallocate(&pool, &finish).await;
+    let before = rows(&admin, &table).await;
+    let key = unique("finish-lost");
+    let response = service.post("/idempotent", &key, 1).await;
+    assert_eq!(response.status(), 503);
+    assert_eq!(
+        rows(&admin, &table).await,
+        before,
+        "no effect without its memory"
+    );
+    let stored: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT count(*) FROM {keys} WHERE key = $1"
+    )))
+    .bind(key.as_bytes())
+    .fetch_one(&admin)
+    .await
+    .unwrap();
+    assert_eq!(stored, 0, "no memory without its effect");
+    let retry = service.post("/idempotent", &key, 1).await;
+    assert_eq!(retry.status(), 201);
+    assert!(retry.headers().get("idempotent-replayed").is_none());
+    assert_eq!(rows(&admin, &table).await, before + 1);
+    assert_eq!(idem_statements(&pool).await, prepared);
+
+    drop(service);
+    pool.close().await;
+    drop_table(&admin, &table).await;
+    drop_table(&admin, &keys).await;
+}
+
 // ----------------------------------------------------------- the proxy itself
 
 async fn insert(pool: &PgPool, table: &str) -> Result<(), sqlx::Error> {

@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, Connection, PgConnection, PgPool, Postgres};
 
-use crate::proto;
+use crate::floor;
 
 /// The idempotency table of the benchmark (not the default one, which tests
 /// and examples share).
@@ -76,10 +76,6 @@ pub fn env_number<T: std::str::FromStr>(name: &str, default: T) -> T {
 /// Creates the tables (and empties them: every run starts alike).
 pub async fn setup(pool: &PgPool) -> Result<(), Box<dyn std::error::Error>> {
     Idem::new(pool.clone()).table(KEYS_TABLE)?.migrate().await?;
-    Idem::new(pool.clone())
-        .table(proto::PROTO_TABLE)?
-        .migrate()
-        .await?;
     sqlx::raw_sql(
         "CREATE TABLE IF NOT EXISTS bench_charges (
             id bigserial PRIMARY KEY, account text NOT NULL, amount bigint NOT NULL,
@@ -94,8 +90,7 @@ pub async fn setup(pool: &PgPool) -> Result<(), Box<dyn std::error::Error>> {
             scope text NOT NULL, key text NOT NULL, fingerprint bytea NOT NULL,
             status smallint, body bytea, expires_at timestamptz NOT NULL,
             PRIMARY KEY (scope, key));
-         TRUNCATE bench_charges, bench_accounts, bench_ledger, bench_two_phase_keys, idem_bench_keys,
-            idem_bench_proto;
+         TRUNCATE bench_charges, bench_accounts, bench_ledger, bench_two_phase_keys, idem_bench_keys;
          INSERT INTO bench_accounts (account) SELECT 'c' || i FROM generate_series(0, 255) i;",
     )
     .execute(pool)
@@ -106,8 +101,7 @@ pub async fn setup(pool: &PgPool) -> Result<(), Box<dyn std::error::Error>> {
     // Diagnostic: room for HOT updates of the stored response.
     let fillfactor: u32 = env_number("IDEM_BENCH_FILLFACTOR", 100);
     sqlx::raw_sql(AssertSqlSafe(format!(
-        "ALTER TABLE idem_bench_keys SET (fillfactor = {fillfactor});
-         ALTER TABLE idem_bench_proto SET (fillfactor = {fillfactor});"
+        "ALTER TABLE idem_bench_keys SET (fillfactor = {fillfactor})"
     )))
     .execute(pool)
     .await?;
@@ -150,20 +144,15 @@ pub fn serve_child() {
     });
 }
 
-/// A pool; `prototypes` also prepares the diagnostic statements on every
-/// connection (their table must exist: see [`setup`]).
-pub async fn connect(url: &str, size: u32, prototypes: bool) -> PgPool {
-    let mut options = PgPoolOptions::new();
-    if prototypes {
-        options = options.after_connect(|conn, _| Box::pin(proto::prepare(conn)));
-    }
+/// A pool; the server's (`server`) is told apart by its `application_name`.
+pub async fn connect(url: &str, size: u32, server: bool) -> PgPool {
     let connect: PgConnectOptions = url.parse().expect("a PostgreSQL URL");
-    let name = if prototypes {
+    let name = if server {
         SERVER_APPLICATION
     } else {
         "idem-bench-admin"
     };
-    options
+    PgPoolOptions::new()
         .max_connections(size)
         .min_connections(size)
         .connect_with(connect.application_name(name))
@@ -196,11 +185,7 @@ pub fn router(pool: PgPool) -> axum::Router {
         .route("/{statements}/baseline", post(baseline))
         .route("/{statements}/idempotent", post(idempotent))
         .route("/{statements}/two_phase", post(two_phase))
-        .route(
-            "/{statements}/proto_idempotent",
-            post(proto::proto_idempotent),
-        )
-        .route("/{statements}/read_floor", post(proto::read_floor))
+        .route("/{statements}/read_floor", post(floor::read_floor))
         .with_state(AppState { idem, pool })
 }
 

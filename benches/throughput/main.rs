@@ -28,7 +28,7 @@
 //! | `IDEM_BENCH_ROUNDS` | 1 | runs per scenario, interleaved; the best is kept |
 //! | `IDEM_BENCH_CONCURRENCY` | `16,64` | concurrent clients |
 //! | `IDEM_BENCH_STATEMENTS` | `1,3` | statements per handler |
-//! | `IDEM_BENCH_SCENARIOS` | the four | a subset, or the diagnostics `proto_idempotent`, `read_floor` (see `proto.rs`) |
+//! | `IDEM_BENCH_SCENARIOS` | the four | a subset, or the diagnostic `read_floor` (see `floor.rs`) |
 //! | `IDEM_BENCH_ENGINES` | `postgres,sqlite` | `postgres` alone skips SQLite (PostgreSQL always runs) |
 //! | `IDEM_BENCH_POOL` | 16 | the server's connection pool (all scenarios) |
 //! | `IDEM_BENCH_SERVER_THREADS` | cores | the server's tokio workers |
@@ -39,11 +39,11 @@
 mod app;
 mod count;
 mod cpu;
+mod floor;
 mod load;
 mod memory;
 #[path = "../../tests/support/pg_proxy.rs"]
 mod pg_proxy;
-mod proto;
 mod sqlite;
 
 use std::net::SocketAddr;
@@ -59,9 +59,9 @@ use app::{ServerConfig, env_number};
 use load::{Keys, Load, Outcome};
 
 const SCENARIOS: [&str; 4] = ["baseline", "idempotent", "replay", "two_phase"];
-/// Diagnostic scenarios (see `proto`), run only when named in
+/// Diagnostic scenarios (see `floor`), run only when named in
 /// `IDEM_BENCH_SCENARIOS`; printed, not part of the JSON's ratios.
-const DIAGNOSTICS: [&str; 2] = ["proto_idempotent", "read_floor"];
+const DIAGNOSTICS: [&str; 1] = ["read_floor"];
 /// Finished keys per client that a replay run cycles through.
 const REPLAY_KEYS: usize = 16;
 

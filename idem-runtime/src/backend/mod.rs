@@ -86,7 +86,7 @@ pub trait Backend: Database + sealed::Sealed {
     /// trips as the engine allows. `None` commits without storing.
     #[doc(hidden)]
     fn finish(
-        conn: &mut PoolConnection<Self>,
+        conn: &mut OpenTx<Self>,
         table: &str,
         claim: Option<&Claim<'_>>,
         response: Option<&StoredResponse>,
@@ -114,12 +114,24 @@ pub trait Backend: Database + sealed::Sealed {
 /// it to the pool, so the server rolls the transaction back and no later
 /// checkout can ever run inside it. sqlx only pings a returned connection,
 /// which would not notice an open transaction.
-pub struct OpenTx<DB: Database>(Option<PoolConnection<DB>>, Option<Box<dyn Send + Sync>>);
+pub struct OpenTx<DB: Database> {
+    conn: Option<PoolConnection<DB>>,
+    guard: Option<Box<dyn Send + Sync>>,
+    /// The engine ran this transaction's statements with inlined arguments
+    /// rather than as prepared statements (PostgreSQL behind a pooler that
+    /// does not keep them); the finish must do the same.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    pub(crate) inlined: bool,
+}
 
 impl<DB: Database> OpenTx<DB> {
     /// Guards a connection about to begin a transaction.
     pub fn new(conn: PoolConnection<DB>) -> Self {
-        Self(Some(conn), None)
+        Self {
+            conn: Some(conn),
+            guard: None,
+            inlined: false,
+        }
     }
 
     /// Keeps `guard` alive exactly as long as the transaction: it is dropped
@@ -127,14 +139,14 @@ impl<DB: Database> OpenTx<DB> {
     /// bookkeeping of a claim (SQLite's in-flight keys) rides here.
     #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
     pub(crate) fn hold(mut self, guard: impl Send + Sync + 'static) -> Self {
-        self.1 = Some(Box::new(guard));
+        self.guard = Some(Box::new(guard));
         self
     }
 
     /// Returns the connection to the pool: call only once its transaction
     /// has ended (committed or rolled back).
     pub fn release(mut self) {
-        drop(self.0.take());
+        drop(self.conn.take());
     }
 }
 
@@ -142,19 +154,19 @@ impl<DB: Database> std::ops::Deref for OpenTx<DB> {
     type Target = PoolConnection<DB>;
 
     fn deref(&self) -> &Self::Target {
-        self.0.as_ref().expect("OpenTx used after release")
+        self.conn.as_ref().expect("OpenTx used after release")
     }
 }
 
 impl<DB: Database> std::ops::DerefMut for OpenTx<DB> {
     fn deref_mut(&mut self) -> &mut Self::Target {
-        self.0.as_mut().expect("OpenTx used after release")
+        self.conn.as_mut().expect("OpenTx used after release")
     }
 }
 
 impl<DB: Database> Drop for OpenTx<DB> {
     fn drop(&mut self) {
-        if let Some(mut conn) = self.0.take() {
+        if let Some(mut conn) = self.conn.take() {
             conn.close_on_drop();
         }
     }

@@ -149,7 +149,7 @@ impl Backend for MySql {
     }
 
     async fn finish(
-        conn: &mut PoolConnection<Self>,
+        conn: &mut OpenTx<Self>,
         table: &str,
         claim: Option<&Claim<'_>>,
         response: Option<&StoredResponse>,
@@ -165,7 +165,7 @@ impl Backend for MySql {
             _ => "COMMIT".to_owned(),
         };
         sqlx::raw_sql(AssertSqlSafe(sql))
-            .execute(&mut **conn)
+            .execute(&mut ***conn)
             .await?;
         Ok(())
     }

@@ -6,6 +6,12 @@
 //! parameters, so every value is inlined as hex (`decode('..', 'hex')`) or
 //! as an integer we formatted: no client-controlled character reaches SQL.
 //! Only statements PostgreSQL, CockroachDB and YugabyteDB all run are used.
+//!
+//! The statements themselves are SQL-level prepared statements, prepared
+//! once per connection and run with `EXECUTE`, so the server does not parse
+//! and plan them per request. Where a session cannot keep them (a
+//! transaction-mode pooler), the same statements run with inlined
+//! arguments.
 
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::PgRow;
@@ -23,6 +29,11 @@ const UNIQUE_VIOLATION: &str = "23505";
 const DUPLICATE_TABLE: &str = "42P07";
 const SERIALIZATION_FAILURE: &str = "40001";
 const DEADLOCK_DETECTED: &str = "40P01";
+/// `invalid_sql_statement_name`: `EXECUTE` of a statement this session has
+/// not prepared.
+const UNDEFINED_STATEMENT: &str = "26000";
+/// `duplicate_prepared_statement`.
+const DUPLICATE_STATEMENT: &str = "42P05";
 
 /// How many times a claim re-reads a row that vanished (swept) or was taken
 /// over between two statements before giving up with a store error.
@@ -90,13 +101,15 @@ impl Backend for Postgres {
         table: &str,
         claim: &Claim<'_>,
     ) -> Result<ClaimOutcome<Self>, sqlx::Error> {
-        let row = ClaimRow::new(table, claim);
-        let first = format!("BEGIN; {} {}", row.insert(), row.select());
+        let mut row = ClaimRow::new(table, claim);
         let mut attempt = 1;
         loop {
             let mut conn = OpenTx::new(pool.acquire().await?);
-            let error = match settle(&mut conn, &row, first.clone()).await {
-                Ok(Settled::Ours) => return Ok(ClaimOutcome::Claimed(conn)),
+            let error = match claim_on(&mut conn, &mut row).await {
+                Ok(Settled::Ours) => {
+                    conn.inlined = !row.prepared;
+                    return Ok(ClaimOutcome::Claimed(conn));
+                }
                 Ok(Settled::Finished(fingerprint, response)) => {
                     super::abandon(conn).await;
                     return Ok(ClaimOutcome::Finished {
@@ -136,25 +149,30 @@ impl Backend for Postgres {
     }
 
     async fn finish(
-        conn: &mut PoolConnection<Self>,
+        conn: &mut OpenTx<Self>,
         table: &str,
         claim: Option<&Claim<'_>>,
         response: Option<&StoredResponse>,
     ) -> Result<(), sqlx::Error> {
         let sql = match (claim, response) {
-            (Some(claim), Some(response)) => format!(
-                "UPDATE {table} SET status = {}, headers = decode('{}', 'hex'), body = decode('{}', 'hex') WHERE {}; COMMIT",
-                response.status.as_u16(),
-                hex(&response.encode_headers()),
-                hex(&response.body),
-                ClaimRow::new(table, claim).matches(),
-            ),
+            (Some(claim), Some(response)) => {
+                let mut row = ClaimRow::new(table, claim);
+                row.prepared = !conn.inlined;
+                format!("{}; COMMIT", row.finish(response))
+            }
             _ => "COMMIT".to_owned(),
         };
-        sqlx::raw_sql(AssertSqlSafe(sql))
-            .execute(&mut **conn)
-            .await?;
-        Ok(())
+        let result = sqlx::raw_sql(AssertSqlSafe(sql))
+            .execute(&mut ***conn)
+            .await;
+        if let Err(error) = &result
+            && has_code(error, &[UNDEFINED_STATEMENT])
+        {
+            // Someone deallocated the finish statement but not the claim's,
+            // so the claim did not notice: a new connection prepares all.
+            conn.close_on_drop();
+        }
+        result.map(drop)
     }
 
     async fn rollback(conn: &mut PoolConnection<Self>) -> Result<(), sqlx::Error> {
@@ -183,16 +201,64 @@ fn lock_timeout_ms(claim: &Claim<'_>) -> u128 {
 /// Below this `wait`, a lock timeout during the claim is retried once.
 const SHORT_WAIT: std::time::Duration = std::time::Duration::from_millis(50);
 
+/// Claims on one connection through its prepared statements, preparing
+/// them on the connection's first claim. A connection that cannot keep
+/// them (a transaction-mode pooler hands each transaction another server
+/// session) gets the same statements with their arguments inlined.
+async fn claim_on(
+    conn: &mut PoolConnection<Postgres>,
+    row: &mut ClaimRow,
+) -> Result<Settled, sqlx::Error> {
+    row.prepared = true;
+    match settle(conn, row, String::new()).await {
+        Err(error) if has_code(&error, &[UNDEFINED_STATEMENT]) => {}
+        settled => return settled,
+    }
+    // The failed `EXECUTE` aborted the transaction; end it, and ask which
+    // of this table's statements the session lacks in the same round trip.
+    let names = row.statements.names();
+    let listed = sqlx::raw_sql(AssertSqlSafe(format!(
+        "ROLLBACK; SELECT name FROM pg_catalog.pg_prepared_statements WHERE name IN ('{}')",
+        names.join("', '")
+    )))
+    .fetch_all(&mut **conn)
+    .await;
+    let present = listed.and_then(|rows| {
+        rows.iter()
+            .map(|row| row.try_get::<String, _>("name"))
+            .collect::<Result<Vec<_>, _>>()
+    });
+    let error = match present {
+        Ok(present) => {
+            let prepare = row.statements.prepare_missing(&present);
+            match settle(conn, row, prepare).await {
+                Err(error) if has_code(&error, &[UNDEFINED_STATEMENT, DUPLICATE_STATEMENT]) => {
+                    error
+                }
+                settled => return settled,
+            }
+        }
+        // A server without the view: the lookup's error is no claim's.
+        Err(sqlx::Error::Database(error)) => sqlx::Error::Database(error),
+        Err(error) => return Err(error),
+    };
+    tracing::debug!(%error, "prepared statements not kept; inlining idem's arguments");
+    sqlx::raw_sql("ROLLBACK").execute(&mut **conn).await?;
+    row.prepared = false;
+    settle(conn, row, String::new()).await
+}
+
 /// Runs the claim statements until the row is ours or finished by another
 /// attempt. An expired row is taken over with an `UPDATE` that re-checks
 /// expiry under the row lock, so of two concurrent takeovers one wins and
-/// the other sees its committed result.
+/// the other sees its committed result. `prelude` runs first, before the
+/// transaction begins (the `PREPARE`s a new connection needs).
 async fn settle(
     conn: &mut PoolConnection<Postgres>,
     row: &ClaimRow,
-    first: String,
+    prelude: String,
 ) -> Result<Settled, sqlx::Error> {
-    let mut sql = first;
+    let mut sql = format!("{prelude}BEGIN; {} {}", row.insert(), row.select());
     for _ in 0..CLAIM_ATTEMPTS {
         let rows = sqlx::raw_sql(AssertSqlSafe(sql))
             .fetch_all(&mut **conn)
@@ -254,33 +320,146 @@ fn read_row(row: &PgRow) -> Result<Found, sqlx::Error> {
     Ok(Found::Finished(fingerprint, response))
 }
 
-/// The row of one claim, with its values already in hex.
-struct ClaimRow {
+/// One of `idem`'s statements on the key table, written once with `$n`
+/// parameters: prepared per connection and run with `EXECUTE`, so the
+/// server parses and plans it once per connection instead of per request
+/// (that planning was most of the wrapper's database CPU).
+struct Statement {
+    /// Tells this statement apart among a table's statements.
+    suffix: &'static str,
+    /// The parameter types, in order.
+    types: &'static str,
+    /// The text, `{table}` standing for the table.
+    text: &'static str,
+}
+
+const CLAIM: Statement = Statement {
+    suffix: "claim",
+    types: "bytea, bytea, bytea, bigint",
+    text: "INSERT INTO {table} (scope, key, fingerprint, expires_at) \
+           VALUES ($1, $2, $3, now() + $4 * interval '1 millisecond') \
+           ON CONFLICT (scope, key) DO NOTHING",
+};
+
+const SELECT: Statement = Statement {
+    suffix: "select",
+    types: "bytea, bytea",
+    text: "SELECT status, fingerprint, headers, body, expires_at <= now() AS expired \
+           FROM {table} WHERE scope = $1 AND key = $2",
+};
+
+const TAKE_OVER: Statement = Statement {
+    suffix: "take_over",
+    types: "bytea, bytea, bytea, bigint",
+    text: "UPDATE {table} SET fingerprint = $3, status = NULL, headers = NULL, body = NULL, \
+           created_at = now(), expires_at = now() + $4 * interval '1 millisecond' \
+           WHERE scope = $1 AND key = $2 AND expires_at <= now() RETURNING true AS taken",
+};
+
+const FINISH: Statement = Statement {
+    suffix: "finish",
+    types: "bytea, bytea, smallint, bytea, bytea",
+    text: "UPDATE {table} SET status = $3, headers = $4, body = $5 \
+           WHERE scope = $1 AND key = $2",
+};
+
+/// The statements of one key table, named after it: `Idem`s on different
+/// tables can share a pool without their statements colliding, and the
+/// names keep clear of sqlx's own (`sqlx_s_*`).
+struct Statements {
     table: String,
+    prefix: String,
+}
+
+impl Statements {
+    const ALL: [Statement; 4] = [CLAIM, SELECT, TAKE_OVER, FINISH];
+
+    fn new(table: &str) -> Self {
+        // FNV-1a: a stable name for any table name, within PostgreSQL's
+        // 63-byte identifiers; only the name of a statement, not a secret.
+        let hash = table.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |hash, byte| {
+            (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3)
+        });
+        Self {
+            table: table.to_owned(),
+            prefix: format!("idem_{hash:016x}_"),
+        }
+    }
+
+    fn name(&self, statement: &Statement) -> String {
+        format!("{}{}", self.prefix, statement.suffix)
+    }
+
+    fn names(&self) -> Vec<String> {
+        Self::ALL
+            .iter()
+            .map(|statement| self.name(statement))
+            .collect()
+    }
+
+    fn text(&self, statement: &Statement) -> String {
+        statement.text.replace("{table}", &self.table)
+    }
+
+    /// `PREPARE`s for the statements not among `present`.
+    fn prepare_missing(&self, present: &[String]) -> String {
+        Self::ALL
+            .iter()
+            .filter(|statement| !present.contains(&self.name(statement)))
+            .map(|statement| {
+                format!(
+                    "PREPARE {} ({}) AS {}; ",
+                    self.name(statement),
+                    statement.types,
+                    self.text(statement)
+                )
+            })
+            .collect()
+    }
+
+    /// Runs `statement` with `args`, SQL expressions we formatted: through
+    /// its prepared statement, or with the arguments in place of `$n`.
+    fn run(&self, statement: &Statement, prepared: bool, args: &[&str]) -> String {
+        if prepared {
+            return format!("EXECUTE {}({})", self.name(statement), args.join(", "));
+        }
+        // From the last parameter down, so `$1` never matches inside `$10`.
+        args.iter()
+            .enumerate()
+            .rev()
+            .fold(self.text(statement), |text, (index, arg)| {
+                text.replace(&format!("${}", index + 1), arg)
+            })
+    }
+}
+
+/// The row of one claim, with its values already as SQL expressions.
+struct ClaimRow {
+    statements: Statements,
+    /// Through prepared statements (`EXECUTE`), or inlined.
+    prepared: bool,
     scope: String,
     key: String,
     fingerprint: String,
-    ttl_ms: u128,
+    ttl_ms: String,
     lock_timeout_ms: u128,
 }
 
 impl ClaimRow {
     fn new(table: &str, claim: &Claim<'_>) -> Self {
         Self {
-            table: table.to_owned(),
-            scope: hex(claim.scope.as_bytes()),
-            key: hex(claim.key.as_bytes()),
-            fingerprint: hex(claim.fingerprint.as_bytes()),
-            ttl_ms: claim.ttl.as_millis(),
+            statements: Statements::new(table),
+            prepared: true,
+            scope: bytea(claim.scope.as_bytes()),
+            key: bytea(claim.key.as_bytes()),
+            fingerprint: bytea(claim.fingerprint.as_bytes()),
+            ttl_ms: claim.ttl.as_millis().to_string(),
             lock_timeout_ms: lock_timeout_ms(claim),
         }
     }
 
-    fn matches(&self) -> String {
-        format!(
-            "scope = decode('{}', 'hex') AND key = decode('{}', 'hex')",
-            self.scope, self.key
-        )
+    fn run(&self, statement: &Statement, args: &[&str]) -> String {
+        self.statements.run(statement, self.prepared, args)
     }
 
     /// Runs `statement` under the claim's lock timeout, then puts the
@@ -301,33 +480,31 @@ impl ClaimRow {
     }
 
     fn insert(&self) -> String {
-        self.bounded(&format!(
-            "INSERT INTO {} (scope, key, fingerprint, expires_at) VALUES \
-             (decode('{}', 'hex'), decode('{}', 'hex'), decode('{}', 'hex'), now() + interval '{} milliseconds') \
-             ON CONFLICT (scope, key) DO NOTHING",
-            self.table, self.scope, self.key, self.fingerprint, self.ttl_ms
-        ))
+        let args = [&*self.scope, &self.key, &self.fingerprint, &self.ttl_ms];
+        self.bounded(&self.run(&CLAIM, &args))
     }
 
     fn take_over(&self) -> String {
-        self.bounded(&format!(
-            "UPDATE {} SET fingerprint = decode('{}', 'hex'), status = NULL, headers = NULL, body = NULL, \
-             created_at = now(), expires_at = now() + interval '{} milliseconds' \
-             WHERE {} AND expires_at <= now() RETURNING true AS taken",
-            self.table,
-            self.fingerprint,
-            self.ttl_ms,
-            self.matches()
-        ))
+        let args = [&*self.scope, &self.key, &self.fingerprint, &self.ttl_ms];
+        self.bounded(&self.run(&TAKE_OVER, &args))
     }
 
     fn select(&self) -> String {
-        format!(
-            "SELECT status, fingerprint, headers, body, expires_at <= now() AS expired FROM {} WHERE {};",
-            self.table,
-            self.matches()
-        )
+        format!("{};", self.run(&SELECT, &[&self.scope, &self.key]))
     }
+
+    fn finish(&self, response: &StoredResponse) -> String {
+        let status = response.status.as_u16().to_string();
+        let headers = bytea(&response.encode_headers());
+        let body = bytea(&response.body);
+        self.run(&FINISH, &[&self.scope, &self.key, &status, &headers, &body])
+    }
+}
+
+/// A `bytea` value as an SQL expression: `decode('<hex>', 'hex')` reads
+/// the same whatever `standard_conforming_strings` says.
+fn bytea(bytes: &[u8]) -> String {
+    format!("decode('{}', 'hex')", hex(bytes))
 }
 
 fn has_column(row: &PgRow, name: &str) -> bool {
@@ -336,4 +513,131 @@ fn has_column(row: &PgRow, name: &str) -> bool {
 
 fn has_code(error: &sqlx::Error, codes: &[&str]) -> bool {
     matches!(error, sqlx::Error::Database(db) if db.code().is_some_and(|code| codes.contains(&&*code)))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use http::StatusCode;
+    use sqlx::postgres::PgPoolOptions;
+
+    use super::*;
+
+    #[test]
+    fn inlined_statements_put_every_argument_in_place() {
+        let statements = Statements::new("keys");
+        let args = ["decode('61', 'hex')", "decode('62', 'hex')", "201"];
+        let finish = statements.run(&FINISH, false, &[args[0], args[1], args[2], "h", "b"]);
+        assert_eq!(
+            finish,
+            "UPDATE keys SET status = 201, headers = h, body = b \
+             WHERE scope = decode('61', 'hex') AND key = decode('62', 'hex')"
+        );
+        assert!(!finish.contains('$'));
+        let prepared = statements.run(&SELECT, true, &args[..2]);
+        assert_eq!(
+            prepared,
+            format!(
+                "EXECUTE {}(decode('61', 'hex'), decode('62', 'hex'))",
+                statements.name(&SELECT)
+            )
+        );
+        // Tables get their own statements.
+        assert_ne!(
+            Statements::new("a.keys").name(&CLAIM),
+            Statements::new("b.keys").name(&CLAIM)
+        );
+        assert!(statements.name(&TAKE_OVER).len() <= 63);
+    }
+
+    /// The fallback for sessions that cannot keep prepared statements (a
+    /// transaction-mode pooler): the same claim, takeover, replay and
+    /// finish with inlined arguments, on the real server.
+    #[tokio::test]
+    async fn inlined_statements_claim_finish_replay_and_take_over() {
+        let url = std::env::var("IDEM_TEST_POSTGRES_URL")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+        let pool = PgPoolOptions::new()
+            .max_connections(2)
+            .connect(&url)
+            .await
+            .unwrap_or_else(|error| panic!("PostgreSQL is required at {url}: {error}"));
+        let table = format!("idem_inline_{}", std::process::id());
+        Postgres::migrate(&pool, &table).await.expect("migrate");
+        let fingerprint = Fingerprint::from_bytes(&[7; 32]).unwrap();
+        let claim = Claim {
+            scope: "acct",
+            key: "inline-1",
+            fingerprint,
+            ttl: Duration::from_secs(60),
+            wait: Duration::from_millis(100),
+        };
+        let mut row = ClaimRow::new(&table, &claim);
+        row.prepared = false;
+
+        let mut conn = OpenTx::new(pool.acquire().await.unwrap());
+        let settled = settle(&mut conn, &row, String::new()).await.expect("claim");
+        assert!(matches!(settled, Settled::Ours));
+        conn.inlined = true;
+        let response = StoredResponse {
+            status: StatusCode::CREATED,
+            headers: Vec::new(),
+            body: "{\"id\":1}".into(),
+        };
+        Postgres::finish(&mut conn, &table, Some(&claim), Some(&response))
+            .await
+            .expect("finish");
+        conn.release();
+        let prepared: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_prepared_statements WHERE name LIKE 'idem\\_%'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        assert_eq!(prepared, 0, "inlined mode prepares nothing");
+
+        let mut conn = OpenTx::new(pool.acquire().await.unwrap());
+        match settle(&mut conn, &row, String::new())
+            .await
+            .expect("replay")
+        {
+            Settled::Finished(stored, replayed) => {
+                assert_eq!(stored, fingerprint);
+                assert_eq!(replayed.status, StatusCode::CREATED);
+                assert_eq!(&replayed.body[..], b"{\"id\":1}");
+            }
+            Settled::Ours => panic!("a finished key was claimed again"),
+        }
+        super::super::abandon(conn).await;
+
+        // Expired: taken over, with the new fingerprint and no response.
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "UPDATE {table} SET expires_at = now() - interval '1 second'"
+        )))
+        .execute(&pool)
+        .await
+        .unwrap();
+        let mut conn = OpenTx::new(pool.acquire().await.unwrap());
+        let settled = settle(&mut conn, &row, String::new())
+            .await
+            .expect("take over");
+        assert!(matches!(settled, Settled::Ours));
+        Postgres::finish(&mut conn, &table, None, None)
+            .await
+            .unwrap();
+        conn.release();
+        let (status, live): (Option<i16>, bool) = sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT status, expires_at > now() FROM {table}"
+        )))
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        assert_eq!((status, live), (None, true));
+
+        sqlx::raw_sql(AssertSqlSafe(format!("DROP TABLE {table}")))
+            .execute(&pool)
+            .await
+            .unwrap();
+    }
 }

@@ -183,7 +183,7 @@ impl Backend for Sqlite {
     }
 
     async fn finish(
-        conn: &mut sqlx::pool::PoolConnection<Self>,
+        conn: &mut OpenTx<Self>,
         table: &str,
         claim: Option<&Claim<'_>>,
         response: Option<&StoredResponse>,
@@ -196,11 +196,11 @@ impl Backend for Sqlite {
                     .bind(&response.body[..])
                     .bind(claim.scope.as_bytes())
                     .bind(claim.key.as_bytes())
-                    .execute(&mut **conn)
+                    .execute(&mut ***conn)
                     .await?;
             }
             _ => {
-                sqlx::raw_sql("COMMIT").execute(&mut **conn).await?;
+                sqlx::raw_sql("COMMIT").execute(&mut ***conn).await?;
             }
         }
         Ok(())
