@@ -164,6 +164,19 @@ async fn work(
     Ok(id)
 }
 
+/// What `lock_timeout` the handler's own statements run under.
+#[idempotent(scope = "account", wait = "0ms")]
+async fn lock_timeout(account: Account, mut tx: Tx<Postgres>) -> Response {
+    let _ = account;
+    match sqlx::query_scalar::<_, String>("SHOW lock_timeout")
+        .fetch_one(&mut *tx)
+        .await
+    {
+        Ok(value) => (StatusCode::OK, value).into_response(),
+        Err(error) => (StatusCode::INTERNAL_SERVER_ERROR, error.to_string()).into_response(),
+    }
+}
+
 fn created(id: Result<i64, sqlx::Error>) -> Response {
     match id {
         Ok(id) => (StatusCode::CREATED, Json(serde_json::json!({ "id": id }))).into_response(),
@@ -224,6 +237,7 @@ impl Service {
         let app = axum::Router::new()
             .route("/baseline", post(baseline))
             .route("/idempotent", post(idempotent))
+            .route("/lock_timeout", post(lock_timeout))
             .with_state(state);
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
@@ -422,6 +436,41 @@ async fn statements_are_prepared_once_per_connection_and_again_when_lost() {
     drop(service);
     pool.close().await;
     drop_table(&admin, &table).await;
+    drop_table(&admin, &keys).await;
+}
+
+/// The claim waits at most `wait` (here 1 ms) for a concurrent attempt, but
+/// the handler's statements and the commit run under the connection's
+/// configured `lock_timeout`, not the claim's: a handler that waits on a
+/// busy row must not fail after a millisecond.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_handler_runs_under_the_configured_lock_timeout_not_the_claims() {
+    let (admin, _) = direct().await;
+    let keys = unique("lt_keys");
+    for (configured, expected) in [(None, "0"), (Some("7s"), "7s")] {
+        let mut options: sqlx::postgres::PgConnectOptions =
+            database_url().parse().expect("database URL");
+        if let Some(value) = configured {
+            options = options.options([("lock_timeout", value)]);
+        }
+        let pool = PgPoolOptions::new()
+            .max_connections(1)
+            .connect_with(options)
+            .await
+            .expect("connect");
+        let service = Service::start(pool.clone(), &keys, "unused").await;
+        for attempt in 0..3 {
+            let response = service.post("/lock_timeout", &unique("k"), 0).await;
+            assert_eq!(response.status(), 200);
+            let seen = response.text().await.unwrap();
+            assert_eq!(
+                seen, expected,
+                "attempt {attempt}, configured {configured:?}"
+            );
+        }
+        drop(service);
+        pool.close().await;
+    }
     drop_table(&admin, &keys).await;
 }
 

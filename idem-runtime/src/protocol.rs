@@ -155,10 +155,16 @@ where
     R: IntoResponse,
 {
     let span = prepared.span.clone();
-    span.record("scope", observe::redact(&[&scope]));
+    // Hashing costs nothing worth it when no subscriber wants the span.
+    let traced = !span.is_disabled();
+    if traced {
+        span.record("scope", observe::redact(&[&scope]));
+    }
     let (outcome, response) = match prepared.key {
         Some((key, fingerprint)) => {
-            span.record("key", observe::redact(&[&scope, &key]));
+            if traced {
+                span.record("key", observe::redact(&[&scope, &key]));
+            }
             let claim = Claim {
                 scope: &scope,
                 key: &key,
