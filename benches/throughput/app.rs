@@ -255,14 +255,23 @@ impl IntoResponse for ApiError {
     }
 }
 
-/// The handler's SQL, identical in every variant: the charge; with 3
-/// statements also the account's balance and a ledger line.
-pub(crate) async fn work(
-    conn: &mut PgConnection,
+/// The handler's SQL, identical in every variant and on both engines: the
+/// charge; with 3 statements also the account's balance and a ledger line.
+pub(crate) async fn work<DB>(
+    conn: &mut DB::Connection,
     account: &str,
     new: &NewCharge,
     statements: u32,
-) -> Result<Charge, sqlx::Error> {
+) -> Result<Charge, sqlx::Error>
+where
+    DB: sqlx::Database,
+    for<'e> &'e mut DB::Connection: sqlx::Executor<'e, Database = DB>,
+    for<'q> DB::Arguments: sqlx::IntoArguments<DB>,
+    for<'q> &'q str: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    for<'q> &'q String: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    for<'q, 'r> i64: sqlx::Encode<'q, DB> + sqlx::Decode<'r, DB> + sqlx::Type<DB>,
+    for<'r> (i64,): sqlx::FromRow<'r, DB::Row>,
+{
     let id: i64 = sqlx::query_scalar(
         "INSERT INTO bench_charges (account, amount, currency) VALUES ($1, $2, $3) RETURNING id",
     )
@@ -312,7 +321,7 @@ async fn baseline(
     Json(new): Json<NewCharge>,
 ) -> Result<Response, ApiError> {
     let mut tx = pool.begin().await?;
-    let charge = work(&mut tx, &account.0, &new, statements).await?;
+    let charge = work::<Postgres>(&mut tx, &account.0, &new, statements).await?;
     tx.commit().await?;
     Ok(created(charge))
 }
@@ -325,7 +334,9 @@ async fn idempotent(
     mut tx: Tx<Postgres>,
     Json(new): Json<NewCharge>,
 ) -> Result<Response, ApiError> {
-    Ok(created(work(&mut tx, &account.0, &new, statements).await?))
+    Ok(created(
+        work::<Postgres>(&mut tx, &account.0, &new, statements).await?,
+    ))
 }
 
 /// two_phase: the recipe blog posts publish. Claim the key in its own
@@ -370,7 +381,7 @@ async fn two_phase(
     // Phase 2: the work and the response, together.
     let result = async {
         let mut tx = Connection::begin(&mut *conn).await?;
-        let charge = work(&mut tx, &account.0, &new, statements).await?;
+        let charge = work::<Postgres>(&mut tx, &account.0, &new, statements).await?;
         let stored = serde_json::to_vec(&charge).expect("serializable");
         sqlx::query(
             "UPDATE bench_two_phase_keys SET status = 201, body = $3 WHERE scope = $1 AND key = $2",

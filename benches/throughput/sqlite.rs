@@ -11,9 +11,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use idem::{Fingerprint, Idem, Tx, idempotent};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
-use sqlx::{Connection, Sqlite, SqliteConnection, SqlitePool};
+use sqlx::{Connection, Sqlite, SqlitePool};
 
-use crate::app::{Account, ApiError, Charge, KEYS_TABLE, NewCharge, created};
+use crate::app::{Account, ApiError, KEYS_TABLE, NewCharge, created, work};
 
 pub async fn connect(path: &str, size: u32) -> SqlitePool {
     let options = SqliteConnectOptions::new()
@@ -76,44 +76,6 @@ pub fn router(pool: SqlitePool) -> axum::Router {
         .with_state(AppState { idem, pool })
 }
 
-/// The handler's SQL, as on PostgreSQL.
-async fn work(
-    conn: &mut SqliteConnection,
-    account: &str,
-    new: &NewCharge,
-    statements: u32,
-) -> Result<Charge, sqlx::Error> {
-    let id: i64 = sqlx::query_scalar(
-        "INSERT INTO bench_charges (account, amount, currency) VALUES ($1, $2, $3) RETURNING id",
-    )
-    .bind(account)
-    .bind(new.amount)
-    .bind(&new.currency)
-    .fetch_one(&mut *conn)
-    .await?;
-    if statements >= 3 {
-        sqlx::query(
-            "UPDATE bench_accounts SET balance = balance + $2, charges = charges + 1 WHERE account = $1",
-        )
-        .bind(account)
-        .bind(new.amount)
-        .execute(&mut *conn)
-        .await?;
-        sqlx::query("INSERT INTO bench_ledger (charge_id, account, amount) VALUES ($1, $2, $3)")
-            .bind(id)
-            .bind(account)
-            .bind(new.amount)
-            .execute(&mut *conn)
-            .await?;
-    }
-    Ok(Charge {
-        id,
-        account: account.to_owned(),
-        amount: new.amount,
-        currency: new.currency.clone(),
-    })
-}
-
 async fn baseline(
     account: Account,
     Path(statements): Path<u32>,
@@ -121,7 +83,7 @@ async fn baseline(
     Json(new): Json<NewCharge>,
 ) -> Result<Response, ApiError> {
     let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
-    let charge = work(&mut tx, &account.0, &new, statements).await?;
+    let charge = work::<Sqlite>(&mut tx, &account.0, &new, statements).await?;
     tx.commit().await?;
     Ok(created(charge))
 }
@@ -133,7 +95,9 @@ async fn idempotent(
     mut tx: Tx<Sqlite>,
     Json(new): Json<NewCharge>,
 ) -> Result<Response, ApiError> {
-    Ok(created(work(&mut tx, &account.0, &new, statements).await?))
+    Ok(created(
+        work::<Sqlite>(&mut tx, &account.0, &new, statements).await?,
+    ))
 }
 
 /// The two-phase recipe, as on PostgreSQL: an autocommitted claim, then
@@ -170,7 +134,7 @@ async fn two_phase(
         return Ok(StatusCode::CONFLICT.into_response());
     }
     let mut tx = Connection::begin_with(&mut *conn, "BEGIN IMMEDIATE").await?;
-    let charge = work(&mut tx, &account.0, &new, statements).await?;
+    let charge = work::<Sqlite>(&mut tx, &account.0, &new, statements).await?;
     sqlx::query(
         "UPDATE bench_two_phase_keys SET status = 201, body = $3 WHERE scope = $1 AND key = $2",
     )

@@ -19,15 +19,7 @@ impl TestDb for MySql {
     const INSERT_EFFECT: &'static str = "INSERT INTO idem_test_effects (scope, `key`, note, nonce) VALUES (?, ?, ?, ?) RETURNING id";
     const TOUCH_EFFECT: &'static str = "UPDATE idem_test_effects SET note = note WHERE id = ?";
 
-    async fn lock_effect(pool: &Pool<Self>, id: i64) -> sqlx::Transaction<'static, Self> {
-        let mut tx = pool.begin().await.unwrap();
-        sqlx::query(Self::TOUCH_EFFECT)
-            .bind(id)
-            .execute(&mut *tx)
-            .await
-            .unwrap();
-        tx
-    }
+    crate::test_db_queries!("?");
 
     async fn connect() -> Pool<Self> {
         let url = env_or("IDEM_TEST_MYSQL_URL", "mysql://root@127.0.0.1:3306/test");
@@ -67,21 +59,5 @@ impl TestDb for MySql {
 
     fn router(state: AppState<Self>) -> axum::Router {
         mysql_app::handlers::router(state)
-    }
-
-    async fn count_effects(pool: &Pool<Self>, scope: &str) -> i64 {
-        sqlx::query_scalar("SELECT count(*) FROM idem_test_effects WHERE scope = ?")
-            .bind(scope)
-            .fetch_one(pool)
-            .await
-            .unwrap()
-    }
-
-    async fn count_keys(pool: &Pool<Self>, scope: &str) -> i64 {
-        sqlx::query_scalar("SELECT count(*) FROM idem_keys WHERE scope = ?")
-            .bind(scope.as_bytes())
-            .fetch_one(pool)
-            .await
-            .unwrap()
     }
 }

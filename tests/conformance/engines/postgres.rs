@@ -17,15 +17,7 @@ impl TestDb for Postgres {
     const INSERT_EFFECT: &'static str = "INSERT INTO idem_test_effects (scope, key, note, nonce) VALUES ($1, $2, $3, $4) RETURNING id";
     const TOUCH_EFFECT: &'static str = "UPDATE idem_test_effects SET note = note WHERE id = $1";
 
-    async fn lock_effect(pool: &Pool<Self>, id: i64) -> sqlx::Transaction<'static, Self> {
-        let mut tx = pool.begin().await.unwrap();
-        sqlx::query(Self::TOUCH_EFFECT)
-            .bind(id)
-            .execute(&mut *tx)
-            .await
-            .unwrap();
-        tx
-    }
+    crate::test_db_queries!("$1");
 
     async fn connect() -> Pool<Self> {
         let url = env_or(
@@ -74,21 +66,5 @@ impl TestDb for Postgres {
 
     fn router(state: AppState<Self>) -> axum::Router {
         postgres_app::handlers::router(state)
-    }
-
-    async fn count_effects(pool: &Pool<Self>, scope: &str) -> i64 {
-        sqlx::query_scalar("SELECT count(*) FROM idem_test_effects WHERE scope = $1")
-            .bind(scope)
-            .fetch_one(pool)
-            .await
-            .unwrap()
-    }
-
-    async fn count_keys(pool: &Pool<Self>, scope: &str) -> i64 {
-        sqlx::query_scalar("SELECT count(*) FROM idem_keys WHERE scope = $1")
-            .bind(scope.as_bytes())
-            .fetch_one(pool)
-            .await
-            .unwrap()
     }
 }
