@@ -439,6 +439,90 @@ async fn statements_are_prepared_once_per_connection_and_again_when_lost() {
     drop_table(&admin, &keys).await;
 }
 
+/// Behind a pooler that moves server sessions under a connection, a claim
+/// can look up its statements on one session and prepare them on another
+/// that has them. The proxy simulates that (the lookup is told nothing is
+/// prepared): the claim then runs, and the finish stores, with inlined
+/// arguments, and the request is neither failed nor half-done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_that_cannot_keep_statements_gets_them_inlined() {
+    let (admin, upstream) = direct().await;
+    let table = unique("pool_effects");
+    let keys = unique("pool_keys");
+    create_table(&admin, &table).await;
+    let proxy = PgProxy::start(upstream).await;
+    let pool = through(&proxy).await;
+    let service = Service::start(pool.clone(), &keys, &table).await;
+    let response = service.post("/idempotent", &unique("k"), 1).await;
+    assert_eq!(response.status(), 201);
+    let prepared = idem_statements(&pool).await;
+    assert_eq!(prepared.len(), 4);
+
+    // The claim's statement is gone; the lookup will say all are, so the
+    // claim's PREPAREs collide with the three still there.
+    let claim: Vec<String> = prepared
+        .iter()
+        .filter(|name| name.ends_with("_claim"))
+        .cloned()
+        .collect();
+    deallocate(&pool, &claim).await;
+    proxy.set_rewrite(Some((
+        "pg_catalog.pg_prepared_statements WHERE",
+        "pg_catalog.pg_prepared_statements WHERE false AND",
+    )));
+    settle(&pool).await;
+    proxy.record_queries();
+    let before = rows(&admin, &table).await;
+    let key = unique("inlined");
+    let response = service.post("/idempotent", &key, 1).await;
+    assert_eq!(response.status(), 201);
+    let body = response.text().await.unwrap();
+    settle(&pool).await;
+    let sent = proxy.recorded_queries();
+    proxy.set_rewrite(None);
+    assert_eq!(rows(&admin, &table).await, before + 1);
+
+    let inlined = |needle: &str| {
+        sent.iter()
+            .any(|sql| sql.contains(needle) && !sql.contains("EXECUTE"))
+    };
+    assert!(
+        inlined("ON CONFLICT (scope, key) DO NOTHING"),
+        "no inlined claim among {sent:#?}"
+    );
+    assert!(
+        inlined("SET status = 201"),
+        "no inlined finish among {sent:#?}"
+    );
+    let replay = service.post("/idempotent", &key, 1).await;
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    assert_eq!(replay.text().await.unwrap(), body);
+    assert_eq!(
+        rows(&admin, &table).await,
+        before + 1,
+        "replayed, not rerun"
+    );
+
+    // The session kept what it prepared: the next claim runs prepared.
+    assert_eq!(idem_statements(&pool).await, prepared);
+    proxy.record_queries();
+    let response = service.post("/idempotent", &unique("k"), 1).await;
+    assert_eq!(response.status(), 201);
+    settle(&pool).await;
+    assert!(
+        proxy
+            .recorded_queries()
+            .iter()
+            .any(|sql| sql.contains("EXECUTE") && sql.ends_with("COMMIT")),
+        "the finish went back to its prepared statement"
+    );
+
+    drop(service);
+    pool.close().await;
+    drop_table(&admin, &table).await;
+    drop_table(&admin, &keys).await;
+}
+
 /// The claim waits at most `wait` (here 1 ms) for a concurrent attempt, but
 /// the handler's statements and the commit run under the connection's
 /// configured `lock_timeout`, not the claim's: a handler that waits on a

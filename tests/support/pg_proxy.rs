@@ -33,8 +33,8 @@
 #![allow(dead_code)]
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
@@ -90,6 +90,10 @@ struct Shared {
     connections: AtomicU64,
     cut_on_commit: AtomicU8,
     refuse: AtomicBool,
+    /// `Query` SQL containing the first text gets it replaced by the second.
+    rewrite: Mutex<Option<(Vec<u8>, Vec<u8>)>>,
+    /// Every `Query` message's SQL, while `Some`.
+    log: Mutex<Option<Vec<String>>>,
     /// Bumped by `cut_all`; a connection opened under an older generation
     /// stops forwarding and closes as soon as it sees a newer one.
     generation: watch::Sender<u64>,
@@ -109,6 +113,8 @@ impl PgProxy {
             connections: AtomicU64::new(0),
             cut_on_commit: AtomicU8::new(CutOnCommit::Off.as_u8()),
             refuse: AtomicBool::new(false),
+            rewrite: Mutex::new(None),
+            log: Mutex::new(None),
             generation: watch::Sender::new(0),
         });
         let accept = tokio::spawn(accept_loop(listener, Arc::clone(&shared)));
@@ -170,6 +176,25 @@ impl PgProxy {
         self.shared
             .cut_on_commit
             .store(mode.as_u8(), Ordering::SeqCst);
+    }
+
+    /// From now on, a `Query` whose SQL contains `from` reaches the server
+    /// with `from` replaced by `to` (to simulate what a test cannot make
+    /// the server do, such as a pooler's session switch); `None` stops it.
+    pub fn set_rewrite(&self, rewrite: Option<(&str, &str)>) {
+        *self.shared.rewrite.lock().unwrap() =
+            rewrite.map(|(from, to)| (from.as_bytes().to_vec(), to.as_bytes().to_vec()));
+    }
+
+    /// Starts recording the SQL of every `Query` message (as sent, before
+    /// any rewrite), dropping what was recorded before.
+    pub fn record_queries(&self) {
+        *self.shared.log.lock().unwrap() = Some(Vec::new());
+    }
+
+    /// The `Query` SQL recorded since [`record_queries`](PgProxy::record_queries).
+    pub fn recorded_queries(&self) -> Vec<String> {
+        self.shared.log.lock().unwrap().clone().unwrap_or_default()
     }
 
     /// While `true`, new connections are closed as soon as they arrive
@@ -249,29 +274,63 @@ async fn frontend(
         buf.extend_from_slice(&chunk[..read]);
         // Whole messages go on in one write, up to a cut point.
         let mut end = 0;
+        let mut out = Vec::with_capacity(buf.len());
         while let Some(message) = framing.next(&buf[end..]) {
-            if let Message::Typed(kind, body) = message.kind {
-                let cut = CutOnCommit::from_u8(shared.cut_on_commit.load(Ordering::SeqCst));
-                if cut != CutOnCommit::Off && carries_commit(kind, body) {
-                    if cut == CutOnCommit::AfterForwarding {
-                        count(shared, kind);
-                        end += message.len;
-                    }
-                    to.write_all(&buf[..end]).await?;
-                    to.flush().await?;
-                    return Ok(());
-                }
-                count(shared, kind);
-            }
+            let raw = &buf[end..end + message.len];
             end += message.len;
+            let Message::Typed(kind, body) = message.kind else {
+                out.extend_from_slice(raw);
+                continue;
+            };
+            let cut = CutOnCommit::from_u8(shared.cut_on_commit.load(Ordering::SeqCst));
+            if cut != CutOnCommit::Off && carries_commit(kind, body) {
+                if cut == CutOnCommit::AfterForwarding {
+                    count(shared, kind);
+                    out.extend_from_slice(raw);
+                }
+                to.write_all(&out).await?;
+                to.flush().await?;
+                return Ok(());
+            }
+            count(shared, kind);
+            match (kind == b'Q').then(|| shared.rewritten(body)).flatten() {
+                Some(sql) => out.extend(typed(b'Q', &sql)),
+                None => out.extend_from_slice(raw),
+            }
         }
         if framing == Framing::Opaque {
             // TLS started: everything from here on is opaque bytes.
+            out.extend_from_slice(&buf[end..]);
             end = buf.len();
         }
-        to.write_all(&buf[..end]).await?;
+        to.write_all(&out).await?;
         buf.drain(..end);
     }
+}
+
+impl Shared {
+    /// Records a `Query` body and returns its rewritten form, if any.
+    fn rewritten(&self, body: &[u8]) -> Option<Vec<u8>> {
+        if let Some(log) = self.log.lock().unwrap().as_mut() {
+            let sql = body.strip_suffix(b"\0").unwrap_or(body);
+            log.push(String::from_utf8_lossy(sql).into_owned());
+        }
+        let rewrite = self.rewrite.lock().unwrap();
+        let (from, to) = rewrite.as_ref()?;
+        let at = body.windows(from.len()).position(|window| window == from)?;
+        let mut sql = body[..at].to_vec();
+        sql.extend_from_slice(to);
+        sql.extend_from_slice(&body[at + from.len()..]);
+        Some(sql)
+    }
+}
+
+/// A typed message: its kind, its length, its body.
+fn typed(kind: u8, body: &[u8]) -> Vec<u8> {
+    let mut message = vec![kind];
+    message.extend_from_slice(&(body.len() as i32 + 4).to_be_bytes());
+    message.extend_from_slice(body);
+    message
 }
 
 fn count(shared: &Shared, kind: u8) {
@@ -388,13 +447,6 @@ mod framing_tests {
     // A bench that includes this file compiles `cfg(test)` without its tests.
     #[allow(unused_imports)]
     use super::*;
-
-    fn typed(kind: u8, body: &[u8]) -> Vec<u8> {
-        let mut message = vec![kind];
-        message.extend_from_slice(&(body.len() as i32 + 4).to_be_bytes());
-        message.extend_from_slice(body);
-        message
-    }
 
     #[test]
     fn splits_startup_then_typed_messages() {
