@@ -263,6 +263,44 @@ impl Service {
     }
 }
 
+/// A service on a one-connection pool through a counting proxy, with its
+/// own effects and key tables.
+struct Proxied {
+    admin: PgPool,
+    table: String,
+    keys: String,
+    proxy: PgProxy,
+    pool: PgPool,
+    service: Service,
+}
+
+impl Proxied {
+    async fn start(prefix: &str) -> Proxied {
+        let (admin, upstream) = direct().await;
+        let table = unique(&format!("{prefix}_effects"));
+        let keys = unique(&format!("{prefix}_keys"));
+        create_table(&admin, &table).await;
+        let proxy = PgProxy::start(upstream).await;
+        let pool = through(&proxy).await;
+        let service = Service::start(pool.clone(), &keys, &table).await;
+        Proxied {
+            admin,
+            table,
+            keys,
+            proxy,
+            pool,
+            service,
+        }
+    }
+
+    async fn stop(self) {
+        drop(self.service);
+        self.pool.close().await;
+        drop_table(&self.admin, &self.table).await;
+        drop_table(&self.admin, &self.keys).await;
+    }
+}
+
 /// Round trips of one request, the pool's return ping included.
 async fn count(
     proxy: &PgProxy,
@@ -282,13 +320,13 @@ async fn count(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idempotent_first_attempt_adds_no_round_trip() {
-    let (admin, upstream) = direct().await;
-    let table = unique("rt_effects");
-    let keys = unique("rt_keys");
-    create_table(&admin, &table).await;
-    let proxy = PgProxy::start(upstream).await;
-    let pool = through(&proxy).await;
-    let service = Service::start(pool.clone(), &keys, &table).await;
+    let fixture = Proxied::start("rt").await;
+    let Proxied {
+        proxy,
+        pool,
+        service,
+        ..
+    } = &fixture;
 
     for statements in [1, 3] {
         // Steady state: statements prepared and cached on both routes.
@@ -300,22 +338,13 @@ async fn an_idempotent_first_attempt_adds_no_round_trip() {
             }
         }
 
-        let (base, response) = count(
-            &proxy,
-            &pool,
-            &service,
-            "/baseline",
-            &unique("b"),
-            statements,
-        )
-        .await;
+        let (base, response) =
+            count(proxy, pool, service, "/baseline", &unique("b"), statements).await;
         assert_eq!(response.status(), 201);
         let key = unique("k");
-        let (idem, response) =
-            count(&proxy, &pool, &service, "/idempotent", &key, statements).await;
+        let (idem, response) = count(proxy, pool, service, "/idempotent", &key, statements).await;
         assert_eq!(response.status(), 201);
-        let (replay, response) =
-            count(&proxy, &pool, &service, "/idempotent", &key, statements).await;
+        let (replay, response) = count(proxy, pool, service, "/idempotent", &key, statements).await;
         assert_eq!(response.status(), 201);
         assert_eq!(response.headers()["idempotent-replayed"], "true");
 
@@ -335,10 +364,7 @@ async fn an_idempotent_first_attempt_adds_no_round_trip() {
         assert!(replay <= pings + 2, "a replay takes {replay} round trips");
     }
 
-    drop(service);
-    pool.close().await;
-    drop_table(&admin, &table).await;
-    drop_table(&admin, &keys).await;
+    fixture.stop().await;
 }
 
 /// idem's statements on this connection: the server's own list.
@@ -366,18 +392,20 @@ async fn deallocate(pool: &PgPool, names: &[String]) {
 /// again without failing a request or half-doing one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn statements_are_prepared_once_per_connection_and_again_when_lost() {
-    let (admin, upstream) = direct().await;
-    let table = unique("ps_effects");
-    let keys = unique("ps_keys");
-    create_table(&admin, &table).await;
-    let proxy = PgProxy::start(upstream).await;
-    let pool = through(&proxy).await;
-    let service = Service::start(pool.clone(), &keys, &table).await;
+    let fixture = Proxied::start("ps").await;
+    let Proxied {
+        admin,
+        table,
+        keys,
+        proxy,
+        pool,
+        service,
+    } = &fixture;
 
-    assert!(idem_statements(&pool).await.is_empty());
-    let (first, response) = count(&proxy, &pool, &service, "/idempotent", &unique("k"), 1).await;
+    assert!(idem_statements(pool).await.is_empty());
+    let (first, response) = count(proxy, pool, service, "/idempotent", &unique("k"), 1).await;
     assert_eq!(response.status(), 201);
-    let prepared = idem_statements(&pool).await;
+    let prepared = idem_statements(pool).await;
     assert_eq!(
         prepared.len(),
         4,
@@ -386,20 +414,20 @@ async fn statements_are_prepared_once_per_connection_and_again_when_lost() {
     // Preparing costs the first claim on a connection two round trips
     // (the failed EXECUTE's rollback with the lookup; the PREPAREs ride on
     // the claim), and sqlx prepares the handler's INSERT once.
-    let (warm, response) = count(&proxy, &pool, &service, "/idempotent", &unique("k"), 1).await;
+    let (warm, response) = count(proxy, pool, service, "/idempotent", &unique("k"), 1).await;
     assert_eq!(response.status(), 201);
     assert_eq!(first, warm + 3, "first {first}, then {warm}");
-    let (again, _) = count(&proxy, &pool, &service, "/idempotent", &unique("k"), 1).await;
+    let (again, _) = count(proxy, pool, service, "/idempotent", &unique("k"), 1).await;
     assert_eq!(again, warm, "prepared once, not per request");
 
     // All lost: the next claim prepares them again, and its key works.
-    deallocate(&pool, &prepared).await;
+    deallocate(pool, &prepared).await;
     let key = unique("lost");
     let response = service.post("/idempotent", &key, 1).await;
     assert_eq!(response.status(), 201);
     let replay = service.post("/idempotent", &key, 1).await;
     assert_eq!(replay.headers()["idempotent-replayed"], "true");
-    assert_eq!(idem_statements(&pool).await, prepared);
+    assert_eq!(idem_statements(pool).await, prepared);
 
     // Only the finish lost: the claim cannot notice, so that one request
     // fails whole (nothing committed, no key stored, 503), its connection
@@ -409,13 +437,13 @@ async fn statements_are_prepared_once_per_connection_and_again_when_lost() {
         .filter(|name| name.ends_with("_finish"))
         .cloned()
         .collect();
-    deallocate(&pool, &finish).await;
-    let before = rows(&admin, &table).await;
+    deallocate(pool, &finish).await;
+    let before = rows(admin, table).await;
     let key = unique("finish-lost");
     let response = service.post("/idempotent", &key, 1).await;
     assert_eq!(response.status(), 503);
     assert_eq!(
-        rows(&admin, &table).await,
+        rows(admin, table).await,
         before,
         "no effect without its memory"
     );
@@ -423,20 +451,17 @@ async fn statements_are_prepared_once_per_connection_and_again_when_lost() {
         "SELECT count(*) FROM {keys} WHERE key = $1"
     )))
     .bind(key.as_bytes())
-    .fetch_one(&admin)
+    .fetch_one(admin)
     .await
     .unwrap();
     assert_eq!(stored, 0, "no memory without its effect");
     let retry = service.post("/idempotent", &key, 1).await;
     assert_eq!(retry.status(), 201);
     assert!(retry.headers().get("idempotent-replayed").is_none());
-    assert_eq!(rows(&admin, &table).await, before + 1);
-    assert_eq!(idem_statements(&pool).await, prepared);
+    assert_eq!(rows(admin, table).await, before + 1);
+    assert_eq!(idem_statements(pool).await, prepared);
 
-    drop(service);
-    pool.close().await;
-    drop_table(&admin, &table).await;
-    drop_table(&admin, &keys).await;
+    fixture.stop().await;
 }
 
 /// Behind a pooler that moves server sessions under a connection, a claim
@@ -446,16 +471,18 @@ async fn statements_are_prepared_once_per_connection_and_again_when_lost() {
 /// arguments, and the request is neither failed nor half-done.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_that_cannot_keep_statements_gets_them_inlined() {
-    let (admin, upstream) = direct().await;
-    let table = unique("pool_effects");
-    let keys = unique("pool_keys");
-    create_table(&admin, &table).await;
-    let proxy = PgProxy::start(upstream).await;
-    let pool = through(&proxy).await;
-    let service = Service::start(pool.clone(), &keys, &table).await;
+    let fixture = Proxied::start("pool").await;
+    let Proxied {
+        admin,
+        table,
+        proxy,
+        pool,
+        service,
+        ..
+    } = &fixture;
     let response = service.post("/idempotent", &unique("k"), 1).await;
     assert_eq!(response.status(), 201);
-    let prepared = idem_statements(&pool).await;
+    let prepared = idem_statements(pool).await;
     assert_eq!(prepared.len(), 4);
 
     // The claim's statement is gone; the lookup will say all are, so the
@@ -465,22 +492,22 @@ async fn a_session_that_cannot_keep_statements_gets_them_inlined() {
         .filter(|name| name.ends_with("_claim"))
         .cloned()
         .collect();
-    deallocate(&pool, &claim).await;
+    deallocate(pool, &claim).await;
     proxy.set_rewrite(Some((
         "pg_catalog.pg_prepared_statements WHERE",
         "pg_catalog.pg_prepared_statements WHERE false AND",
     )));
-    settle(&pool).await;
+    settle(pool).await;
     proxy.record_queries();
-    let before = rows(&admin, &table).await;
+    let before = rows(admin, table).await;
     let key = unique("inlined");
     let response = service.post("/idempotent", &key, 1).await;
     assert_eq!(response.status(), 201);
     let body = response.text().await.unwrap();
-    settle(&pool).await;
+    settle(pool).await;
     let sent = proxy.recorded_queries();
     proxy.set_rewrite(None);
-    assert_eq!(rows(&admin, &table).await, before + 1);
+    assert_eq!(rows(admin, table).await, before + 1);
 
     let inlined = |needle: &str| {
         sent.iter()
@@ -497,18 +524,14 @@ async fn a_session_that_cannot_keep_statements_gets_them_inlined() {
     let replay = service.post("/idempotent", &key, 1).await;
     assert_eq!(replay.headers()["idempotent-replayed"], "true");
     assert_eq!(replay.text().await.unwrap(), body);
-    assert_eq!(
-        rows(&admin, &table).await,
-        before + 1,
-        "replayed, not rerun"
-    );
+    assert_eq!(rows(admin, table).await, before + 1, "replayed, not rerun");
 
     // The session kept what it prepared: the next claim runs prepared.
-    assert_eq!(idem_statements(&pool).await, prepared);
+    assert_eq!(idem_statements(pool).await, prepared);
     proxy.record_queries();
     let response = service.post("/idempotent", &unique("k"), 1).await;
     assert_eq!(response.status(), 201);
-    settle(&pool).await;
+    settle(pool).await;
     assert!(
         proxy
             .recorded_queries()
@@ -517,10 +540,7 @@ async fn a_session_that_cannot_keep_statements_gets_them_inlined() {
         "the finish went back to its prepared statement"
     );
 
-    drop(service);
-    pool.close().await;
-    drop_table(&admin, &table).await;
-    drop_table(&admin, &keys).await;
+    fixture.stop().await;
 }
 
 /// The claim waits at most `wait` (here 1 ms) for a concurrent attempt, but
