@@ -266,7 +266,7 @@ pub(crate) async fn work<DB>(
 where
     DB: sqlx::Database,
     for<'e> &'e mut DB::Connection: sqlx::Executor<'e, Database = DB>,
-    for<'q> DB::Arguments: sqlx::IntoArguments<DB>,
+    DB::Arguments: sqlx::IntoArguments<DB>,
     for<'q> &'q str: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
     for<'q> &'q String: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
     for<'q, 'r> i64: sqlx::Encode<'q, DB> + sqlx::Decode<'r, DB> + sqlx::Type<DB>,

@@ -106,10 +106,7 @@ impl Backend for Postgres {
         loop {
             let mut conn = OpenTx::new(pool.acquire().await?);
             let error = match claim_on(&mut conn, &mut row).await {
-                Ok(Settled::Ours) => {
-                    conn.inlined = !row.prepared;
-                    return Ok(ClaimOutcome::Claimed(conn));
-                }
+                Ok(Settled::Ours) => return Ok(ClaimOutcome::Claimed(conn)),
                 Ok(Settled::Finished(fingerprint, response)) => {
                     super::abandon(conn).await;
                     return Ok(ClaimOutcome::Finished {
@@ -204,9 +201,15 @@ const SHORT_WAIT: std::time::Duration = std::time::Duration::from_millis(50);
 /// Claims on one connection through its prepared statements, preparing
 /// them on the connection's first claim. A connection that cannot keep
 /// them (a transaction-mode pooler hands each transaction another server
-/// session) gets the same statements with their arguments inlined, and
-/// `row` remembers that for the finish (and for a retry of the claim).
-async fn claim_on(
+/// session) gets the same statements with their arguments inlined; `row`
+/// remembers that for a retry of the claim, and `conn` for the finish.
+async fn claim_on(conn: &mut OpenTx<Postgres>, row: &mut ClaimRow) -> Result<Settled, sqlx::Error> {
+    let settled = claim_with_fallback(conn, row).await;
+    conn.inlined = !row.prepared;
+    settled
+}
+
+async fn claim_with_fallback(
     conn: &mut PoolConnection<Postgres>,
     row: &mut ClaimRow,
 ) -> Result<Settled, sqlx::Error> {
@@ -526,6 +529,20 @@ mod tests {
 
     use super::*;
 
+    /// A pool on the test server, `configure`d; fails loudly without one.
+    async fn test_pool(
+        max_connections: u32,
+        configure: impl FnOnce(sqlx::postgres::PgConnectOptions) -> sqlx::postgres::PgConnectOptions,
+    ) -> Pool<Postgres> {
+        let url = std::env::var("IDEM_TEST_POSTGRES_URL")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+        PgPoolOptions::new()
+            .max_connections(max_connections)
+            .connect_with(configure(url.parse().expect("database URL")))
+            .await
+            .unwrap_or_else(|error| panic!("PostgreSQL is required at {url}: {error}"))
+    }
+
     #[test]
     fn inlined_statements_put_every_argument_in_place() {
         let statements = Statements::new("keys");
@@ -553,17 +570,13 @@ mod tests {
     /// server still configured with `standard_conforming_strings = off`.
     #[tokio::test]
     async fn bytes_arrive_intact_whatever_standard_conforming_strings_says() {
-        let url = std::env::var("IDEM_TEST_POSTGRES_URL")
-            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
         let table = format!("idem_scs_{}", std::process::id());
         let scope = "a'b\\c\\x41\0\u{e9}";
         for setting in ["on", "off"] {
-            let options: sqlx::postgres::PgConnectOptions = url.parse().unwrap();
-            let pool = PgPoolOptions::new()
-                .max_connections(1)
-                .connect_with(options.options([("standard_conforming_strings", setting)]))
-                .await
-                .unwrap_or_else(|error| panic!("PostgreSQL is required at {url}: {error}"));
+            let pool = test_pool(1, |options| {
+                options.options([("standard_conforming_strings", setting)])
+            })
+            .await;
             Postgres::migrate(&pool, &table).await.expect("migrate");
             for prepared in [true, false] {
                 let key = format!("k-{setting}-{prepared}");
@@ -579,7 +592,7 @@ mod tests {
                 let mut conn = OpenTx::new(pool.acquire().await.unwrap());
                 let settled = claim_on(&mut conn, &mut row).await.expect("claim");
                 assert!(matches!(settled, Settled::Ours));
-                conn.inlined = !row.prepared;
+                assert_eq!(conn.inlined, !prepared);
                 let response = StoredResponse {
                     status: StatusCode::OK,
                     headers: Vec::new(),
@@ -615,13 +628,7 @@ mod tests {
     /// finish with inlined arguments, on the real server.
     #[tokio::test]
     async fn inlined_statements_claim_finish_replay_and_take_over() {
-        let url = std::env::var("IDEM_TEST_POSTGRES_URL")
-            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
-        let pool = PgPoolOptions::new()
-            .max_connections(2)
-            .connect(&url)
-            .await
-            .unwrap_or_else(|error| panic!("PostgreSQL is required at {url}: {error}"));
+        let pool = test_pool(2, |options| options).await;
         let table = format!("idem_inline_{}", std::process::id());
         Postgres::migrate(&pool, &table).await.expect("migrate");
         let fingerprint = Fingerprint::from_bytes(&[7; 32]).unwrap();
