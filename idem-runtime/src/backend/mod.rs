@@ -134,6 +134,16 @@ impl<DB: Database> OpenTx<DB> {
         }
     }
 
+    /// A connection from `pool`, not yet in a transaction.
+    ///
+    /// sqlx's `acquire` future is several KiB (it holds the whole connect
+    /// path); boxed here, it is moved once, instead of inflating every
+    /// future that awaits a claim, which the handler's own future then
+    /// copies at each `.await` (most of the wrapper's CPU, before this).
+    pub(crate) async fn acquire(pool: &Pool<DB>) -> Result<Self, sqlx::Error> {
+        Ok(Self::new(Box::pin(pool.acquire()).await?))
+    }
+
     /// Keeps `guard` alive exactly as long as the transaction: it is dropped
     /// after the connection is released or closed. An engine's in-process
     /// bookkeeping of a claim (SQLite's in-flight keys) rides here.
@@ -214,5 +224,18 @@ pub(crate) fn finished<DB: Database>(
 /// only `[0-9a-f]` reaches the statement, so nothing can inject.
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) fn hex(bytes: &[u8]) -> String {
-    hex::encode(bytes)
+    let mut out = String::with_capacity(bytes.len() * 2);
+    push_hex(&mut out, bytes);
+    out
+}
+
+/// Appends the hex form of `bytes` to `out`, two digits a byte.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) fn push_hex(out: &mut String, bytes: &[u8]) {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    out.reserve(bytes.len() * 2);
+    for &byte in bytes {
+        out.push(char::from(DIGITS[usize::from(byte >> 4)]));
+        out.push(char::from(DIGITS[usize::from(byte & 0xf)]));
+    }
 }

@@ -103,7 +103,7 @@ impl Backend for MySql {
         let sql = claim_sql(table, claim);
         let mut attempt = 1;
         loop {
-            let mut conn = OpenTx::new(pool.acquire().await?);
+            let mut conn = OpenTx::acquire(pool).await?;
             let rows = sqlx::raw_sql(AssertSqlSafe(sql.clone()))
                 .fetch_all(&mut **conn)
                 .await;
@@ -141,7 +141,7 @@ impl Backend for MySql {
     }
 
     async fn begin(pool: &Pool<Self>) -> Result<OpenTx<Self>, sqlx::Error> {
-        let mut conn = OpenTx::new(pool.acquire().await?);
+        let mut conn = OpenTx::acquire(pool).await?;
         sqlx::raw_sql("START TRANSACTION")
             .execute(&mut **conn)
             .await?;

@@ -17,7 +17,7 @@ use sqlx::pool::PoolConnection;
 use sqlx::postgres::PgRow;
 use sqlx::{AssertSqlSafe, Column, Pool, Postgres, Row};
 
-use super::{Backend, Claim, ClaimOutcome, OpenTx, hex};
+use super::{Backend, Claim, ClaimOutcome, OpenTx, push_hex};
 use crate::Error;
 use crate::fingerprint::Fingerprint;
 use crate::response::StoredResponse;
@@ -104,7 +104,7 @@ impl Backend for Postgres {
         let mut row = ClaimRow::new(table, claim);
         let mut attempt = 1;
         loop {
-            let mut conn = OpenTx::new(pool.acquire().await?);
+            let mut conn = OpenTx::acquire(pool).await?;
             let error = match claim_on(&mut conn, &mut row).await {
                 Ok(Settled::Ours) => return Ok(ClaimOutcome::Claimed(conn)),
                 Ok(Settled::Finished(fingerprint, response)) => {
@@ -140,7 +140,7 @@ impl Backend for Postgres {
     }
 
     async fn begin(pool: &Pool<Self>) -> Result<OpenTx<Self>, sqlx::Error> {
-        let mut conn = OpenTx::new(pool.acquire().await?);
+        let mut conn = OpenTx::acquire(pool).await?;
         sqlx::raw_sql("BEGIN").execute(&mut **conn).await?;
         Ok(conn)
     }
@@ -509,7 +509,11 @@ impl ClaimRow {
 /// says, and, unlike `decode(..)`, costs the server no function call to
 /// resolve and fold per argument.
 fn bytea(bytes: &[u8]) -> String {
-    format!("E'\\\\x{}'", hex(bytes))
+    let mut literal = String::with_capacity(bytes.len() * 2 + 6);
+    literal.push_str("E'\\\\x");
+    push_hex(&mut literal, bytes);
+    literal.push('\'');
+    literal
 }
 
 fn has_column(row: &PgRow, name: &str) -> bool {

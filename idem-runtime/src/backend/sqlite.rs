@@ -132,7 +132,7 @@ impl Backend for Sqlite {
             }
         };
 
-        let mut conn = OpenTx::new(pool.acquire().await?);
+        let mut conn = OpenTx::acquire(pool).await?;
         if let Err(error) = sqlx::raw_sql("BEGIN IMMEDIATE").execute(&mut **conn).await {
             // A busy BEGIN IMMEDIATE starts no transaction (the lock is
             // taken before autocommit is switched off): the connection is
@@ -170,7 +170,7 @@ impl Backend for Sqlite {
     }
 
     async fn begin(pool: &Pool<Self>) -> Result<OpenTx<Self>, sqlx::Error> {
-        let mut conn = OpenTx::new(pool.acquire().await?);
+        let mut conn = OpenTx::acquire(pool).await?;
         match sqlx::raw_sql("BEGIN IMMEDIATE").execute(&mut **conn).await {
             Ok(_) => Ok(conn),
             Err(error) => {
