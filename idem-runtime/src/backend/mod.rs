@@ -188,6 +188,55 @@ impl<DB: Database> std::fmt::Debug for OpenTx<DB> {
     }
 }
 
+/// How many times a claim is attempted while the engine asks for a retry.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) const CLAIM_ATTEMPTS: usize = 3;
+
+/// Why one claim attempt did not settle. Its transaction has been ended by
+/// then (rolled back, or its connection closed).
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) enum Failure {
+    /// Another attempt holds the key and did not finish within `wait`: 409.
+    InUse,
+    /// Nothing was claimed and trying again may succeed (a deadlock, a
+    /// serialization failure): retried until [`CLAIM_ATTEMPTS`], then the
+    /// error.
+    Retry(sqlx::Error),
+    /// The claim fails with this error.
+    Fatal(sqlx::Error),
+}
+
+/// One engine's claim, attempted until it settles.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) trait ClaimAttempt<DB: Database>: Send {
+    /// Tries once on `conn`, a fresh connection; `number` counts from 1.
+    fn attempt(
+        &mut self,
+        conn: OpenTx<DB>,
+        number: usize,
+    ) -> impl Future<Output = Result<ClaimOutcome<DB>, Failure>> + Send;
+}
+
+/// Runs a claim: each attempt gets a fresh connection from `pool` and either
+/// settles or says how it failed. The retry policy PostgreSQL and MySQL
+/// share (SQLite serializes claims in the process and never retries).
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) async fn claim_with_retries<DB: Database>(
+    pool: &Pool<DB>,
+    mut claim: impl ClaimAttempt<DB>,
+) -> Result<ClaimOutcome<DB>, sqlx::Error> {
+    let mut number = 1;
+    loop {
+        let conn = OpenTx::acquire(pool).await?;
+        match claim.attempt(conn, number).await {
+            Ok(outcome) => return Ok(outcome),
+            Err(Failure::InUse) => return Ok(ClaimOutcome::InUse),
+            Err(Failure::Retry(_)) if number < CLAIM_ATTEMPTS => number += 1,
+            Err(Failure::Retry(error) | Failure::Fatal(error)) => return Err(error),
+        }
+    }
+}
+
 /// Ends a transaction that will not commit. A connection whose rollback
 /// fails is closed instead of going back to the pool.
 pub(crate) async fn abandon<DB: Backend>(mut conn: OpenTx<DB>) {
@@ -222,7 +271,7 @@ pub(crate) fn finished<DB: Database>(
 
 /// The hex form used to inline binary values into simple-protocol SQL:
 /// only `[0-9a-f]` reaches the statement, so nothing can inject.
-#[cfg(any(feature = "postgres", feature = "mysql"))]
+#[cfg(feature = "mysql")]
 pub(crate) fn hex(bytes: &[u8]) -> String {
     let mut out = String::with_capacity(bytes.len() * 2);
     push_hex(&mut out, bytes);

@@ -46,7 +46,7 @@ use sqlx::mysql::MySqlRow;
 use sqlx::pool::PoolConnection;
 use sqlx::{AssertSqlSafe, MySql, Pool, Row};
 
-use super::{Backend, Claim, ClaimOutcome, OpenTx, abandon, finished, hex};
+use super::{Backend, Claim, ClaimOutcome, Failure, OpenTx, abandon, finished, hex};
 use crate::Error;
 use crate::response::StoredResponse;
 
@@ -60,9 +60,6 @@ const ER_STATEMENT_TIMEOUT: u16 = 1969;
 /// The longest scope the key column takes: the primary key (scope, key)
 /// must stay within InnoDB's 3,072-byte index limit.
 const MAX_SCOPE_BYTES: usize = 2048;
-
-/// How many times a claim that lost a deadlock is retried.
-const CLAIM_ATTEMPTS: usize = 3;
 
 /// The session variable holding the lock wait the claim replaced.
 const SAVED_LOCK_WAIT: &str = "@idem_saved_lock_wait";
@@ -101,43 +98,7 @@ impl Backend for MySql {
             )));
         }
         let sql = claim_sql(table, claim);
-        let mut attempt = 1;
-        loop {
-            let mut conn = OpenTx::acquire(pool).await?;
-            let rows = sqlx::raw_sql(AssertSqlSafe(sql.clone()))
-                .fetch_all(&mut **conn)
-                .await;
-            let found = match rows {
-                Ok(rows) => match rows.first() {
-                    Some(row) => read_row(row),
-                    None => Err(sqlx::Error::RowNotFound),
-                },
-                Err(error) => {
-                    reset(conn).await;
-                    match number(&error) {
-                        Some(ER_LOCK_WAIT_TIMEOUT | ER_STATEMENT_TIMEOUT) => {
-                            return Ok(ClaimOutcome::InUse);
-                        }
-                        Some(ER_LOCK_DEADLOCK) if attempt < CLAIM_ATTEMPTS => {
-                            attempt += 1;
-                            continue;
-                        }
-                        _ => return Err(error),
-                    }
-                }
-            };
-            return match found {
-                Ok(None) => Ok(ClaimOutcome::Claimed(conn)),
-                Ok(Some(finished)) => {
-                    abandon(conn).await;
-                    Ok(finished)
-                }
-                Err(error) => {
-                    abandon(conn).await;
-                    Err(error)
-                }
-            };
-        }
+        super::claim_with_retries(pool, MySqlClaim(sql)).await
     }
 
     async fn begin(pool: &Pool<Self>) -> Result<OpenTx<Self>, sqlx::Error> {
@@ -186,6 +147,46 @@ impl Backend for MySql {
             .execute(pool)
             .await?
             .rows_affected())
+    }
+}
+
+/// A claim on MySQL/MariaDB: its one multi-statement batch.
+struct MySqlClaim(String);
+
+impl super::ClaimAttempt<MySql> for MySqlClaim {
+    async fn attempt(
+        &mut self,
+        mut conn: OpenTx<MySql>,
+        _: usize,
+    ) -> Result<ClaimOutcome<MySql>, Failure> {
+        let rows = sqlx::raw_sql(AssertSqlSafe(self.0.clone()))
+            .fetch_all(&mut **conn)
+            .await;
+        let found = match rows {
+            Ok(rows) => match rows.first() {
+                Some(row) => read_row(row),
+                None => Err(sqlx::Error::RowNotFound),
+            },
+            Err(error) => {
+                reset(conn).await;
+                return Err(match number(&error) {
+                    Some(ER_LOCK_WAIT_TIMEOUT | ER_STATEMENT_TIMEOUT) => Failure::InUse,
+                    Some(ER_LOCK_DEADLOCK) => Failure::Retry(error),
+                    _ => Failure::Fatal(error),
+                });
+            }
+        };
+        match found {
+            Ok(None) => Ok(ClaimOutcome::Claimed(conn)),
+            Ok(Some(finished)) => {
+                abandon(conn).await;
+                Ok(finished)
+            }
+            Err(error) => {
+                abandon(conn).await;
+                Err(Failure::Fatal(error))
+            }
+        }
     }
 }
 

@@ -17,7 +17,7 @@ use sqlx::pool::PoolConnection;
 use sqlx::postgres::PgRow;
 use sqlx::{AssertSqlSafe, Column, Pool, Postgres, Row};
 
-use super::{Backend, Claim, ClaimOutcome, OpenTx, push_hex};
+use super::{Backend, Claim, ClaimOutcome, Failure, OpenTx, push_hex};
 use crate::Error;
 use crate::fingerprint::Fingerprint;
 use crate::response::StoredResponse;
@@ -37,7 +37,7 @@ const DUPLICATE_STATEMENT: &str = "42P05";
 
 /// How many times a claim re-reads a row that vanished (swept) or was taken
 /// over between two statements before giving up with a store error.
-const CLAIM_ATTEMPTS: usize = 3;
+const SETTLE_ATTEMPTS: usize = 3;
 
 impl Backend for Postgres {
     async fn migrate(pool: &Pool<Self>, table: &str) -> Result<(), Error> {
@@ -101,42 +101,15 @@ impl Backend for Postgres {
         table: &str,
         claim: &Claim<'_>,
     ) -> Result<ClaimOutcome<Self>, sqlx::Error> {
-        let mut row = ClaimRow::new(table, claim);
-        let mut attempt = 1;
-        loop {
-            let mut conn = OpenTx::acquire(pool).await?;
-            let error = match claim_on(&mut conn, &mut row).await {
-                Ok(Settled::Ours) => return Ok(ClaimOutcome::Claimed(conn)),
-                Ok(Settled::Finished(fingerprint, response)) => {
-                    super::abandon(conn).await;
-                    return Ok(ClaimOutcome::Finished {
-                        fingerprint,
-                        response,
-                    });
-                }
-                Err(error) => error,
-            };
-            super::abandon(conn).await;
-            if has_code(&error, &[LOCK_NOT_AVAILABLE]) {
-                // A timeout this short can also be a brief wait on another
-                // lock (extending the table, say) rather than a duplicate:
-                // look once more before telling a fresh key it is in use.
-                if attempt == 1 && claim.wait < SHORT_WAIT {
-                    attempt += 1;
-                    continue;
-                }
-                return Ok(ClaimOutcome::InUse);
-            }
-            // CockroachDB and YugabyteDB ask clients to retry these; the
-            // claim has done nothing yet, so retrying it is always safe.
-            if attempt < CLAIM_ATTEMPTS
-                && has_code(&error, &[SERIALIZATION_FAILURE, DEADLOCK_DETECTED])
-            {
-                attempt += 1;
-                continue;
-            }
-            return Err(error);
-        }
+        let row = ClaimRow::new(table, claim);
+        super::claim_with_retries(
+            pool,
+            PgClaim {
+                row,
+                wait: claim.wait,
+            },
+        )
+        .await
     }
 
     async fn begin(pool: &Pool<Self>) -> Result<OpenTx<Self>, sqlx::Error> {
@@ -193,6 +166,50 @@ impl Backend for Postgres {
 /// becomes the smallest positive timeout instead.
 fn lock_timeout_ms(claim: &Claim<'_>) -> u128 {
     claim.wait.as_millis().max(1)
+}
+
+/// A claim on PostgreSQL: the row's statements, kept across attempts
+/// (they remember whether the server keeps prepared statements).
+struct PgClaim {
+    row: ClaimRow,
+    wait: std::time::Duration,
+}
+
+impl super::ClaimAttempt<Postgres> for PgClaim {
+    async fn attempt(
+        &mut self,
+        mut conn: OpenTx<Postgres>,
+        number: usize,
+    ) -> Result<ClaimOutcome<Postgres>, Failure> {
+        let error = match claim_on(&mut conn, &mut self.row).await {
+            Ok(Settled::Ours) => return Ok(ClaimOutcome::Claimed(conn)),
+            Ok(Settled::Finished(fingerprint, response)) => {
+                super::abandon(conn).await;
+                return Ok(ClaimOutcome::Finished {
+                    fingerprint,
+                    response,
+                });
+            }
+            Err(error) => error,
+        };
+        super::abandon(conn).await;
+        Err(if has_code(&error, &[LOCK_NOT_AVAILABLE]) {
+            // A timeout this short can also be a brief wait on another lock
+            // (extending the table, say) rather than a duplicate: look once
+            // more before telling a fresh key it is in use.
+            if number == 1 && self.wait < SHORT_WAIT {
+                Failure::Retry(error)
+            } else {
+                Failure::InUse
+            }
+        } else if has_code(&error, &[SERIALIZATION_FAILURE, DEADLOCK_DETECTED]) {
+            // CockroachDB and YugabyteDB ask clients to retry these; the
+            // claim has done nothing yet, so retrying it is always safe.
+            Failure::Retry(error)
+        } else {
+            Failure::Fatal(error)
+        })
+    }
 }
 
 /// Below this `wait`, a lock timeout during the claim is retried once.
@@ -262,7 +279,7 @@ async fn settle(
     prelude: String,
 ) -> Result<Settled, sqlx::Error> {
     let mut sql = format!("{prelude}BEGIN; {} {}", row.insert(), row.select());
-    for _ in 0..CLAIM_ATTEMPTS {
+    for _ in 0..SETTLE_ATTEMPTS {
         let rows = sqlx::raw_sql(AssertSqlSafe(sql))
             .fetch_all(&mut **conn)
             .await?;
