@@ -495,11 +495,11 @@ impl Verdict {
 async fn orphans(direct: &PgPool, scope: &str) -> (i64, i64, i64) {
     sqlx::query_as(
         "SELECT
-           (SELECT count(*) FROM idem_hardening_effects e WHERE e.scope = $1 AND NOT EXISTS
+           (SELECT count(*) FROM idem_service_effects e WHERE e.scope = $1 AND NOT EXISTS
               (SELECT 1 FROM idem_keys k
                WHERE k.scope = e.scope AND k.key = convert_to(e.key, 'UTF8'))),
            (SELECT count(*) FROM idem_keys k WHERE k.scope = $1 AND NOT EXISTS
-              (SELECT 1 FROM idem_hardening_effects e
+              (SELECT 1 FROM idem_service_effects e
                WHERE e.scope = k.scope AND convert_to(e.key, 'UTF8') = k.key)),
            (SELECT count(*) FROM idem_keys k WHERE k.scope = $1 AND k.status IS NULL)",
     )
@@ -512,7 +512,7 @@ async fn orphans(direct: &PgPool, scope: &str) -> (i64, i64, i64) {
 /// Effects beyond the first of their key, in a whole scope.
 async fn duplicates_in_scope(direct: &PgPool, scope: &str) -> i64 {
     sqlx::query_scalar(
-        "SELECT count(*) - count(DISTINCT key) FROM idem_hardening_effects WHERE scope = $1",
+        "SELECT count(*) - count(DISTINCT key) FROM idem_service_effects WHERE scope = $1",
     )
     .bind(scope.as_bytes())
     .fetch_one(direct)

@@ -90,7 +90,7 @@ fn contains(haystack: &[u8], needle: &[u8]) -> bool {
 fn head(scope: &str, key: &[u8], framing: &str) -> Vec<u8> {
     let mut head = format!(
         "POST /effects HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n\
-         x-scope: {}\r\n{framing}\r\nidempotency-key: ",
+         x-caller: {}\r\n{framing}\r\nidempotency-key: ",
         percent_encode(scope.as_bytes())
     )
     .into_bytes();
@@ -269,7 +269,7 @@ async fn header_bytes_that_are_not_utf8_get_a_clear_4xx() {
     let raw_scope = client
         .http
         .post(format!("{}/effects", client.base))
-        .header("x-scope", HeaderValue::from_bytes(b"\xff\xff").unwrap())
+        .header("x-caller", HeaderValue::from_bytes(b"\xff\xff").unwrap())
         .header("content-type", "application/json")
         .header("idempotency-key", "scope")
         .body(BODY);

@@ -53,7 +53,7 @@ async fn same_key_from_a_thousand_scopes_is_a_thousand_effects() {
         .map(|c| c.scope.clone().into_bytes())
         .collect();
     let per_scope: Vec<(Vec<u8>, i64, String)> = sqlx::query_as(
-        "SELECT scope, count(*), min(nonce) FROM idem_hardening_effects \
+        "SELECT scope, count(*), min(nonce) FROM idem_service_effects \
          WHERE key = 'shared' AND scope = ANY($1) GROUP BY scope",
     )
     .bind(&scopes)
@@ -73,7 +73,7 @@ async fn same_key_from_a_thousand_scopes_is_a_thousand_effects() {
         assert_eq!(a.body, b.body, "{}: replay differs", client.scope);
     }
     let total: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM idem_hardening_effects WHERE key = 'shared' AND scope = ANY($1)",
+        "SELECT count(*) FROM idem_service_effects WHERE key = 'shared' AND scope = ANY($1)",
     )
     .bind(&scopes)
     .fetch_one(server.pool())

@@ -1,14 +1,34 @@
-//! The service under test: one idempotent handler with knobs, stamped out
-//! once per engine by `define_app!` (handlers cannot be generic, the SQL
-//! dialect can: see `TestDb`).
+//! The service under test, written once: one idempotent handler with
+//! knobs, stamped out per engine by `define_app!` (handlers cannot be
+//! generic, the SQL dialect can: see `TestDb`), and the setup every engine
+//! shares.
+//!
+//! The conformance suite runs it on every engine; the PostgreSQL hardening
+//! tests (`tests/hardening`) include this file and `engines/postgres.rs` by
+//! path and beat on the same service.
+//!
+//! The caller travels percent-encoded in `x-caller`, so tests can use scopes
+//! with separators, unicode and NUL, none of which a header carries as is.
+
+// Each test binary uses a part of it.
+#![allow(dead_code)]
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use axum::extract::FromRequestParts;
 use axum::http::{HeaderMap, StatusCode, request::Parts};
+use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
-use tokio::sync::Notify;
+use sqlx::pool::PoolOptions;
+use sqlx::{Database, Pool};
+use tokio::sync::{Notify, OnceCell};
+
+/// The effects table, on every engine: `scope` holds the caller's bytes (a
+/// scope may hold NUL, which PostgreSQL `text` refuses). The engines' SQL
+/// spells it out.
+pub const EFFECTS: &str = "idem_service_effects";
 
 /// What each engine supplies: a pool, its SQL dialect and its router.
 pub trait TestDb: idem::Backend + Sized {
@@ -44,6 +64,107 @@ pub trait TestDb: idem::Backend + Sized {
     ) -> impl std::future::Future<Output = i64> + Send;
 }
 
+/// The `TestDb` methods every engine writes alike, but for its
+/// placeholder (`$1` or `?`).
+#[macro_export]
+macro_rules! test_db_queries {
+    ($placeholder:literal) => {
+        async fn lock_effect(pool: &Pool<Self>, id: i64) -> sqlx::Transaction<'static, Self> {
+            let mut tx = pool.begin().await.unwrap();
+            sqlx::query(Self::TOUCH_EFFECT)
+                .bind(id)
+                .execute(&mut *tx)
+                .await
+                .unwrap();
+            tx
+        }
+
+        async fn count_effects(pool: &Pool<Self>, scope: &str) -> i64 {
+            sqlx::query_scalar(concat!(
+                "SELECT count(*) FROM idem_service_effects WHERE scope = ",
+                $placeholder
+            ))
+            .bind(scope.as_bytes())
+            .fetch_one(pool)
+            .await
+            .unwrap()
+        }
+
+        async fn count_keys(pool: &Pool<Self>, scope: &str) -> i64 {
+            sqlx::query_scalar(concat!(
+                "SELECT count(*) FROM idem_keys WHERE scope = ",
+                $placeholder
+            ))
+            .bind(scope.as_bytes())
+            .fetch_one(pool)
+            .await
+            .unwrap()
+        }
+    };
+}
+
+/// `name` from the environment, else `default`.
+pub fn env_or(name: &str, default: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| default.to_owned())
+}
+
+/// A pool on the server at `url` (from `$var`); panics loudly when the
+/// server is missing, so a skipped suite never looks green.
+pub async fn server_pool<DB: Database>(
+    options: PoolOptions<DB>,
+    engine: &str,
+    var: &str,
+    url: &str,
+) -> Pool<DB> {
+    options
+        .connect(url)
+        .await
+        .unwrap_or_else(|error| panic!("{engine} is required at {url} (set {var}): {error}"))
+}
+
+/// A pool whose server at `url` cannot be reached: every checkout fails
+/// within two seconds.
+pub fn unreachable<DB: Database>(options: PoolOptions<DB>, url: &str) -> Pool<DB> {
+    options
+        .acquire_timeout(Duration::from_secs(2))
+        .connect_lazy(url)
+        .unwrap()
+}
+
+/// Creates the key table and the effects table (`ddl`, idempotent). Other
+/// test binaries may race us in the catalog; the loser retries and finds
+/// the tables.
+pub async fn prepare<DB: idem::Backend>(pool: &Pool<DB>, ddl: &'static str)
+where
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+{
+    idem::Idem::new(pool.clone())
+        .migrate()
+        .await
+        .expect("migrate");
+    for attempt in 0.. {
+        match sqlx::raw_sql(ddl).execute(pool).await {
+            Ok(_) => return,
+            // PostgreSQL: another binary created the table or its type at
+            // the same moment.
+            Err(sqlx::Error::Database(db))
+                if attempt < 5 && matches!(db.code().as_deref(), Some("23505" | "42P07")) => {}
+            Err(error) => panic!("create {EFFECTS}: {error}"),
+        }
+    }
+}
+
+/// [`prepare`], once per process and engine (`ready`).
+pub async fn prepare_once<DB: idem::Backend>(
+    ready: &OnceCell<()>,
+    pool: &Pool<DB>,
+    ddl: &'static str,
+) where
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+{
+    ready.get_or_init(|| prepare(pool, ddl)).await;
+}
+
 /// Shared by the test and the server it starts.
 pub struct AppState<DB: idem::Backend> {
     pub idem: idem::Idem<DB>,
@@ -71,8 +192,8 @@ impl<DB: idem::Backend> axum::extract::FromRef<AppState<DB>> for Holds {
     }
 }
 
-/// Handlers in `hold` mode park here after their write until the test
-/// releases them: the test drives the timing, not sleeps.
+/// Handlers in `hold:<name>` mode park here after their write until the
+/// test releases them: the test drives the timing, not sleeps.
 #[derive(Clone, Default)]
 pub struct Holds(Arc<Mutex<HashMap<String, Arc<Hold>>>>);
 
@@ -82,6 +203,17 @@ pub struct Hold {
     pub release: Notify,
     /// Notified when a held handler's future is dropped unfinished.
     pub dropped: Notify,
+}
+
+impl Hold {
+    /// Waits until the held handler has written its effect, bounded: a
+    /// broken store that answers without running the handler fails the
+    /// test instead of hanging it.
+    pub async fn entered(&self) {
+        tokio::time::timeout(Duration::from_secs(10), self.entered.notified())
+            .await
+            .expect("the held handler never started");
+    }
 }
 
 /// Signals `Hold::dropped` if the handler is cancelled while parked.
@@ -106,7 +238,7 @@ impl Holds {
     }
 }
 
-/// The caller, from `x-caller`; 401 without it.
+/// The caller, percent-decoded from `x-caller`; 401 without it.
 pub struct Caller(pub String);
 
 impl idem::Scope for Caller {
@@ -116,16 +248,17 @@ impl idem::Scope for Caller {
 }
 
 impl<S: Send + Sync> FromRequestParts<S> for Caller {
-    type Rejection = StatusCode;
+    type Rejection = (StatusCode, &'static str);
 
-    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, StatusCode> {
-        let caller = parts
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
+        let raw = parts
             .headers
             .get("x-caller")
-            .ok_or(StatusCode::UNAUTHORIZED)?;
-        let caller =
-            String::from_utf8(caller.as_bytes().to_vec()).map_err(|_| StatusCode::UNAUTHORIZED)?;
-        Ok(Caller(caller))
+            .ok_or((StatusCode::UNAUTHORIZED, "send x-caller\n"))?;
+        percent_decode(raw.as_bytes()).map(Caller).ok_or((
+            StatusCode::UNAUTHORIZED,
+            "x-caller is not percent-encoded UTF-8\n",
+        ))
     }
 }
 
@@ -134,13 +267,32 @@ pub struct EffectRequest {
     pub note: String,
 }
 
-#[derive(Serialize, Deserialize, Debug, PartialEq)]
+/// What the handler answers; `nonce` is random per execution, so a replay
+/// repeats it and a second execution cannot.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
 pub struct Effect {
     pub id: i64,
     pub note: String,
-    /// Random per execution: a replay repeats it, a re-execution cannot.
     pub nonce: String,
 }
+
+/// A statement of the handler failed: 500, with the error.
+pub struct HandlerError(pub sqlx::Error);
+
+impl From<sqlx::Error> for HandlerError {
+    fn from(error: sqlx::Error) -> Self {
+        Self(error)
+    }
+}
+
+impl IntoResponse for HandlerError {
+    fn into_response(self) -> Response {
+        (StatusCode::INTERNAL_SERVER_ERROR, format!("{}\n", self.0)).into_response()
+    }
+}
+
+/// The largest request body the service takes.
+pub const BODY_LIMIT: usize = 64 * 1024;
 
 /// The handler's knob, from `x-test-mode` (not part of the fingerprint, so
 /// a retry without it is the same request).
@@ -152,8 +304,16 @@ pub fn mode(headers: &HeaderMap) -> String {
         .to_owned()
 }
 
+/// A name no other test, nor an earlier run, uses.
+pub fn unique(prefix: &str) -> String {
+    format!("{prefix}-{}", nonce())
+}
+
+/// Random enough to tell executions apart, across threads and processes.
 pub fn nonce() -> String {
     use std::hash::{BuildHasher, Hasher};
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
     let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
     hasher.write_u128(
         std::time::SystemTime::now()
@@ -161,21 +321,58 @@ pub fn nonce() -> String {
             .unwrap()
             .as_nanos(),
     );
+    hasher.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
+    hasher.write_u32(std::process::id());
     format!("{:016x}", hasher.finish())
 }
 
-/// Stamps out the handlers and router for one engine.
+/// Every byte outside RFC 3986's unreserved set as `%XX`.
+pub fn percent_encode(bytes: &[u8]) -> String {
+    let mut out = String::with_capacity(bytes.len() * 3);
+    for &b in bytes {
+        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// Inverse of [`percent_encode`]; `None` for a malformed escape or bytes
+/// that are not UTF-8.
+pub fn percent_decode(input: &[u8]) -> Option<String> {
+    let mut out = Vec::with_capacity(input.len());
+    let mut bytes = input.iter();
+    while let Some(&b) = bytes.next() {
+        if b == b'%' {
+            let hi = (*bytes.next()? as char).to_digit(16)?;
+            let lo = (*bytes.next()? as char).to_digit(16)?;
+            out.push((hi * 16 + lo) as u8);
+        } else {
+            out.push(b);
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+/// Stamps out the handlers and router for one engine, as `handlers`, in a
+/// module where this file is in scope as `app`.
 #[macro_export]
 macro_rules! define_app {
     ($db:ty) => {
         pub mod handlers {
+            use std::time::Duration;
+
             use axum::Json;
             use axum::extract::State;
             use axum::http::{HeaderMap, StatusCode, header};
             use axum::response::{IntoResponse, Response};
             use idem::{Tx, idempotent};
 
-            use $crate::app::{Caller, Effect, EffectRequest, Holds, TestDb, mode, nonce};
+            use super::app::{
+                self, Caller, DropSignal, Effect, EffectRequest, HandlerError, Holds, TestDb,
+            };
 
             async fn effect(
                 caller: &Caller,
@@ -183,118 +380,72 @@ macro_rules! define_app {
                 holds: &Holds,
                 tx: &mut Tx<$db>,
                 note: String,
-            ) -> Response {
-                let nonce = nonce();
+            ) -> Result<Response, HandlerError> {
+                let nonce = app::nonce();
                 let key = tx.key().map(|k| k.as_str().to_owned()).unwrap_or_default();
                 let id: i64 = sqlx::query_scalar(<$db as TestDb>::INSERT_EFFECT)
-                    .bind(&caller.0)
+                    .bind(caller.0.as_bytes())
                     .bind(&key)
                     .bind(&note)
                     .bind(&nonce)
                     .fetch_one(&mut **tx)
-                    .await
-                    .expect("insert effect");
-                let mode = mode(headers);
-                match mode.as_str() {
+                    .await?;
+                match app::mode(headers).as_str() {
                     "fail-503" => {
-                        return (StatusCode::SERVICE_UNAVAILABLE, "try later").into_response()
+                        return Ok((StatusCode::SERVICE_UNAVAILABLE, "try later").into_response());
                     }
                     "panic" => panic!("handler panicked on purpose"),
-                    "big" => return "x".repeat(64 * 1024).into_response(),
+                    "big" => return Ok("x".repeat(64 * 1024).into_response()),
                     "announce" => {
-                        // The kill test waits for this line, then SIGKILLs us.
+                        // The kill tests wait for this line, then SIGKILL us.
                         println!("EFFECT_WRITTEN {key}");
                         std::future::pending::<()>().await;
                     }
                     m if m.starts_with("hold:") => {
                         let hold = holds.get(&m[5..]);
-                        let mut signal = $crate::app::DropSignal(Some(hold.clone()));
+                        let mut signal = DropSignal(Some(hold.clone()));
                         hold.entered.notify_one();
                         hold.release.notified().await;
                         signal.0 = None;
+                    }
+                    // A deliberate pause inside the transaction: it widens
+                    // the window in which the chaos harness kills or cuts a
+                    // request mid-flight.
+                    m if m.starts_with("delay:") => {
+                        let ms: u64 = m[6..].parse().unwrap_or(0);
+                        tokio::time::sleep(Duration::from_millis(ms)).await;
                     }
                     m if m.starts_with("touch:") => {
                         let target: i64 = m[6..].parse().unwrap();
                         sqlx::query(<$db as TestDb>::TOUCH_EFFECT)
                             .bind(target)
                             .execute(&mut **tx)
-                            .await
-                            .expect("touch effect");
+                            .await?;
                     }
                     m if m.starts_with("status:") => {
                         let status = StatusCode::from_u16(m[7..].parse().unwrap()).unwrap();
-                        return (status, Json(Effect { id, note, nonce })).into_response();
+                        return Ok((status, Json(Effect { id, note, nonce })).into_response());
                     }
                     _ => {}
                 }
-                let location = format!("/effects/{id}");
-                (
+                Ok((
                     StatusCode::CREATED,
                     [
-                        (header::LOCATION, location),
+                        (header::LOCATION, format!("/effects/{id}")),
                         (header::ETAG, format!("\"{nonce}\"")),
                     ],
                     Json(Effect { id, note, nonce }),
                 )
-                    .into_response()
+                    .into_response())
             }
 
-            #[idempotent(scope = "caller")]
-            pub async fn create(
-                caller: Caller,
-                headers: HeaderMap,
-                State(holds): State<Holds>,
-                mut tx: Tx<$db>,
-                Json(req): Json<EffectRequest>,
-            ) -> Response {
-                effect(&caller, &headers, &holds, &mut tx, req.note).await
-            }
+            $crate::handler!($db, create, scope = "caller");
+            $crate::handler!($db, create_waiting, scope = "caller", wait = "10s");
+            $crate::handler!($db, create_brief, scope = "caller", wait = "300ms");
+            $crate::handler!($db, create_short, scope = "caller", ttl = "1s");
+            $crate::handler!($db, create_optional, scope = "caller", key = "optional");
 
-            #[idempotent(scope = "caller", wait = "10s")]
-            pub async fn create_waiting(
-                caller: Caller,
-                headers: HeaderMap,
-                State(holds): State<Holds>,
-                mut tx: Tx<$db>,
-                Json(req): Json<EffectRequest>,
-            ) -> Response {
-                effect(&caller, &headers, &holds, &mut tx, req.note).await
-            }
-
-            #[idempotent(scope = "caller", wait = "300ms")]
-            pub async fn create_brief(
-                caller: Caller,
-                headers: HeaderMap,
-                State(holds): State<Holds>,
-                mut tx: Tx<$db>,
-                Json(req): Json<EffectRequest>,
-            ) -> Response {
-                effect(&caller, &headers, &holds, &mut tx, req.note).await
-            }
-
-            #[idempotent(scope = "caller", ttl = "1s")]
-            pub async fn create_short(
-                caller: Caller,
-                headers: HeaderMap,
-                State(holds): State<Holds>,
-                mut tx: Tx<$db>,
-                Json(req): Json<EffectRequest>,
-            ) -> Response {
-                effect(&caller, &headers, &holds, &mut tx, req.note).await
-            }
-
-            #[idempotent(scope = "caller", key = "optional")]
-            pub async fn create_optional(
-                caller: Caller,
-                headers: HeaderMap,
-                State(holds): State<Holds>,
-                mut tx: Tx<$db>,
-                Json(req): Json<EffectRequest>,
-            ) -> Response {
-                effect(&caller, &headers, &holds, &mut tx, req.note).await
-            }
-
-            pub fn router(state: $crate::app::AppState<$db>) -> axum::Router {
+            pub fn router(state: app::AppState<$db>) -> axum::Router {
                 use axum::routing::post;
                 axum::Router::new()
                     .route("/effects", post(create).put(create))
@@ -303,9 +454,27 @@ macro_rules! define_app {
                     .route("/effects/brief", post(create_brief))
                     .route("/effects/short", post(create_short))
                     .route("/effects/optional", post(create_optional))
-                    .layer(axum::extract::DefaultBodyLimit::max(64 * 1024))
+                    .layer(axum::extract::DefaultBodyLimit::max(app::BODY_LIMIT))
                     .with_state(state)
             }
+        }
+    };
+}
+
+/// One annotated handler of `define_app!`: the attribute's arguments vary,
+/// the body is `effect`'s.
+#[macro_export]
+macro_rules! handler {
+    ($db:ty, $name:ident, $($arg:tt)*) => {
+        #[idempotent($($arg)*)]
+        pub async fn $name(
+            caller: Caller,
+            headers: HeaderMap,
+            State(holds): State<Holds>,
+            mut tx: Tx<$db>,
+            Json(req): Json<EffectRequest>,
+        ) -> Result<Response, HandlerError> {
+            effect(&caller, &headers, &holds, &mut tx, req.note).await
         }
     };
 }

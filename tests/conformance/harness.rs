@@ -8,7 +8,8 @@ use reqwest::{Response, StatusCode};
 use tokio::io::{AsyncBufReadExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdout};
 
-use crate::app::{AppState, Holds, TestDb};
+pub use crate::app::unique;
+use crate::app::{AppState, Holds, TestDb, percent_encode};
 
 /// The stored-response cap of the test service (the `big` mode exceeds it).
 pub const RESPONSE_CAP: usize = 32 * 1024;
@@ -84,7 +85,7 @@ impl Client {
     pub fn request(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
         self.http
             .request(method, format!("{}{path}", self.base))
-            .header("x-caller", &self.caller)
+            .header("x-caller", percent_encode(self.caller.as_bytes()))
     }
 
     /// `POST path` with a JSON body and a key.
@@ -141,11 +142,6 @@ impl Answer {
 
 pub async fn send(request: reqwest::RequestBuilder) -> Answer {
     Answer::of(request.send().await.unwrap()).await
-}
-
-/// A caller name no other test (or earlier run) uses.
-pub fn unique(prefix: &str) -> String {
-    format!("{prefix}-{}", crate::app::nonce())
 }
 
 /// The service in a child process: the test binary re-run in server mode.

@@ -1,70 +1,61 @@
-//! PostgreSQL, at `IDEM_TEST_POSTGRES_URL` (default the local server).
+//! PostgreSQL, at `IDEM_TEST_POSTGRES_URL` (default the local server). The
+//! hardening tests include this file too.
 
+use sqlx::postgres::{PgPool, PgPoolOptions};
 use sqlx::{Pool, Postgres};
 use tokio::sync::OnceCell;
 
-use super::env_or;
-use crate::app::{AppState, TestDb};
+use super::super::app::{self, AppState, TestDb};
 
-pub mod postgres_app {
-    crate::define_app!(sqlx::Postgres);
+crate::define_app!(sqlx::Postgres);
+
+const URL_VAR: &str = "IDEM_TEST_POSTGRES_URL";
+const DEFAULT_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
+
+/// The effects table. When it exists nothing runs: `CREATE INDEX` would
+/// queue for its lock behind other tests' open transactions.
+const EFFECTS_DDL: &str = "DO $$ BEGIN
+    IF to_regclass('idem_service_effects_scope_key') IS NULL THEN
+        CREATE TABLE IF NOT EXISTS idem_service_effects (
+            id bigserial PRIMARY KEY, scope bytea NOT NULL, key text NOT NULL,
+            note text NOT NULL, nonce text NOT NULL);
+        CREATE INDEX IF NOT EXISTS idem_service_effects_scope_key
+            ON idem_service_effects (scope, key);
+    END IF;
+END $$";
+
+static READY: OnceCell<()> = OnceCell::const_new();
+
+/// The test server's URL.
+pub fn url() -> String {
+    app::env_or(URL_VAR, DEFAULT_URL)
 }
 
-static PG_READY: OnceCell<()> = OnceCell::const_new();
+/// A pool of `size` connections on the real server, with the tables;
+/// panics loudly when PostgreSQL is missing.
+pub async fn pool(size: u32) -> PgPool {
+    let options = PgPoolOptions::new().max_connections(size);
+    let pool = app::server_pool(options, "PostgreSQL", URL_VAR, &url()).await;
+    app::prepare_once(&READY, &pool, EFFECTS_DDL).await;
+    pool
+}
 
 impl TestDb for Postgres {
     const ENGINE: &'static str = "postgres";
-    const INSERT_EFFECT: &'static str = "INSERT INTO idem_test_effects (scope, key, note, nonce) VALUES ($1, $2, $3, $4) RETURNING id";
-    const TOUCH_EFFECT: &'static str = "UPDATE idem_test_effects SET note = note WHERE id = $1";
+    const INSERT_EFFECT: &'static str = "INSERT INTO idem_service_effects (scope, key, note, nonce) VALUES ($1, $2, $3, $4) RETURNING id";
+    const TOUCH_EFFECT: &'static str = "UPDATE idem_service_effects SET note = note WHERE id = $1";
 
     crate::test_db_queries!("$1");
 
     async fn connect() -> Pool<Self> {
-        let url = env_or(
-            "IDEM_TEST_POSTGRES_URL",
-            "postgres://postgres@127.0.0.1:5432/test",
-        );
-        let pool = sqlx::postgres::PgPoolOptions::new()
-            .max_connections(40)
-            .connect(&url)
-            .await
-            .unwrap_or_else(|error| {
-                panic!("PostgreSQL is required at {url} (set IDEM_TEST_POSTGRES_URL): {error}")
-            });
-        PG_READY
-            .get_or_init(|| async {
-                idem::Idem::new(pool.clone())
-                    .migrate()
-                    .await
-                    .expect("migrate");
-                sqlx::raw_sql(
-                    "CREATE TABLE IF NOT EXISTS idem_test_effects (
-                        id bigserial PRIMARY KEY, scope text NOT NULL, key text NOT NULL,
-                        note text NOT NULL, nonce text NOT NULL)",
-                )
-                .execute(&pool)
-                .await
-                .or_else(|error| match &error {
-                    // Another test binary created it at the same moment.
-                    sqlx::Error::Database(db) if db.code().as_deref() == Some("23505") => {
-                        Ok(Default::default())
-                    }
-                    _ => Err(error),
-                })
-                .expect("create effects table");
-            })
-            .await;
-        pool
+        pool(40).await
     }
 
     fn unreachable_pool() -> Pool<Self> {
-        sqlx::postgres::PgPoolOptions::new()
-            .acquire_timeout(std::time::Duration::from_secs(2))
-            .connect_lazy("postgres://postgres@127.0.0.1:1/test")
-            .unwrap()
+        app::unreachable(PgPoolOptions::new(), "postgres://postgres@127.0.0.1:1/test")
     }
 
     fn router(state: AppState<Self>) -> axum::Router {
-        postgres_app::handlers::router(state)
+        handlers::router(state)
     }
 }

@@ -9,14 +9,17 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
 use sqlx::{Pool, Sqlite};
 use tokio::sync::OnceCell;
 
-use super::env_or;
-use crate::app::{AppState, TestDb};
+use super::super::app::{self, AppState, TestDb};
 
-pub mod sqlite_app {
-    crate::define_app!(sqlx::Sqlite);
-}
+crate::define_app!(sqlx::Sqlite);
 
-static SQLITE_READY: OnceCell<()> = OnceCell::const_new();
+/// The effects table.
+const EFFECTS_DDL: &str = "CREATE TABLE IF NOT EXISTS idem_service_effects (
+        id INTEGER PRIMARY KEY AUTOINCREMENT, scope BLOB NOT NULL, \"key\" TEXT NOT NULL,
+        note TEXT NOT NULL, nonce TEXT NOT NULL);
+    CREATE INDEX IF NOT EXISTS idem_service_effects_scope ON idem_service_effects (scope);";
+
+static READY: OnceCell<()> = OnceCell::const_new();
 
 /// How long a claim waits for the write lock in the shared test database:
 /// every test of the run writes to it, on two cores, next to two other
@@ -26,13 +29,13 @@ const SHARED_BUSY_TIMEOUT: Duration = Duration::from_secs(30);
 fn shared_file() -> String {
     let default =
         std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("idem-conformance.sqlite3");
-    env_or("IDEM_TEST_SQLITE_FILE", &default.to_string_lossy())
+    app::env_or("IDEM_TEST_SQLITE_FILE", &default.to_string_lossy())
 }
 
 /// A pool on a database of one test, with the key and effects tables.
 pub async fn open(options: SqliteConnectOptions) -> Pool<Sqlite> {
     let pool = pool(options).await;
-    prepare(&pool).await;
+    app::prepare(&pool, EFFECTS_DDL).await;
     pool
 }
 
@@ -54,33 +57,17 @@ pub fn file_options(path: impl AsRef<std::path::Path>) -> SqliteConnectOptions {
         .journal_mode(SqliteJournalMode::Wal)
 }
 
-async fn prepare(pool: &Pool<Sqlite>) {
-    idem::Idem::new(pool.clone())
-        .migrate()
-        .await
-        .expect("migrate");
-    sqlx::raw_sql(
-        "CREATE TABLE IF NOT EXISTS idem_test_effects (
-            id INTEGER PRIMARY KEY AUTOINCREMENT, scope TEXT NOT NULL, \"key\" TEXT NOT NULL,
-            note TEXT NOT NULL, nonce TEXT NOT NULL);
-         CREATE INDEX IF NOT EXISTS idem_test_effects_scope ON idem_test_effects (scope);",
-    )
-    .execute(pool)
-    .await
-    .expect("create effects table");
-}
-
 impl TestDb for Sqlite {
     const ENGINE: &'static str = "sqlite";
     const SERIAL_WRITES: bool = true;
-    const INSERT_EFFECT: &'static str = "INSERT INTO idem_test_effects (scope, \"key\", note, nonce) VALUES ($1, $2, $3, $4) RETURNING id";
-    const TOUCH_EFFECT: &'static str = "UPDATE idem_test_effects SET note = note WHERE id = $1";
+    const INSERT_EFFECT: &'static str = "INSERT INTO idem_service_effects (scope, \"key\", note, nonce) VALUES ($1, $2, $3, $4) RETURNING id";
+    const TOUCH_EFFECT: &'static str = "UPDATE idem_service_effects SET note = note WHERE id = $1";
 
     crate::test_db_queries!("$1");
 
     async fn connect() -> Pool<Self> {
         let pool = pool(file_options(shared_file()).busy_timeout(SHARED_BUSY_TIMEOUT)).await;
-        SQLITE_READY.get_or_init(|| prepare(&pool)).await;
+        app::prepare_once(&READY, &pool, EFFECTS_DDL).await;
         pool
     }
 
@@ -93,6 +80,6 @@ impl TestDb for Sqlite {
     }
 
     fn router(state: AppState<Self>) -> axum::Router {
-        sqlite_app::handlers::router(state)
+        handlers::router(state)
     }
 }
