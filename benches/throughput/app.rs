@@ -1,22 +1,23 @@
-//! The service under load: one charge handler written three ways (plain
-//! transaction, `#[idempotent]`, the hand-written two-phase recipe), with
-//! the same SQL, run in a child process so its memory can be measured alone.
+//! The service under load, run in a child process so its memory can be
+//! measured alone: what its handlers share (the caller, the charge, the
+//! handler's SQL in [`work`]), PostgreSQL's tables and pool, and the child
+//! process itself. The handlers, written three ways (plain transaction,
+//! `#[idempotent]`, the hand-written two-phase recipe) with the same SQL,
+//! are stamped out per engine in `handlers`.
 
 use std::io::BufRead;
 use std::net::SocketAddr;
 
 use axum::Json;
-use axum::body::Bytes;
-use axum::extract::{FromRef, FromRequestParts, Path, State};
-use axum::http::{HeaderMap, Method, StatusCode, Uri, header, request::Parts};
+use axum::extract::FromRequestParts;
+use axum::http::{StatusCode, header, request::Parts};
 use axum::response::{IntoResponse, Response};
-use axum::routing::post;
-use idem::{Fingerprint, Idem, Scope, Tx, idempotent};
+use idem::{Idem, Scope};
 use serde::{Deserialize, Serialize};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{AssertSqlSafe, Connection, PgConnection, PgPool, Postgres};
+use sqlx::{AssertSqlSafe, PgPool};
 
-use crate::floor;
+use crate::handlers;
 
 /// The idempotency table of the benchmark (not the default one, which tests
 /// and examples share).
@@ -126,10 +127,10 @@ pub fn serve_child() {
         .expect("server runtime");
     runtime.block_on(async {
         let app = match std::env::var("IDEM_BENCH_ENGINE").as_deref() {
-            Ok("sqlite") => crate::sqlite::router(
+            Ok("sqlite") => handlers::sqlite::router(
                 crate::sqlite::connect(&config.database_url, config.pool).await,
             ),
-            _ => router(connect(&config.database_url, config.pool, true).await),
+            _ => handlers::postgres::router(connect(&config.database_url, config.pool, true).await),
         };
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         println!("LISTENING {}", listener.local_addr().unwrap());
@@ -176,33 +177,14 @@ pub async fn server_backends(admin: &PgPool) -> Vec<u32> {
         .collect()
 }
 
-/// The routes, `{statements}` being 1 or 3.
-pub fn router(pool: PgPool) -> axum::Router {
-    let idem = Idem::new(pool.clone())
-        .table(KEYS_TABLE)
-        .expect("table name");
-    axum::Router::new()
-        .route("/{statements}/baseline", post(baseline))
-        .route("/{statements}/idempotent", post(idempotent))
-        .route("/{statements}/two_phase", post(two_phase))
-        .route("/{statements}/read_floor", post(floor::read_floor))
-        .with_state(AppState { idem, pool })
-}
-
 /// A server listening on loopback in this process (for counting round
 /// trips through the proxy).
 pub async fn serve_here(pool: PgPool) -> (SocketAddr, tokio::task::JoinHandle<()>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let app = router(pool);
+    let app = handlers::postgres::router(pool);
     let task = tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
     (addr, task)
-}
-
-#[derive(Clone, FromRef)]
-struct AppState {
-    idem: Idem<Postgres>,
-    pool: PgPool,
 }
 
 /// The caller, from `x-account`.
@@ -311,128 +293,4 @@ pub(crate) fn created(charge: Charge) -> Response {
         Json(charge),
     )
         .into_response()
-}
-
-/// baseline: the handler as it would be written without idempotency.
-async fn baseline(
-    account: Account,
-    Path(statements): Path<u32>,
-    State(pool): State<PgPool>,
-    Json(new): Json<NewCharge>,
-) -> Result<Response, ApiError> {
-    let mut tx = pool.begin().await?;
-    let charge = work::<Postgres>(&mut tx, &account.0, &new, statements).await?;
-    tx.commit().await?;
-    Ok(created(charge))
-}
-
-/// idempotent (and replay): the same handler with the attribute.
-#[idempotent(scope = "account")]
-async fn idempotent(
-    account: Account,
-    Path(statements): Path<u32>,
-    mut tx: Tx<Postgres>,
-    Json(new): Json<NewCharge>,
-) -> Result<Response, ApiError> {
-    Ok(created(
-        work::<Postgres>(&mut tx, &account.0, &new, statements).await?,
-    ))
-}
-
-/// two_phase: the recipe blog posts publish. Claim the key in its own
-/// transaction and commit it (here an autocommitted `INSERT`, the cheapest
-/// form: one round trip, on the connection phase 2 reuses), then do the
-/// work and record the response in a second transaction.
-async fn two_phase(
-    account: Account,
-    Path(statements): Path<u32>,
-    State(pool): State<PgPool>,
-    method: Method,
-    uri: Uri,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Result<Response, ApiError> {
-    let Some(key) = headers
-        .get("idempotency-key")
-        .and_then(|value| value.to_str().ok())
-    else {
-        return Ok((StatusCode::BAD_REQUEST, "Idempotency-Key required").into_response());
-    };
-    let fingerprint = Fingerprint::of(&method, uri.path(), uri.query(), &headers, &body);
-    let Ok(new) = serde_json::from_slice::<NewCharge>(&body) else {
-        return Ok((StatusCode::UNPROCESSABLE_ENTITY, "bad JSON").into_response());
-    };
-    let mut conn = pool.acquire().await?;
-    // Phase 1: the claim, committed on its own.
-    let claimed = sqlx::query(
-        "INSERT INTO bench_two_phase_keys (scope, key, fingerprint, expires_at) \
-         VALUES ($1, $2, $3, now() + interval '24 hours') ON CONFLICT (scope, key) DO NOTHING",
-    )
-    .bind(&account.0)
-    .bind(key)
-    .bind(&fingerprint.as_bytes()[..])
-    .execute(&mut *conn)
-    .await?
-    .rows_affected()
-        == 1;
-    if !claimed {
-        return replay_two_phase(&mut conn, &account.0, key, &fingerprint).await;
-    }
-    // Phase 2: the work and the response, together.
-    let result = async {
-        let mut tx = Connection::begin(&mut *conn).await?;
-        let charge = work::<Postgres>(&mut tx, &account.0, &new, statements).await?;
-        let stored = serde_json::to_vec(&charge).expect("serializable");
-        sqlx::query(
-            "UPDATE bench_two_phase_keys SET status = 201, body = $3 WHERE scope = $1 AND key = $2",
-        )
-        .bind(&account.0)
-        .bind(key)
-        .bind(stored)
-        .execute(&mut *tx)
-        .await?;
-        tx.commit().await?;
-        Ok::<_, sqlx::Error>(charge)
-    }
-    .await;
-    match result {
-        Ok(charge) => Ok(created(charge)),
-        Err(error) => {
-            // Release the claim so a retry can run.
-            sqlx::query("DELETE FROM bench_two_phase_keys WHERE scope = $1 AND key = $2")
-                .bind(&account.0)
-                .bind(key)
-                .execute(&mut *conn)
-                .await?;
-            Err(error.into())
-        }
-    }
-}
-
-/// A two-phase key row: status, fingerprint, body.
-type StoredRow = (Option<i16>, Vec<u8>, Option<Vec<u8>>);
-
-async fn replay_two_phase(
-    conn: &mut PgConnection,
-    scope: &str,
-    key: &str,
-    fingerprint: &Fingerprint,
-) -> Result<Response, ApiError> {
-    let row: Option<StoredRow> = sqlx::query_as(
-        "SELECT status, fingerprint, body FROM bench_two_phase_keys WHERE scope = $1 AND key = $2",
-    )
-    .bind(scope)
-    .bind(key)
-    .fetch_optional(conn)
-    .await?;
-    Ok(match row {
-        Some((Some(status), stored, Some(body))) if stored == fingerprint.as_bytes() => (
-            StatusCode::from_u16(status as u16).unwrap_or(StatusCode::OK),
-            [(header::CONTENT_TYPE, "application/json")],
-            body,
-        )
-            .into_response(),
-        Some((Some(_), _, _)) => StatusCode::UNPROCESSABLE_ENTITY.into_response(),
-        _ => StatusCode::CONFLICT.into_response(),
-    })
 }

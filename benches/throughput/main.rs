@@ -40,6 +40,7 @@ mod app;
 mod count;
 mod cpu;
 mod floor;
+mod handlers;
 mod load;
 mod memory;
 #[path = "../../tests/support/pg_proxy.rs"]
