@@ -564,6 +564,78 @@ mod tests {
             .unwrap_or_else(|error| panic!("PostgreSQL is required at {url}: {error}"))
     }
 
+    /// One scripted attempt: `None` settles, `Some` fails so.
+    type Step = Option<fn() -> Failure>;
+
+    /// A claim that goes as scripted, recording the number of each attempt.
+    struct Scripted {
+        script: std::collections::VecDeque<Step>,
+        attempts: Vec<usize>,
+    }
+
+    impl crate::backend::ClaimAttempt<Postgres> for &mut Scripted {
+        async fn attempt(
+            &mut self,
+            conn: OpenTx<Postgres>,
+            number: usize,
+        ) -> Result<ClaimOutcome<Postgres>, Failure> {
+            self.attempts.push(number);
+            match self.script.pop_front().expect("an attempt past the script") {
+                None => Ok(ClaimOutcome::Claimed(conn)),
+                Some(failure) => {
+                    conn.release();
+                    Err(failure())
+                }
+            }
+        }
+    }
+
+    /// The retry policy both server engines share: retryable failures are
+    /// tried again up to `CLAIM_ATTEMPTS` in all, each on a fresh
+    /// connection; "in use" is a 409 at once; anything else fails at once.
+    #[tokio::test]
+    async fn claims_are_retried_only_when_the_engine_asks() {
+        let pool = test_pool(1, |options| options).await;
+        let retry = || Failure::Retry(sqlx::Error::PoolTimedOut);
+        let fatal = || Failure::Fatal(sqlx::Error::RowNotFound);
+        let in_use = || Failure::InUse;
+        let cases: [(&[Step], &str, &[usize]); 5] = [
+            (&[Some(retry), Some(retry), None], "claimed", &[1, 2, 3]),
+            (
+                &[Some(retry), Some(retry), Some(retry)],
+                "timed out",
+                &[1, 2, 3],
+            ),
+            (&[Some(retry), Some(in_use)], "in use", &[1, 2]),
+            (&[Some(in_use)], "in use", &[1]),
+            (&[Some(fatal)], "no rows", &[1]),
+        ];
+        for (script, expected, attempts) in cases {
+            let mut claim = Scripted {
+                script: script.iter().copied().collect(),
+                attempts: Vec::new(),
+            };
+            let outcome = crate::backend::claim_with_retries(&pool, &mut claim).await;
+            let got = match outcome {
+                Ok(ClaimOutcome::Claimed(mut conn)) => {
+                    // A live connection, handed over by the last attempt.
+                    sqlx::raw_sql("SELECT 1")
+                        .execute(&mut **conn)
+                        .await
+                        .unwrap();
+                    conn.release();
+                    "claimed".to_owned()
+                }
+                Ok(ClaimOutcome::InUse) => "in use".to_owned(),
+                Ok(ClaimOutcome::Finished { .. }) => "finished".to_owned(),
+                Err(error) => error.to_string(),
+            };
+            assert!(got.contains(expected), "{script:?}: {got}");
+            assert_eq!(claim.attempts, attempts, "{expected}");
+            assert!(claim.script.is_empty(), "{expected}: script not used up");
+        }
+    }
+
     #[test]
     fn inlined_statements_put_every_argument_in_place() {
         let statements = Statements::new("keys");
