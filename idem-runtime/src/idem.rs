@@ -8,6 +8,7 @@ use sqlx::Pool;
 
 use crate::Error;
 use crate::backend::Backend;
+use crate::recent::FinishedKeys;
 use crate::response::{DEFAULT_REPLAY_HEADERS, is_forbidden};
 
 /// The default table name.
@@ -62,6 +63,7 @@ struct Inner<DB: Backend> {
     replay_headers: Vec<HeaderName>,
     max_response_bytes: usize,
     body_timeout: Duration,
+    finished: FinishedKeys,
 }
 
 impl<DB: Backend> Clone for Idem<DB> {
@@ -93,6 +95,7 @@ impl<DB: Backend> Idem<DB> {
                 replay_headers: DEFAULT_REPLAY_HEADERS.to_vec(),
                 max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
                 body_timeout: DEFAULT_BODY_TIMEOUT,
+                finished: FinishedKeys::new(),
             }),
         }
     }
@@ -104,6 +107,7 @@ impl<DB: Backend> Idem<DB> {
             replay_headers: shared.replay_headers.clone(),
             max_response_bytes: shared.max_response_bytes,
             body_timeout: shared.body_timeout,
+            finished: FinishedKeys::new(),
         });
         let mut inner = inner;
         change(&mut inner);
@@ -178,6 +182,11 @@ impl<DB: Backend> Idem<DB> {
 
     pub(crate) fn response_cap(&self) -> usize {
         self.inner.max_response_bytes
+    }
+
+    /// The keys this process saw finish, for the replay fast path.
+    pub(crate) fn finished_keys(&self) -> &FinishedKeys {
+        &self.inner.finished
     }
 
     /// Creates the key table and its expiry index if they are missing.

@@ -14,6 +14,7 @@ mod key;
 mod observe;
 mod problem;
 mod protocol;
+mod recent;
 mod response;
 mod scope;
 mod tx;

@@ -198,7 +198,7 @@ where
     R: IntoResponse,
 {
     let started = std::time::Instant::now();
-    let claimed = DB::claim(idem.pool(), idem.table_name(), claim).await;
+    let claimed = claim_or_read(idem, claim).await;
     let conn = match claimed {
         Ok(ClaimOutcome::Claimed(conn)) => {
             observe::claim_latency("claimed", started.elapsed());
@@ -267,10 +267,42 @@ where
     match DB::finish(&mut conn, idem.table_name(), Some(claim), Some(&stored)).await {
         Ok(()) => {
             conn.release();
+            idem.finished_keys().remember(claim.scope, claim.key);
             (Outcome::Claimed, stored.into_original(headers))
         }
         Err(error) => (Outcome::StoreUnavailable, commit_failed(conn, error).await),
     }
+}
+
+/// Claims the key; a key this process saw finish is first looked up with a
+/// plain read, which answers a retry without the claim's transaction (see
+/// `recent`).
+async fn claim_or_read<DB: Backend>(
+    idem: &Idem<DB>,
+    claim: &Claim<'_>,
+) -> Result<ClaimOutcome<DB>, sqlx::Error> {
+    let finished = idem.finished_keys();
+    if finished.seen(claim.scope, claim.key) {
+        // Boxed: most requests never take this branch, and sqlx's futures
+        // would otherwise inflate every request's (see `OpenTx::acquire`).
+        match Box::pin(DB::peek(idem.pool(), idem.table_name(), claim)).await {
+            Ok(Some(outcome)) => return Ok(outcome),
+            Ok(None) => finished.forget(claim.scope, claim.key),
+            // The server refused the read (a pooler that keeps no prepared
+            // statements, say): the claim may still work.
+            Err(sqlx::Error::Database(error)) => {
+                tracing::debug!(%error, "reading a finished key failed; claiming it");
+                finished.forget(claim.scope, claim.key);
+            }
+            // No connection: the claim would wait for one again.
+            Err(error) => return Err(error),
+        }
+    }
+    let claimed = DB::claim(idem.pool(), idem.table_name(), claim).await;
+    if let Ok(ClaimOutcome::Finished { .. }) = &claimed {
+        finished.remember(claim.scope, claim.key);
+    }
+    claimed
 }
 
 /// A request without a key on a `key = "optional"` handler: one plain

@@ -195,6 +195,35 @@ pub async fn different_body_is_422<DB: TestDb>() {
     assert_eq!(server.effects(&caller).await, 1);
 }
 
+/// A retry that reaches another instance (which never saw the key finish)
+/// gets the same answer as one that comes back to the first, whichever
+/// instance answered before; a changed body is refused on both.
+pub async fn every_instance_replays_the_same_answer<DB: TestDb>() {
+    let first_instance = start::<DB>().await;
+    let pool = first_instance.state.idem.pool().clone();
+    let second_instance = crate::harness::start_with::<DB>(pool).await;
+    let caller = unique("instances");
+    let (a, b) = (
+        first_instance.client(&caller),
+        second_instance.client(&caller),
+    );
+    let first = send(a.post("/effects", "k", BODY)).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    for (instance, client) in [("second", &b), ("second", &b), ("first", &a)] {
+        let again = send(client.post("/effects", "k", BODY)).await;
+        assert!(again.replayed(), "{instance}: {again:?}");
+        assert_eq!(again.body, first.body, "{instance}");
+        assert_eq!(again.header("location"), first.header("location"));
+        let changed = send(client.post("/effects", "k", r#"{"note":"other"}"#)).await;
+        assert_eq!(
+            changed.status,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "{instance}"
+        );
+    }
+    assert_eq!(first_instance.effects(&caller).await, 1);
+}
+
 /// 4. Same key on another path or method: 422.
 pub async fn other_path_or_method_is_422<DB: TestDb>() {
     let server = start::<DB>().await;

@@ -78,6 +78,17 @@ pub trait Backend: Database + sealed::Sealed {
         claim: &Claim<'_>,
     ) -> impl Future<Output = Result<ClaimOutcome<Self>, sqlx::Error>> + Send;
 
+    /// Reads the key's stored response, if it is finished and unexpired,
+    /// with one indexed read outside any transaction: the fast path for a
+    /// retry of a key this process saw finish. `None` (and any error)
+    /// sends the request through [`Backend::claim`], the authority.
+    #[doc(hidden)]
+    fn peek(
+        pool: &Pool<Self>,
+        table: &str,
+        claim: &Claim<'_>,
+    ) -> impl Future<Output = Result<Option<ClaimOutcome<Self>>, sqlx::Error>> + Send;
+
     /// Opens a plain transaction (a request without a key, `key = "optional"`).
     #[doc(hidden)]
     fn begin(pool: &Pool<Self>) -> impl Future<Output = Result<OpenTx<Self>, sqlx::Error>> + Send;

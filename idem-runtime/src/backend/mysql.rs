@@ -101,6 +101,25 @@ impl Backend for MySql {
         super::claim_with_retries(pool, MySqlClaim(sql)).await
     }
 
+    async fn peek(
+        pool: &Pool<Self>,
+        table: &str,
+        claim: &Claim<'_>,
+    ) -> Result<Option<ClaimOutcome<Self>>, sqlx::Error> {
+        // A plain (non-locking) read in autocommit: its own fresh snapshot.
+        let sql = format!(
+            "SELECT status, fingerprint, headers, body FROM {table} \
+             WHERE scope = ? AND `key` = ? AND status IS NOT NULL \
+             AND expires_at > UTC_TIMESTAMP(6)"
+        );
+        let row = sqlx::query(AssertSqlSafe(sql))
+            .bind(claim.scope.as_bytes())
+            .bind(claim.key.as_bytes())
+            .fetch_optional(pool)
+            .await?;
+        Ok(row.as_ref().map(read_row).transpose()?.flatten())
+    }
+
     async fn begin(pool: &Pool<Self>) -> Result<OpenTx<Self>, sqlx::Error> {
         let mut conn = OpenTx::acquire(pool).await?;
         sqlx::raw_sql("START TRANSACTION")

@@ -112,6 +112,27 @@ impl Backend for Postgres {
         .await
     }
 
+    async fn peek(
+        pool: &Pool<Self>,
+        table: &str,
+        claim: &Claim<'_>,
+    ) -> Result<Option<ClaimOutcome<Self>>, sqlx::Error> {
+        // An ordinary sqlx query: prepared and cached by sqlx per
+        // connection, as the pool's own configuration says.
+        let row = sqlx::query(AssertSqlSafe(PEEK.replace("{table}", table)))
+            .bind(claim.scope.as_bytes())
+            .bind(claim.key.as_bytes())
+            .fetch_optional(pool)
+            .await?;
+        Ok(match row.as_ref().map(read_row).transpose()? {
+            Some(Found::Finished(fingerprint, response)) => Some(ClaimOutcome::Finished {
+                fingerprint,
+                response,
+            }),
+            _ => None,
+        })
+    }
+
     async fn begin(pool: &Pool<Self>) -> Result<OpenTx<Self>, sqlx::Error> {
         let mut conn = OpenTx::acquire(pool).await?;
         sqlx::raw_sql("BEGIN").execute(&mut **conn).await?;
@@ -367,6 +388,12 @@ const SELECT: Statement = Statement {
     text: "SELECT status, fingerprint, headers, body, expires_at <= now() AS expired \
            FROM {table} WHERE scope = $1 AND key = $2",
 };
+
+/// A finished, unexpired row, read outside the claim (`Backend::peek`);
+/// run by sqlx, not among the `PREPARE`d statements.
+const PEEK: &str = "SELECT status, fingerprint, headers, body, false AS expired \
+                    FROM {table} WHERE scope = $1 AND key = $2 \
+                    AND status IS NOT NULL AND expires_at > now()";
 
 const TAKE_OVER: Statement = Statement {
     suffix: "take_over",

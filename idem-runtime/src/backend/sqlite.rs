@@ -169,6 +169,16 @@ impl Backend for Sqlite {
         }
     }
 
+    async fn peek(
+        pool: &Pool<Self>,
+        table: &str,
+        claim: &Claim<'_>,
+    ) -> Result<Option<ClaimOutcome<Self>>, sqlx::Error> {
+        // The claim starts with this same read; hinted or not, a finished
+        // key never takes the write lock.
+        replay(pool, &Sql::new(table), claim).await
+    }
+
     async fn begin(pool: &Pool<Self>) -> Result<OpenTx<Self>, sqlx::Error> {
         let mut conn = OpenTx::acquire(pool).await?;
         match sqlx::raw_sql("BEGIN IMMEDIATE").execute(&mut **conn).await {
