@@ -117,7 +117,9 @@ pub fn serve_child() {
         .with_writer(std::io::stderr)
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("IDEM_BENCH_LOG")
-                .unwrap_or_else(|_| "warn".into()),
+                // sqlx's slow-statement warnings would only report SQLite's
+                // writers queueing for its one write lock.
+                .unwrap_or_else(|_| "warn,sqlx::query=error".into()),
         )
         .init();
     let runtime = tokio::runtime::Builder::new_multi_thread()

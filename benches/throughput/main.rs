@@ -33,7 +33,7 @@
 //! | `IDEM_BENCH_POOL` | 16 | the server's connection pool (all scenarios) |
 //! | `IDEM_BENCH_SERVER_THREADS` | cores | the server's tokio workers |
 //! | `IDEM_BENCH_FILLFACTOR` | 100 | fillfactor of the key tables (diagnostic) |
-//! | `IDEM_BENCH_LOG` | `warn` | the server's log filter |
+//! | `IDEM_BENCH_LOG` | `warn,sqlx::query=error` | the server's log filter |
 //! | `IDEM_BENCH_JSON` | `<target>/idem-bench/throughput.json` | the JSON file |
 
 mod app;
