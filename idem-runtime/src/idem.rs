@@ -24,7 +24,9 @@ pub const DEFAULT_BODY_TIMEOUT: Duration = Duration::from_secs(30);
 ///
 /// Cheap to clone. Put it in your router state and implement
 /// `FromRef<AppState> for Idem<DB>`; every `#[idempotent]` handler finds it
-/// there.
+/// there. Build one per key table and share it: each keeps a fixed 256 KiB
+/// table of the keys it saw finish, so that their retries are answered with
+/// one plain read (the database stays the authority).
 ///
 /// ```no_run
 /// # use idem_runtime as idem;
