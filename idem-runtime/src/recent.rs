@@ -16,7 +16,7 @@
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// Slots of one key table's hints (256 KiB of memory, touched as used).
+/// Slots of one key table's hints: 256 KiB of memory per `Idem`.
 const SLOTS: usize = 1 << 15;
 
 /// Hashes of (scope, key) pairs this process has seen finish.
