@@ -7,6 +7,8 @@
 //! tests (`tests/hardening`) include this file and `engines/postgres.rs` by
 //! path and beat on the same service.
 //!
+//! Both read its answers as an [`Answer`].
+//!
 //! The caller travels percent-encoded in `x-caller`, so tests can use scopes
 //! with separators, unicode and NUL, none of which a header carries as is.
 
@@ -354,6 +356,63 @@ pub fn percent_decode(input: &[u8]) -> Option<String> {
         }
     }
     String::from_utf8(out).ok()
+}
+
+/// A response read whole, for comparing attempts (the tests' side of the
+/// service).
+#[derive(Debug, Clone)]
+pub struct Answer {
+    pub status: reqwest::StatusCode,
+    pub headers: reqwest::header::HeaderMap,
+    pub body: bytes::Bytes,
+}
+
+impl Answer {
+    pub async fn of(response: reqwest::Response) -> reqwest::Result<Answer> {
+        let status = response.status();
+        let headers = response.headers().clone();
+        let body = response.bytes().await?;
+        Ok(Answer {
+            status,
+            headers,
+            body,
+        })
+    }
+
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+
+    pub fn replayed(&self) -> bool {
+        self.header("idempotent-replayed") == Some("true")
+    }
+
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|_| panic!("not JSON: {self:?}"))
+    }
+
+    pub fn effect(&self) -> Effect {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|_| panic!("not an effect: {} {:?}", self.status, self.body))
+    }
+
+    /// The `code` member of a problem+json body.
+    pub fn problem_code(&self) -> String {
+        assert_eq!(
+            self.header("content-type"),
+            Some("application/problem+json"),
+            "{self:?}"
+        );
+        self.json()["code"].as_str().unwrap().to_owned()
+    }
+}
+
+/// Sends `request` and reads the whole answer; panics if the exchange
+/// fails.
+pub async fn send(request: reqwest::RequestBuilder) -> Answer {
+    Answer::of(request.send().await.expect("request failed"))
+        .await
+        .expect("body failed")
 }
 
 /// Stamps out the handlers and router for one engine, as `handlers`, in a

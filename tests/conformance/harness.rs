@@ -4,11 +4,10 @@
 use std::net::SocketAddr;
 use std::process::Stdio;
 
-use reqwest::{Response, StatusCode};
 use tokio::io::{AsyncBufReadExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdout};
 
-pub use crate::app::unique;
+pub use crate::app::{Answer, send, unique};
 use crate::app::{AppState, Holds, TestDb, percent_encode};
 
 /// The stored-response cap of the test service (the `big` mode exceeds it).
@@ -95,53 +94,6 @@ impl Client {
             .header("content-type", "application/json")
             .body(body.to_owned())
     }
-}
-
-/// A response read whole, for comparing attempts.
-#[derive(Debug, Clone)]
-pub struct Answer {
-    pub status: StatusCode,
-    pub headers: reqwest::header::HeaderMap,
-    pub body: bytes::Bytes,
-}
-
-impl Answer {
-    pub async fn of(response: Response) -> Self {
-        let status = response.status();
-        let headers = response.headers().clone();
-        let body = response.bytes().await.unwrap();
-        Self {
-            status,
-            headers,
-            body,
-        }
-    }
-
-    pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers.get(name).and_then(|v| v.to_str().ok())
-    }
-
-    pub fn replayed(&self) -> bool {
-        self.header("idempotent-replayed") == Some("true")
-    }
-
-    pub fn json(&self) -> serde_json::Value {
-        serde_json::from_slice(&self.body).unwrap_or_else(|_| panic!("not JSON: {:?}", self.body))
-    }
-
-    /// The `code` member of a problem+json body.
-    pub fn problem_code(&self) -> String {
-        assert_eq!(
-            self.header("content-type"),
-            Some("application/problem+json"),
-            "{self:?}"
-        );
-        self.json()["code"].as_str().unwrap().to_owned()
-    }
-}
-
-pub async fn send(request: reqwest::RequestBuilder) -> Answer {
-    Answer::of(request.send().await.unwrap()).await
 }
 
 /// The service in a child process: the test binary re-run in server mode.

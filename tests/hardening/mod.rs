@@ -18,7 +18,9 @@ pub mod app;
 
 pub mod engines;
 
-pub use app::{AppState, BODY_LIMIT, EFFECTS, Effect, Holds, nonce, percent_encode, unique};
+pub use app::{
+    Answer, AppState, BODY_LIMIT, EFFECTS, Effect, Holds, nonce, percent_encode, send, unique,
+};
 /// A pool of the given size on the real server, with the tables.
 pub use engines::postgres::pool as connect;
 
@@ -133,57 +135,6 @@ impl Client {
             .post(format!("{}{path}", self.base))
             .header("x-caller", percent_encode(self.scope.as_bytes()))
     }
-}
-
-/// A response read whole.
-#[derive(Debug, Clone)]
-pub struct Answer {
-    pub status: reqwest::StatusCode,
-    pub headers: reqwest::header::HeaderMap,
-    pub body: bytes::Bytes,
-}
-
-impl Answer {
-    pub async fn of(response: reqwest::Response) -> reqwest::Result<Answer> {
-        let status = response.status();
-        let headers = response.headers().clone();
-        let body = response.bytes().await?;
-        Ok(Answer {
-            status,
-            headers,
-            body,
-        })
-    }
-
-    pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers.get(name).and_then(|v| v.to_str().ok())
-    }
-
-    pub fn replayed(&self) -> bool {
-        self.header("idempotent-replayed") == Some("true")
-    }
-
-    pub fn effect(&self) -> Effect {
-        serde_json::from_slice(&self.body)
-            .unwrap_or_else(|_| panic!("not an effect: {} {:?}", self.status, self.body))
-    }
-
-    /// The `code` member of a problem+json body.
-    pub fn problem_code(&self) -> String {
-        assert_eq!(
-            self.header("content-type"),
-            Some("application/problem+json"),
-            "{self:?}"
-        );
-        let json: serde_json::Value = serde_json::from_slice(&self.body).unwrap();
-        json["code"].as_str().unwrap().to_owned()
-    }
-}
-
-pub async fn send(request: reqwest::RequestBuilder) -> Answer {
-    Answer::of(request.send().await.expect("request failed"))
-        .await
-        .expect("body failed")
 }
 
 /// The effects written for `(scope, key)`: `(id, nonce)`.
