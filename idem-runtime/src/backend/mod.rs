@@ -80,8 +80,9 @@ pub trait Backend: Database + sealed::Sealed {
 
     /// Reads the key's stored response, if it is finished and unexpired,
     /// with one indexed read outside any transaction: the fast path for a
-    /// retry of a key this process saw finish. `None` (and any error)
-    /// sends the request through [`Backend::claim`], the authority.
+    /// retry of a key this process saw finish. `None`, or a database error
+    /// (the server refused the read), sends the request through
+    /// [`Backend::claim`], the authority.
     #[doc(hidden)]
     fn peek(
         pool: &Pool<Self>,
