@@ -382,6 +382,50 @@ async fn an_idempotent_first_attempt_adds_no_round_trip() {
     fixture.stop().await;
 }
 
+/// The read that answers a retry this process saw finish is only a hint's
+/// fast path: when the server refuses it, the claim answers instead, the
+/// same replay, and the next retry reads again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_read_falls_back_to_the_claim() {
+    let fixture = Proxied::start("peek").await;
+    let Proxied {
+        admin,
+        table,
+        proxy,
+        service,
+        ..
+    } = &fixture;
+    let key = unique("k");
+    let first = service.post("/idempotent", &key, 1).await;
+    assert_eq!(first.status(), 201);
+    let body = first.text().await.unwrap();
+    let effects = rows(admin, table).await;
+
+    // The server rejects the read (an unknown column): the claim answers.
+    proxy.set_rewrite(Some(("AND status IS NOT NULL", "AND no_such_column")));
+    proxy.record_queries();
+    let replay = service.post("/idempotent", &key, 1).await;
+    let claimed = proxy.recorded_queries();
+    proxy.set_rewrite(None);
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    assert_eq!(replay.text().await.unwrap(), body);
+    assert!(
+        claimed.iter().any(|sql| sql.starts_with("BEGIN")),
+        "no claim among {claimed:#?}"
+    );
+
+    // The claim found the key finished: the next retry reads again.
+    proxy.record_queries();
+    let replay = service.post("/idempotent", &key, 1).await;
+    let sent = proxy.recorded_queries();
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    assert_eq!(replay.text().await.unwrap(), body);
+    assert!(sent.is_empty(), "a claim among {sent:#?}");
+    assert_eq!(rows(admin, table).await, effects, "replayed, not rerun");
+
+    fixture.stop().await;
+}
+
 /// idem's statements on this connection: the server's own list.
 async fn idem_statements(pool: &PgPool) -> Vec<String> {
     sqlx::query_scalar(

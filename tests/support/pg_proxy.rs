@@ -178,9 +178,10 @@ impl PgProxy {
             .store(mode.as_u8(), Ordering::SeqCst);
     }
 
-    /// From now on, a `Query` whose SQL contains `from` reaches the server
-    /// with `from` replaced by `to` (to simulate what a test cannot make
-    /// the server do, such as a pooler's session switch); `None` stops it.
+    /// From now on, a `Query` or `Parse` whose SQL contains `from` reaches
+    /// the server with `from` replaced by `to` (to simulate what a test
+    /// cannot make the server do, such as a pooler's session switch);
+    /// `None` stops it.
     pub fn set_rewrite(&self, rewrite: Option<(&str, &str)>) {
         *self.shared.rewrite.lock().unwrap() =
             rewrite.map(|(from, to)| (from.as_bytes().to_vec(), to.as_bytes().to_vec()));
@@ -293,8 +294,16 @@ async fn frontend(
                 return Ok(());
             }
             count(shared, kind);
-            match (kind == b'Q').then(|| shared.rewritten(body)).flatten() {
-                Some(sql) => out.extend(typed(b'Q', &sql)),
+            if kind == b'Q' {
+                shared.record(body);
+            }
+            // A `Query` is its SQL; a `Parse`, a name, its SQL and types:
+            // either way the SQL is in the body, and re-framed after.
+            match matches!(kind, b'Q' | b'P')
+                .then(|| shared.rewritten(body))
+                .flatten()
+            {
+                Some(body) => out.extend(typed(kind, &body)),
                 None => out.extend_from_slice(raw),
             }
         }
@@ -309,19 +318,23 @@ async fn frontend(
 }
 
 impl Shared {
-    /// Records a `Query` body and returns its rewritten form, if any.
-    fn rewritten(&self, body: &[u8]) -> Option<Vec<u8>> {
+    /// Records a `Query` body's SQL, while recording.
+    fn record(&self, body: &[u8]) {
         if let Some(log) = self.log.lock().unwrap().as_mut() {
             let sql = body.strip_suffix(b"\0").unwrap_or(body);
             log.push(String::from_utf8_lossy(sql).into_owned());
         }
+    }
+
+    /// A message body with the rewrite applied, if it applies.
+    fn rewritten(&self, body: &[u8]) -> Option<Vec<u8>> {
         let rewrite = self.rewrite.lock().unwrap();
         let (from, to) = rewrite.as_ref()?;
         let at = body.windows(from.len()).position(|window| window == from)?;
-        let mut sql = body[..at].to_vec();
-        sql.extend_from_slice(to);
-        sql.extend_from_slice(&body[at + from.len()..]);
-        Some(sql)
+        let mut rewritten = body[..at].to_vec();
+        rewritten.extend_from_slice(to);
+        rewritten.extend_from_slice(&body[at + from.len()..]);
+        Some(rewritten)
     }
 }
 
