@@ -35,9 +35,10 @@ const UNDEFINED_STATEMENT: &str = "26000";
 /// `duplicate_prepared_statement`.
 const DUPLICATE_STATEMENT: &str = "42P05";
 
-/// How many times a claim re-reads a row that vanished (swept) or was taken
-/// over between two statements before giving up with a store error.
-const SETTLE_ATTEMPTS: usize = 3;
+/// How many statements a claim runs, reading again a row that committed
+/// after its snapshot, vanished (swept) or was taken over, before giving up
+/// with a store error.
+const SETTLE_ATTEMPTS: usize = 4;
 
 impl Backend for Postgres {
     async fn migrate(pool: &Pool<Self>, table: &str) -> Result<(), Error> {
@@ -294,20 +295,27 @@ async fn claim_with_fallback(
 /// expiry under the row lock, so of two concurrent takeovers one wins and
 /// the other sees its committed result. `prelude` runs first, before the
 /// transaction begins (the `PREPARE`s a new connection needs).
+///
+/// The claim statement answers with the row it inserted, or else the row
+/// its snapshot sees; neither when it waited for another attempt that then
+/// committed (the row is newer than the statement's snapshot), and then a
+/// second statement reads it. A row that vanished (swept) in between is
+/// claimed again.
 async fn settle(
     conn: &mut PoolConnection<Postgres>,
     row: &ClaimRow,
     prelude: String,
 ) -> Result<Settled, sqlx::Error> {
-    let mut sql = format!("{prelude}BEGIN; {} {}", row.insert(), row.select());
+    let mut sql = format!("{prelude}BEGIN; {}", row.insert());
+    let mut claiming = true;
     for _ in 0..SETTLE_ATTEMPTS {
         let rows = sqlx::raw_sql(AssertSqlSafe(sql))
             .fetch_all(&mut **conn)
             .await?;
         let claim_row = rows.iter().find(|row| has_column(row, "expired"));
-        sql = match claim_row.map(read_row).transpose()? {
-            // Swept between the insert and the select: insert again.
-            None => format!("{} {}", row.insert(), row.select()),
+        (sql, claiming) = match claim_row.map(read_row).transpose()? {
+            None if claiming => (row.select(), false),
+            None => (row.insert(), true),
             Some(Found::Expired) => {
                 let taken = sqlx::raw_sql(AssertSqlSafe(row.take_over()))
                     .fetch_all(&mut **conn)
@@ -315,7 +323,7 @@ async fn settle(
                 if taken.iter().any(|row| has_column(row, "taken")) {
                     return Ok(Settled::Ours);
                 }
-                row.select()
+                (row.select(), false)
             }
             Some(Found::Ours) => return Ok(Settled::Ours),
             Some(Found::Finished(fingerprint, response)) => {
@@ -374,12 +382,22 @@ struct Statement {
     text: &'static str,
 }
 
+/// The claim: the inserted row (status unset: ours), or else the row this
+/// statement's snapshot sees, read in the same statement. The read is
+/// skipped when the insert succeeded (a one-time filter).
 const CLAIM: Statement = Statement {
     suffix: "claim",
     types: "bytea, bytea, bytea, bigint",
-    text: "INSERT INTO {table} (scope, key, fingerprint, expires_at) \
-           VALUES ($1, $2, $3, now() + $4 * interval '1 millisecond') \
-           ON CONFLICT (scope, key) DO NOTHING",
+    text: "WITH inserted AS (\
+               INSERT INTO {table} (scope, key, fingerprint, expires_at) \
+               VALUES ($1, $2, $3, now() + $4 * interval '1 millisecond') \
+               ON CONFLICT (scope, key) DO NOTHING \
+               RETURNING status, fingerprint, headers, body) \
+           SELECT status, fingerprint, headers, body, false AS expired FROM inserted \
+           UNION ALL \
+           SELECT status, fingerprint, headers, body, expires_at <= now() \
+           FROM {table} WHERE scope = $1 AND key = $2 \
+           AND NOT EXISTS (SELECT 1 FROM inserted)",
 };
 
 const SELECT: Statement = Statement {
