@@ -1,8 +1,10 @@
 //! A diagnostic scenario, not run by default (`IDEM_BENCH_SCENARIOS=read_floor`):
 //! a replay at its floor, one prepared indexed read of the stored row on
-//! the pool, no transaction. The best `replay_rps` this machine allows with
-//! sqlx's pool; a real replay also claims (the key may be new) and rolls
-//! that transaction back.
+//! the pool, no transaction, no body read. The best `replay_rps` this
+//! machine allows with sqlx's pool; a real replay in the process that
+//! stored the key is this read plus the wrapper's own work (the key, the
+//! body's fingerprint, the stored headers), and one that reaches another
+//! instance also claims the key and rolls that transaction back.
 
 use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
