@@ -26,8 +26,7 @@ async fn lock_wait(conn: &mut sqlx::MySqlConnection) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_claim_restores_the_sessions_lock_wait() {
     MySql::connect().await; // the server is there and the table migrated
-    let url = std::env::var("IDEM_TEST_MYSQL_URL")
-        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_owned());
+    let url = crate::engines::mysql::url();
     let pool = MySqlPoolOptions::new()
         .max_connections(2)
         .after_connect(|conn, _| {

@@ -18,6 +18,11 @@ static READY: OnceCell<()> = OnceCell::const_new();
 
 const URL_VAR: &str = "IDEM_TEST_MYSQL_URL";
 
+/// The test server's URL.
+pub fn url() -> String {
+    app::env_or(URL_VAR, "mysql://root@127.0.0.1:3306/test")
+}
+
 impl TestDb for MySql {
     const ENGINE: &'static str = "mysql";
     // `RETURNING` on INSERT is MariaDB's (10.5+); the suite runs on MariaDB.
@@ -28,8 +33,7 @@ impl TestDb for MySql {
 
     async fn connect() -> Pool<Self> {
         let options = MySqlPoolOptions::new().max_connections(40);
-        let url = app::env_or(URL_VAR, "mysql://root@127.0.0.1:3306/test");
-        let pool = app::server_pool(options, "MySQL/MariaDB", URL_VAR, &url).await;
+        let pool = app::server_pool(options, "MySQL/MariaDB", URL_VAR, &url()).await;
         app::prepare_once(&READY, &pool, EFFECTS_DDL).await;
         pool
     }
