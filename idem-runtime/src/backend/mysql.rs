@@ -178,7 +178,7 @@ impl super::ClaimAttempt<MySql> for MySqlClaim {
         mut conn: OpenTx<MySql>,
         _: usize,
     ) -> Result<ClaimOutcome<MySql>, Failure> {
-        let rows = sqlx::raw_sql(AssertSqlSafe(self.0.clone()))
+        let rows = sqlx::raw_sql(AssertSqlSafe(self.0.as_str()))
             .fetch_all(&mut **conn)
             .await;
         let found = match rows {
