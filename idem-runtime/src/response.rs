@@ -131,7 +131,11 @@ impl StoredResponse {
     /// Encodes the headers for storage: per header, a big-endian u16 name
     /// length, the name, a u32 value length, the value.
     pub fn encode_headers(&self) -> Vec<u8> {
-        let mut out = Vec::new();
+        let size = self
+            .headers
+            .iter()
+            .map(|(name, value)| 6 + name.as_str().len() + value.len());
+        let mut out = Vec::with_capacity(size.sum());
         for (name, value) in &self.headers {
             out.extend_from_slice(&(name.as_str().len() as u16).to_be_bytes());
             out.extend_from_slice(name.as_str().as_bytes());

@@ -290,13 +290,35 @@ pub(crate) fn hex(bytes: &[u8]) -> String {
     out
 }
 
-/// Appends the hex form of `bytes` to `out`, two digits a byte.
+/// Appends the hex form of `bytes` to `out`, two digits a byte: encoded a
+/// chunk at a time on the stack, then appended whole (pushing digit by
+/// digit was a tenth of the wrapper's own CPU).
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) fn push_hex(out: &mut String, bytes: &[u8]) {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    const CHUNK: usize = 512;
+    let mut digits = [0_u8; 2 * CHUNK];
     out.reserve(bytes.len() * 2);
-    for &byte in bytes {
-        out.push(char::from(DIGITS[usize::from(byte >> 4)]));
-        out.push(char::from(DIGITS[usize::from(byte & 0xf)]));
+    for chunk in bytes.chunks(CHUNK) {
+        let digits = &mut digits[..2 * chunk.len()];
+        hex::encode_to_slice(chunk, digits).expect("two digits a byte");
+        out.push_str(std::str::from_utf8(digits).expect("hex digits are ASCII"));
+    }
+}
+
+#[cfg(all(test, any(feature = "postgres", feature = "mysql")))]
+mod tests {
+    /// Every length, across the chunk boundaries, gives the plain hex form.
+    #[test]
+    fn push_hex_appends_lowercase_digits_across_chunks() {
+        let bytes: Vec<u8> = (0..=255).cycle().take(1500).collect();
+        for len in [0, 1, 255, 511, 512, 513, 1024, 1500] {
+            let mut out = String::from("x");
+            super::push_hex(&mut out, &bytes[..len]);
+            assert_eq!(
+                out,
+                format!("x{}", hex::encode(&bytes[..len])),
+                "{len} bytes"
+            );
+        }
     }
 }
