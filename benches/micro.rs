@@ -72,6 +72,13 @@ fn fingerprinting(c: &mut Criterion) {
     group.bench_function("canonicalize_256KiB", |b| {
         b.iter(|| idem::canonicalize(black_box(&big)).unwrap())
     });
+    // The reference crate idem's canonicaliser replaced (same bytes).
+    group.bench_function("reference_canonicalize_256KiB", |b| {
+        b.iter(|| {
+            let value: serde_json::Value = serde_json::from_slice(black_box(&big)).unwrap();
+            serde_json_canonicalizer::to_vec(&value).unwrap()
+        })
+    });
     // The same 1 KiB body, not JSON: hashed raw, no canonical form.
     let raw = json_body(1024);
     let octets = HeaderMap::new();
