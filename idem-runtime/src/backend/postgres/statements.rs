@@ -108,8 +108,12 @@ impl<'t> Statements<'t> {
         Self { table, hash }
     }
 
+    /// `idem_<16 hex digits>_<suffix>`.
     fn push_name(&self, out: &mut String, statement: &Statement) {
-        write!(out, "idem_{:016x}_{}", self.hash, statement.suffix).expect("writing to a String");
+        out.push_str("idem_");
+        crate::backend::push_hex(out, &self.hash.to_be_bytes());
+        out.push('_');
+        out.push_str(statement.suffix);
     }
 
     pub(super) fn name(&self, statement: &Statement) -> String {
@@ -354,6 +358,14 @@ mod tests {
             Statements::new("b.keys").name(&CLAIM)
         );
         assert!(row.statements.name(&TAKE_OVER).len() <= 63);
+        assert_eq!(
+            Statements {
+                table: "t",
+                hash: 0xab
+            }
+            .name(&CLAIM),
+            "idem_00000000000000ab_claim"
+        );
         assert_eq!(row.statements.names().len(), 4);
     }
 }
