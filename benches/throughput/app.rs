@@ -109,6 +109,19 @@ pub async fn setup(pool: &PgPool) -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
+/// Creates the tables on `IDEM_BENCH_DATABASE_URL` and exits.
+pub fn setup_child() {
+    let url = std::env::var("IDEM_BENCH_DATABASE_URL").expect("IDEM_BENCH_DATABASE_URL");
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("setup runtime")
+        .block_on(async {
+            let pool = connect(&url, 1, false).await;
+            setup(&pool).await.expect("bench tables");
+        });
+}
+
 /// The child process: serve until the parent closes our stdin or kills us.
 pub fn serve_child() {
     let url = std::env::var("IDEM_BENCH_DATABASE_URL").expect("started by the benchmark");

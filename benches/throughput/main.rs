@@ -67,8 +67,11 @@ const DIAGNOSTICS: [&str; 1] = ["read_floor"];
 const REPLAY_KEYS: usize = 16;
 
 fn main() {
-    if std::env::var(app::ROLE).as_deref() == Ok("server") {
-        return app::serve_child();
+    match std::env::var(app::ROLE).as_deref() {
+        Ok("server") => return app::serve_child(),
+        // The tables alone, for `benches/instructions.sh`'s own cluster.
+        Ok("setup") => return app::setup_child(),
+        _ => {}
     }
     // `cargo test --benches` runs this binary without `--bench`: nothing to test.
     if !std::env::args().any(|arg| arg == "--bench") {

@@ -1,0 +1,142 @@
+#!/usr/bin/env bash
+# Instructions per request, counted by callgrind: the benchmark's server
+# process and the PostgreSQL backend serving it, per scenario. Unlike req/s
+# and CPU time, these counts do not move with the machine's load or clock
+# (a rerun gives the same figures to within a few hundred instructions), so
+# an A/B of a change to the wrapper's Rust or SQL is one run of each.
+#
+#   benches/instructions.sh            # baseline, idempotent, replay, two_phase
+#   IDEM_IR_SCENARIOS=idempotent IDEM_IR_STATEMENTS=3 benches/instructions.sh
+#
+# It starts its own PostgreSQL cluster under callgrind (a temporary directory,
+# port IDEM_IR_PORT, default 55499; the machine's PostgreSQL 15 binaries and
+# valgrind), creates the benchmark's tables there, and for each scenario runs
+# the benchmark's server (pool of one connection) under callgrind twice,
+# with N1 and N2 sequential requests over one keep-alive connection (curl).
+# Per request = (count at N2 - count at N1) / (N2 - N1): start-up cancels out.
+# IDEM_IR_SERVER names another build of the benchmark to measure (an A/B
+# against another revision: `cargo bench --bench throughput --no-run` there).
+# Takes under a minute; everything it starts, it stops.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+scenarios=${IDEM_IR_SCENARIOS:-baseline,idempotent,replay,two_phase}
+statements=${IDEM_IR_STATEMENTS:-1}
+n1=${IDEM_IR_N1:-100}
+n2=${IDEM_IR_N2:-500}
+port=${IDEM_IR_PORT:-55499}
+pg_bin=${IDEM_IR_PG_BIN:-$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -1)}
+
+for tool in valgrind callgrind_annotate curl; do
+  command -v "$tool" >/dev/null || { echo "instructions: $tool is required" >&2; exit 1; }
+done
+
+# PostgreSQL refuses to run as root: the cluster belongs to `postgres` then.
+as_owner() { if [ "$(id -u)" = 0 ]; then su postgres -s /bin/bash -c "$*"; else bash -c "$*"; fi; }
+
+work=$(mktemp -d /tmp/idem-instructions.XXXXXX)
+cluster_pid=
+server_fifo=$work/stdin
+cleanup() {
+  if [ -n "$cluster_pid" ]; then
+    as_owner "'$pg_bin/pg_ctl' -D '$work/pg/data' -m immediate -w stop" >/dev/null 2>&1 || true
+    wait "$cluster_pid" 2>/dev/null || true
+  fi
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+echo "instructions: building the benchmark" >&2
+cargo bench --bench throughput --no-run --message-format=json 2>/dev/null >"$work/build.json"
+bench=$(grep -o '"executable":"[^"]*throughput[^"]*"' "$work/build.json" | tail -1 | cut -d'"' -f4)
+[ -x "$bench" ] || { echo "instructions: benchmark binary not found" >&2; exit 1; }
+server_bin=${IDEM_IR_SERVER:-$bench}
+
+mkdir -p "$work/pg" "$work/cg"
+[ "$(id -u)" = 0 ] && chown postgres "$work" "$work/pg" "$work/cg"
+as_owner "'$pg_bin/initdb' -D '$work/pg/data' -A trust -U postgres" >"$work/initdb.log" 2>&1
+as_owner "exec valgrind --tool=callgrind --trace-children=yes \
+  --callgrind-out-file='$work/cg/pg.%p' '$pg_bin/postgres' -D '$work/pg/data' -p $port \
+  -k '$work/pg' -c listen_addresses=127.0.0.1 -c fsync=on -c autovacuum=off" \
+  >"$work/pg.log" 2>&1 &
+cluster_pid=$!
+for _ in $(seq 1 120); do
+  "$pg_bin/pg_isready" -q -h 127.0.0.1 -p "$port" && break
+  sleep 0.5
+done
+"$pg_bin/pg_isready" -q -h 127.0.0.1 -p "$port" || { echo "instructions: cluster did not start" >&2; exit 1; }
+url="postgres://postgres@127.0.0.1:$port/postgres"
+IDEM_BENCH_ROLE=setup IDEM_BENCH_DATABASE_URL=$url "$bench"
+
+# Instructions of the newest PostgreSQL backend among files not in $1.
+backend_ir() {
+  comm -13 <(echo "$1") <(ls "$work/cg" | grep '^pg\.' | sort) |
+    while read -r file; do awk '/^summary:/{print $2}' "$work/cg/$file"; done | sort -n | tail -1
+}
+
+# One server run of $2 requests of scenario $1: "server_ir backend_ir".
+run() {
+  local scenario=$1 n=$2 route=$1 before
+  [ "$scenario" = replay ] && route=idempotent
+  before=$(ls "$work/cg" | grep '^pg\.' | sort)
+  rm -f "$server_fifo" "$work/server.out" "$work"/cg/server.*
+  mkfifo "$server_fifo"
+  IDEM_BENCH_ROLE=server IDEM_BENCH_ENGINE=postgres IDEM_BENCH_DATABASE_URL=$url \
+    IDEM_BENCH_POOL=1 IDEM_BENCH_SERVER_THREADS=1 \
+    valgrind --tool=callgrind --callgrind-out-file="$work/cg/server.%p" "$server_bin" \
+    <"$server_fifo" >"$work/server.out" 2>"$work/server.err" &
+  local server_pid=$!
+  exec 3>"$server_fifo"
+  for _ in $(seq 1 240); do grep -q LISTENING "$work/server.out" 2>/dev/null && break; sleep 0.25; done
+  local addr
+  addr=$(awk '/LISTENING/{print $2}' "$work/server.out")
+  [ -n "$addr" ] || { echo "instructions: the server did not start" >&2; cat "$work/server.err" >&2; exit 1; }
+  local tag=$RANDOM$RANDOM args=() i key
+  request() { # account key
+    args+=(-s -o /dev/null -w '%{http_code}\n' -X POST -H 'content-type: application/json'
+      -H "x-account: $1" -H "idempotency-key: $2" -d '{"amount": 1250, "currency": "eur"}'
+      "http://$addr/$statements/$route" --next)
+  }
+  # A replay run first finishes the keys it replays; both runs do, so the
+  # difference is replays alone.
+  if [ "$scenario" = replay ]; then for i in $(seq 0 15); do request c0 "r-$tag-$i"; done; fi
+  for i in $(seq 1 "$n"); do
+    if [ "$scenario" = replay ]; then
+      request c0 "r-$tag-$((i % 16))"
+    else
+      request "c$((i % 256))" "k-$tag-$i"
+    fi
+  done
+  unset 'args[${#args[@]}-1]' # the last --next
+  curl "${args[@]}" >"$work/codes" || true
+  exec 3>&-
+  wait "$server_pid" || true
+  local bad
+  bad=$(grep -vc '^201$' "$work/codes" || true)
+  [ "$bad" = 0 ] && [ "$(wc -l <"$work/codes")" -ge "$n" ] || {
+    echo "instructions: $scenario: not every answer was 201" >&2
+    sort "$work/codes" | uniq -c >&2
+    exit 1
+  }
+  # The backend writes its counts when the server's connection closes.
+  local backend=
+  for _ in $(seq 1 120); do
+    backend=$(backend_ir "$before")
+    [ -n "$backend" ] && break
+    sleep 0.5
+  done
+  echo "$(awk '/^summary:/{print $2}' "$work"/cg/server.*) $backend"
+}
+
+# A discarded run first: the set-up's backend has written its counts by the
+# end of it, and the cluster's caches are as warm for N1 as for N2.
+run baseline 10 >/dev/null
+printf '%-12s %6s %16s %16s\n' scenario stmts "server instr/req" "postgres instr/req"
+for scenario in ${scenarios//,/ }; do
+  first=$(run "$scenario" "$n1")
+  second=$(run "$scenario" "$n2")
+  read -r s1 p1 <<<"$first"
+  read -r s2 p2 <<<"$second"
+  printf '%-12s %6s %16d %16d\n' "$scenario" "$statements" \
+    $(( (s2 - s1) / (n2 - n1) )) $(( (p2 - p1) / (n2 - n1) ))
+done
