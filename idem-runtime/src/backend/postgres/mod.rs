@@ -319,11 +319,12 @@ async fn settle(
         row.begin_and_insert(&mut sql);
         sql
     };
-    let mut claim = Some(if prelude.is_empty() {
-        begin_and_insert(row.buffer(0))
+    let first = if prelude.is_empty() {
+        row.buffer(0)
     } else {
-        begin_and_insert(prelude)
-    });
+        prelude
+    };
+    let mut claim = Some(begin_and_insert(first));
     for _ in 0..SETTLE_ATTEMPTS {
         if let Some(sql) = claim.take() {
             let inserted = sqlx::raw_sql(AssertSqlSafe(sql))
@@ -638,6 +639,44 @@ mod tests {
         .unwrap();
         assert_eq!((status, live), (None, true));
 
+        sqlx::raw_sql(AssertSqlSafe(format!("DROP TABLE {table}")))
+            .execute(&pool)
+            .await
+            .unwrap();
+    }
+
+    /// A row committed without a response (written by hand, or by a mode
+    /// outside the atomic contract) is held by someone: 409, never claimed
+    /// over, and nothing is left open.
+    #[tokio::test]
+    async fn a_committed_row_without_a_response_is_in_use() {
+        let pool = test_pool(1, |options| options).await;
+        let table = format!("idem_held_{}", std::process::id());
+        Postgres::migrate(&pool, &table).await.expect("migrate");
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "INSERT INTO {table} (scope, key, fingerprint, expires_at) \
+             VALUES ('acct', 'held', '\\x00', now() + interval '1 hour')"
+        )))
+        .execute(&pool)
+        .await
+        .unwrap();
+        let claim = Claim {
+            scope: "acct",
+            key: "held",
+            fingerprint: Fingerprint::from_bytes(&[0; 32]).unwrap(),
+            ttl: Duration::from_secs(60),
+            wait: Duration::ZERO,
+        };
+        let outcome = Postgres::claim(&pool, &table, &claim).await.expect("claim");
+        assert!(matches!(outcome, ClaimOutcome::InUse), "{outcome:?}");
+        // The one connection came back to the pool, out of any transaction.
+        let status: Option<i16> = sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT status FROM {table} WHERE key = 'held'"
+        )))
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        assert_eq!(status, None);
         sqlx::raw_sql(AssertSqlSafe(format!("DROP TABLE {table}")))
             .execute(&pool)
             .await
