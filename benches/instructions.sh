@@ -6,6 +6,7 @@
 # an A/B of a change to the wrapper's Rust or SQL is one run of each.
 #
 #   benches/instructions.sh            # baseline, idempotent, replay, two_phase
+#   IDEM_IR_SCENARIOS=replay,read_floor benches/instructions.sh  # and a replay's floor
 #   IDEM_IR_SCENARIOS=idempotent IDEM_IR_STATEMENTS=3 benches/instructions.sh
 #
 # It starts its own PostgreSQL cluster under callgrind (a temporary directory,
@@ -76,7 +77,8 @@ backend_ir() {
 
 # One server run of $2 requests of scenario $1: "server_ir backend_ir".
 run() {
-  local scenario=$1 n=$2 route=$1 before
+  local scenario=$1 n=$2 route=$1 before replaying=
+  case $scenario in replay | read_floor) replaying=1 ;; esac
   [ "$scenario" = replay ] && route=idempotent
   before=$(ls "$work/cg" | grep '^pg\.' | sort)
   rm -f "$server_fifo" "$work/server.out" "$work"/cg/server.*
@@ -92,19 +94,21 @@ run() {
   addr=$(awk '/LISTENING/{print $2}' "$work/server.out")
   [ -n "$addr" ] || { echo "instructions: the server did not start" >&2; cat "$work/server.err" >&2; exit 1; }
   local tag=$RANDOM$RANDOM args=() i key
-  request() { # account key
+  request() { # route account key
     args+=(-s -o /dev/null -w '%{http_code}\n' -X POST -H 'content-type: application/json'
-      -H "x-account: $1" -H "idempotency-key: $2" -d '{"amount": 1250, "currency": "eur"}'
-      "http://$addr/$statements/$route" --next)
+      -H "x-account: $2" -H "idempotency-key: $3" -d '{"amount": 1250, "currency": "eur"}'
+      "http://$addr/$statements/$1" --next)
   }
-  # A replay run first finishes the keys it replays; both runs do, so the
-  # difference is replays alone.
-  if [ "$scenario" = replay ]; then for i in $(seq 0 15); do request c0 "r-$tag-$i"; done; fi
+  # A replay run (and its floor, `read_floor`) first finishes the keys it
+  # replays; both runs do, so the difference is replays alone.
+  if [ -n "$replaying" ]; then
+    for i in $(seq 0 15); do request idempotent c0 "r-$tag-$i"; done
+  fi
   for i in $(seq 1 "$n"); do
-    if [ "$scenario" = replay ]; then
-      request c0 "r-$tag-$((i % 16))"
+    if [ -n "$replaying" ]; then
+      request "$route" c0 "r-$tag-$((i % 16))"
     else
-      request "c$((i % 256))" "k-$tag-$i"
+      request "$route" "c$((i % 256))" "k-$tag-$i"
     fi
   done
   unset 'args[${#args[@]}-1]' # the last --next
@@ -125,6 +129,13 @@ run() {
     [ -n "$backend" ] && break
     sleep 0.5
   done
+  # IDEM_IR_KEEP=<dir> keeps each run's profiles, for callgrind_annotate.
+  if [ -n "${IDEM_IR_KEEP:-}" ]; then
+    mkdir -p "$IDEM_IR_KEEP"
+    cp "$work"/cg/server.* "$IDEM_IR_KEEP/server.$scenario.$n"
+    cp "$work/cg/$(comm -13 <(echo "$before") <(ls "$work/cg" | grep '^pg\.' | sort) | tail -1)" \
+      "$IDEM_IR_KEEP/postgres.$scenario.$n"
+  fi
   echo "$(awk '/^summary:/{print $2}' "$work"/cg/server.*) $backend"
 }
 
