@@ -425,6 +425,20 @@ mod tests {
             .unwrap_or_else(|error| panic!("PostgreSQL is required at {url}: {error}"))
     }
 
+    /// A key table of this test process named after `name`, migrated.
+    async fn table(pool: &Pool<Postgres>, name: &str) -> String {
+        let table = format!("idem_{name}_{}", std::process::id());
+        Postgres::migrate(pool, &table).await.expect("migrate");
+        table
+    }
+
+    async fn drop_table(pool: &Pool<Postgres>, table: &str) {
+        sqlx::raw_sql(AssertSqlSafe(format!("DROP TABLE {table}")))
+            .execute(pool)
+            .await
+            .unwrap();
+    }
+
     /// One scripted attempt: `None` settles, `Some` fails so.
     type Step = Option<fn() -> Failure>;
 
@@ -501,14 +515,13 @@ mod tests {
     /// server still configured with `standard_conforming_strings = off`.
     #[tokio::test]
     async fn bytes_arrive_intact_whatever_standard_conforming_strings_says() {
-        let table = format!("idem_scs_{}", std::process::id());
         let scope = "a'b\\c\\x41\0\u{e9}";
         for setting in ["on", "off"] {
             let pool = test_pool(1, |options| {
                 options.options([("standard_conforming_strings", setting)])
             })
             .await;
-            Postgres::migrate(&pool, &table).await.expect("migrate");
+            let table = table(&pool, "scs").await;
             for prepared in [true, false] {
                 let key = format!("k-{setting}-{prepared}");
                 let claim = Claim {
@@ -547,10 +560,7 @@ mod tests {
                 );
                 assert_eq!(body, b"\\x00'\\", "{setting}, prepared {prepared}");
             }
-            sqlx::raw_sql(AssertSqlSafe(format!("DROP TABLE {table}")))
-                .execute(&pool)
-                .await
-                .unwrap();
+            drop_table(&pool, &table).await;
         }
     }
 
@@ -560,8 +570,7 @@ mod tests {
     #[tokio::test]
     async fn inlined_statements_claim_finish_replay_and_take_over() {
         let pool = test_pool(2, |options| options).await;
-        let table = format!("idem_inline_{}", std::process::id());
-        Postgres::migrate(&pool, &table).await.expect("migrate");
+        let table = table(&pool, "inline").await;
         let fingerprint = Fingerprint::from_bytes(&[7; 32]).unwrap();
         let claim = Claim {
             scope: "acct",
@@ -639,10 +648,7 @@ mod tests {
         .unwrap();
         assert_eq!((status, live), (None, true));
 
-        sqlx::raw_sql(AssertSqlSafe(format!("DROP TABLE {table}")))
-            .execute(&pool)
-            .await
-            .unwrap();
+        drop_table(&pool, &table).await;
     }
 
     /// A row committed without a response (written by hand, or by a mode
@@ -651,8 +657,7 @@ mod tests {
     #[tokio::test]
     async fn a_committed_row_without_a_response_is_in_use() {
         let pool = test_pool(1, |options| options).await;
-        let table = format!("idem_held_{}", std::process::id());
-        Postgres::migrate(&pool, &table).await.expect("migrate");
+        let table = table(&pool, "held").await;
         sqlx::raw_sql(AssertSqlSafe(format!(
             "INSERT INTO {table} (scope, key, fingerprint, expires_at) \
              VALUES ('acct', 'held', '\\x00', now() + interval '1 hour')"
@@ -677,9 +682,6 @@ mod tests {
         .await
         .unwrap();
         assert_eq!(status, None);
-        sqlx::raw_sql(AssertSqlSafe(format!("DROP TABLE {table}")))
-            .execute(&pool)
-            .await
-            .unwrap();
+        drop_table(&pool, &table).await;
     }
 }
