@@ -382,6 +382,103 @@ async fn an_idempotent_first_attempt_adds_no_round_trip() {
     fixture.stop().await;
 }
 
+/// The statements of a simple query (idem's values are hex, so a `;` only
+/// ever separates statements), each cut at its first blank.
+fn verbs(queries: &[String]) -> Vec<Vec<String>> {
+    queries
+        .iter()
+        .map(|query| {
+            query
+                .split(';')
+                .map(str::trim)
+                .filter(|statement| !statement.is_empty())
+                .map(|statement| {
+                    let words: Vec<&str> = statement.split_whitespace().take(3).collect();
+                    match words.as_slice() {
+                        ["EXECUTE", name, ..] => {
+                            let suffix = name.split('(').next().unwrap_or(name);
+                            format!("EXECUTE {}", suffix.rsplit('_').next().unwrap_or(suffix))
+                        }
+                        words => words.join(" "),
+                    }
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// What the server parses for a first attempt, beyond the baseline's
+/// `BEGIN` and `COMMIT`: the claim and the stored response, each one
+/// `EXECUTE` of a prepared statement, and the claim's lock timeout set and
+/// reset. Statements, not round trips, are most of the wrapper's database
+/// cost (`benches/instructions.sh`): this pins their number.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_attempt_adds_four_statements_and_a_replay_through_the_claim_two() {
+    let fixture = Proxied::start("verbs").await;
+    let Proxied {
+        proxy,
+        pool,
+        service,
+        ..
+    } = &fixture;
+    // Statements prepared on the connection, sqlx's cached.
+    for route in ["/baseline", "/idempotent"] {
+        let status = service.post(route, &unique("warm"), 1).await.status();
+        assert_eq!(status, 201, "warm-up {route}");
+    }
+    let sent = |route: &'static str, key: String| async move {
+        settle(pool).await;
+        proxy.record_queries();
+        let response = service.post(route, &key, 1).await;
+        settle(pool).await;
+        (response, verbs(&proxy.recorded_queries()))
+    };
+
+    let (response, baseline) = sent("/baseline", unique("b")).await;
+    assert_eq!(response.status(), 201);
+    assert_eq!(baseline, [vec!["BEGIN"], vec!["COMMIT"]]);
+
+    let key = unique("k");
+    let (response, first) = sent("/idempotent", key.clone()).await;
+    assert_eq!(response.status(), 201);
+    assert_eq!(
+        first,
+        [
+            vec![
+                "BEGIN",
+                "SET LOCAL lock_timeout",
+                "EXECUTE claim",
+                "SET LOCAL lock_timeout"
+            ],
+            vec!["EXECUTE finish", "COMMIT"],
+        ]
+    );
+
+    // Another instance, which never saw the key finish: the claim finds
+    // it taken, and one more round trip reads it and ends the transaction.
+    let mut other = Service::start(pool.clone(), &fixture.keys, &fixture.table).await;
+    other.account.clone_from(&service.account);
+    settle(pool).await;
+    proxy.record_queries();
+    let replay = other.post("/idempotent", &key, 1).await;
+    settle(pool).await;
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    assert_eq!(
+        verbs(&proxy.recorded_queries()),
+        [
+            vec![
+                "BEGIN",
+                "SET LOCAL lock_timeout",
+                "EXECUTE claim",
+                "SET LOCAL lock_timeout"
+            ],
+            vec!["EXECUTE select", "ROLLBACK"],
+        ]
+    );
+    drop(other);
+    fixture.stop().await;
+}
+
 /// The read that answers a retry this process saw finish is only a hint's
 /// fast path: when the server refuses it, the claim answers instead, the
 /// same replay, and the next retry reads again.
