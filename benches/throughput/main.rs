@@ -25,7 +25,7 @@
 //! | `IDEM_TEST_POSTGRES_URL` | `postgres://postgres@127.0.0.1:5432/test` | the server |
 //! | `IDEM_BENCH_SECS` | 4 | measured seconds per scenario (after the warm-up) |
 //! | `IDEM_BENCH_WARMUP_MS` | 1000 | warm-up per scenario |
-//! | `IDEM_BENCH_ROUNDS` | 1 | runs per scenario, interleaved; the best is kept |
+//! | `IDEM_BENCH_ROUNDS` | 1 | runs per scenario, interleaved; the best is kept, and each round's ratios are printed (`by round`) and kept in the JSON (`*_by_round`) |
 //! | `IDEM_BENCH_CONCURRENCY` | `16,64` | concurrent clients |
 //! | `IDEM_BENCH_STATEMENTS` | `1,3` | statements per handler |
 //! | `IDEM_BENCH_SCENARIOS` | the four | a subset, or the diagnostic `read_floor` (see `floor.rs`) |
@@ -279,16 +279,35 @@ async fn bench() {
     println!("{}", path.display());
 }
 
-/// The scenarios at one shape, interleaved `rounds` times, best kept; in
-/// the order of `SCENARIOS` then `DIAGNOSTICS` (a scenario not selected
-/// stays at zero).
+/// One shape's scenarios, in the order of `SCENARIOS` then `DIAGNOSTICS`
+/// (a scenario not selected stays at zero).
+struct Group {
+    /// The best round of each scenario.
+    best: Vec<Outcome>,
+    /// Requests per second of each round, per scenario.
+    rounds: Vec<Vec<f64>>,
+}
+
+impl Group {
+    /// `a / b` in each round: scenarios run back to back within a round,
+    /// so this shows how far the machine moved between rounds.
+    fn ratio_by_round(&self, a: usize, b: usize) -> Vec<f64> {
+        self.rounds
+            .iter()
+            .map(|round| round[a] / round[b])
+            .filter(|ratio| ratio.is_finite())
+            .collect()
+    }
+}
+
+/// The scenarios at one shape, interleaved `rounds` times, best kept.
 async fn group(
     settings: &Settings,
     server: &ServerProcess,
     admin: &sqlx::PgPool,
     statements: u32,
     concurrency: usize,
-) -> Vec<Outcome> {
+) -> Group {
     let engine = server.engine;
     let diagnostics: &[&str] = if engine == "postgres" {
         &DIAGNOSTICS
@@ -297,7 +316,9 @@ async fn group(
     };
     let all: Vec<&str> = SCENARIOS.iter().chain(diagnostics).copied().collect();
     let mut best: Vec<Outcome> = vec![Outcome::default(); all.len()];
+    let mut rounds = Vec::with_capacity(settings.rounds);
     for round in 0..settings.rounds {
+        let mut rps = vec![0.0; all.len()];
         for (i, scenario) in all.iter().enumerate() {
             if !settings.scenarios.iter().any(|s| s == scenario) {
                 continue;
@@ -340,10 +361,12 @@ async fn group(
                     outcome.first_error.as_deref().unwrap_or("?")
                 );
             }
+            rps[i] = outcome.rps;
             if outcome.rps > best[i].rps {
                 best[i] = outcome;
             }
         }
+        rounds.push(rps);
     }
     for (scenario, outcome) in all.iter().zip(&best) {
         if outcome.requests == 0 && !SCENARIOS.contains(scenario) {
@@ -367,16 +390,34 @@ async fn group(
             cpu.idle_share * 100.0
         );
     }
-    best
+    let group = Group { best, rounds };
+    if settings.rounds > 1 {
+        let show = |a: usize, b: usize| {
+            let ratios = group.ratio_by_round(a, b);
+            ratios
+                .iter()
+                .map(|r| format!("{r:.2}"))
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        println!(
+            "  by round: idempotent/baseline {} | replay/baseline {} | idempotent/two_phase {}",
+            show(1, 0),
+            show(2, 0),
+            show(1, 3)
+        );
+    }
+    group
 }
 
 fn run_json(
     engine: &str,
     statements: u32,
     concurrency: usize,
-    results: &[Outcome],
+    group: &Group,
     extra_round_trips: Option<i64>,
 ) -> Value {
+    let results = &group.best[..];
     let mut run = json!({
         "engine": engine,
         "statements_per_handler": statements,
@@ -397,6 +438,24 @@ fn run_json(
     fields.insert("ratio_replay_to_baseline".into(), ratio(2, 0));
     fields.insert("ratio_two_phase_to_baseline".into(), ratio(3, 0));
     fields.insert("ratio_idempotent_to_two_phase".into(), ratio(1, 3));
+    let by_round = |a: usize, b: usize| {
+        Value::from(
+            group
+                .ratio_by_round(a, b)
+                .into_iter()
+                .map(round2)
+                .collect::<Vec<_>>(),
+        )
+    };
+    fields.insert(
+        "ratio_idempotent_to_baseline_by_round".into(),
+        by_round(1, 0),
+    );
+    fields.insert("ratio_replay_to_baseline_by_round".into(), by_round(2, 0));
+    fields.insert(
+        "ratio_idempotent_to_two_phase_by_round".into(),
+        by_round(1, 3),
+    );
     // CPU per request is steadier than req/s on a shared machine, and on
     // a saturated one throughput is cores / CPU per request.
     let cpu_ratio =
