@@ -106,14 +106,7 @@ impl Backend for Postgres {
         claim: &Claim<'_>,
     ) -> Result<ClaimOutcome<Self>, sqlx::Error> {
         let row = ClaimRow::new(table, claim);
-        super::claim_with_retries(
-            pool,
-            PgClaim {
-                row,
-                wait: claim.wait,
-            },
-        )
-        .await
+        super::claim_with_retries(pool, PgClaim { row }).await
     }
 
     async fn peek(
@@ -191,7 +184,6 @@ impl Backend for Postgres {
 /// (they remember whether the server keeps prepared statements).
 struct PgClaim<'c> {
     row: ClaimRow<'c>,
-    wait: std::time::Duration,
 }
 
 impl super::ClaimAttempt<Postgres> for PgClaim<'_> {
@@ -221,7 +213,7 @@ impl super::ClaimAttempt<Postgres> for PgClaim<'_> {
             // A timeout this short can also be a brief wait on another lock
             // (extending the table, say) rather than a duplicate: look once
             // more before telling a fresh key it is in use.
-            if number == 1 && self.wait < SHORT_WAIT {
+            if number == 1 && self.row.wait() < SHORT_WAIT {
                 Failure::Retry(error)
             } else {
                 Failure::InUse
@@ -257,7 +249,7 @@ async fn claim_with_fallback(
     conn: &mut PoolConnection<Postgres>,
     row: &mut ClaimRow<'_>,
 ) -> Result<Settled, sqlx::Error> {
-    match settle(conn, row, String::new()).await {
+    match settle(conn, row, "").await {
         Err(error) if has_code(&error, &[UNDEFINED_STATEMENT]) => {}
         settled => return settled,
     }
@@ -278,7 +270,7 @@ async fn claim_with_fallback(
     let error = match present {
         Ok(present) => {
             let prepare = row.statements.prepare_missing(&present);
-            match settle(conn, row, prepare).await {
+            match settle(conn, row, &prepare).await {
                 Err(error) if has_code(&error, &[UNDEFINED_STATEMENT, DUPLICATE_STATEMENT]) => {
                     error
                 }
@@ -292,7 +284,7 @@ async fn claim_with_fallback(
     tracing::debug!(%error, "prepared statements not kept; inlining idem's arguments");
     sqlx::raw_sql("ROLLBACK").execute(&mut **conn).await?;
     row.prepared = false;
-    settle(conn, row, String::new()).await
+    settle(conn, row, "").await
 }
 
 /// Runs the claim statements until the row is ours or finished by another
@@ -313,18 +305,9 @@ async fn claim_with_fallback(
 async fn settle(
     conn: &mut PoolConnection<Postgres>,
     row: &ClaimRow<'_>,
-    prelude: String,
+    prelude: &str,
 ) -> Result<Settled, sqlx::Error> {
-    let begin_and_insert = |mut sql: String| {
-        row.begin_and_insert(&mut sql);
-        sql
-    };
-    let first = if prelude.is_empty() {
-        row.buffer(0)
-    } else {
-        prelude
-    };
-    let mut claim = Some(begin_and_insert(first));
+    let mut claim = Some(row.begin_and_insert(prelude));
     for _ in 0..SETTLE_ATTEMPTS {
         if let Some(sql) = claim.take() {
             let inserted = sqlx::raw_sql(AssertSqlSafe(sql))
@@ -338,11 +321,9 @@ async fn settle(
             .fetch_all(&mut **conn)
             .await?;
         match rows.first().map(read_row).transpose()? {
-            None => claim = Some(begin_and_insert(row.buffer(0))),
+            None => claim = Some(row.begin_and_insert("")),
             Some(Found::Expired) => {
-                let mut take_over = row.buffer(0);
-                row.begin_and_take_over(&mut take_over);
-                let taken = sqlx::raw_sql(AssertSqlSafe(take_over))
+                let taken = sqlx::raw_sql(AssertSqlSafe(row.begin_and_take_over()))
                     .execute(&mut **conn)
                     .await?;
                 if taken.rows_affected() == 1 {
@@ -583,7 +564,7 @@ mod tests {
         row.prepared = false;
 
         let mut conn = OpenTx::new(pool.acquire().await.unwrap());
-        let settled = settle(&mut conn, &row, String::new()).await.expect("claim");
+        let settled = settle(&mut conn, &row, "").await.expect("claim");
         assert!(matches!(settled, Settled::Ours));
         conn.inlined = true;
         let response = StoredResponse {
@@ -604,10 +585,7 @@ mod tests {
         assert_eq!(prepared, 0, "inlined mode prepares nothing");
 
         let mut conn = OpenTx::new(pool.acquire().await.unwrap());
-        match settle(&mut conn, &row, String::new())
-            .await
-            .expect("replay")
-        {
+        match settle(&mut conn, &row, "").await.expect("replay") {
             Settled::Finished(stored, replayed) => {
                 assert_eq!(stored, fingerprint);
                 assert_eq!(replayed.status, StatusCode::CREATED);
@@ -632,9 +610,7 @@ mod tests {
         .await
         .unwrap();
         let mut conn = OpenTx::new(pool.acquire().await.unwrap());
-        let settled = settle(&mut conn, &row, String::new())
-            .await
-            .expect("take over");
+        let settled = settle(&mut conn, &row, "").await.expect("take over");
         assert!(matches!(settled, Settled::Ours));
         Postgres::finish(&mut conn, &table, None, None)
             .await

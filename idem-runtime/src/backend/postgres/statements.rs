@@ -206,8 +206,13 @@ impl<'c> ClaimRow<'c> {
         ]
     }
 
+    /// How long the claim may wait for a concurrent attempt.
+    pub(super) fn wait(&self) -> std::time::Duration {
+        self.claim.wait
+    }
+
     /// A buffer for one round trip's text, sized for the key's values.
-    pub(super) fn buffer(&self, extra: usize) -> String {
+    fn buffer(&self, extra: usize) -> String {
         let values = self.claim.scope.len() + self.claim.key.len() + 32;
         String::with_capacity(256 + 2 * values + extra)
     }
@@ -234,18 +239,24 @@ impl<'c> ClaimRow<'c> {
         out.push_str("; SET LOCAL lock_timeout TO DEFAULT;");
     }
 
-    /// Opens the transaction and claims the key: one row affected when the
-    /// key is ours.
-    pub(super) fn begin_and_insert(&self, out: &mut String) {
+    /// Runs `prelude` (a new connection's `PREPARE`s, or nothing), opens
+    /// the transaction and claims the key: one row affected when the key
+    /// is ours.
+    pub(super) fn begin_and_insert(&self, prelude: &str) -> String {
+        let mut out = self.buffer(prelude.len());
+        out.push_str(prelude);
         out.push_str("BEGIN; ");
-        self.push_bounded(out, &CLAIM);
+        self.push_bounded(&mut out, &CLAIM);
+        out
     }
 
     /// Opens the transaction and takes over the expired row: one row
     /// affected when it is ours.
-    pub(super) fn begin_and_take_over(&self, out: &mut String) {
+    pub(super) fn begin_and_take_over(&self) -> String {
+        let mut out = self.buffer(0);
         out.push_str("BEGIN; ");
-        self.push_bounded(out, &TAKE_OVER);
+        self.push_bounded(&mut out, &TAKE_OVER);
+        out
     }
 
     /// Reads the row and ends the transaction, in one round trip.
@@ -324,8 +335,7 @@ mod tests {
             finish,
             r"UPDATE keys SET status = 201, headers = E'\\x', body = E'\\x7b7d' WHERE scope = E'\\x61' AND key = E'\\x62'; COMMIT"
         );
-        let mut insert = String::new();
-        row.begin_and_insert(&mut insert);
+        let insert = row.begin_and_insert("");
         assert!(!insert.contains('$'), "{insert}");
         let values = format!(
             r"VALUES (E'\\x61', E'\\x62', E'\\x{}', now() + 60000 * interval",
@@ -346,8 +356,7 @@ mod tests {
             row.select_and_end(),
             format!(r"EXECUTE {name}(E'\\x61', E'\\x62'); ROLLBACK")
         );
-        let mut take_over = String::new();
-        row.begin_and_take_over(&mut take_over);
+        let take_over = row.begin_and_take_over();
         assert!(take_over.contains(&format!(
             "EXECUTE {}(E'\\\\x61', E'\\\\x62', E'\\\\x",
             row.statements.name(&TAKE_OVER)
