@@ -382,8 +382,9 @@ async fn an_idempotent_first_attempt_adds_no_round_trip() {
     fixture.stop().await;
 }
 
-/// The statements of a simple query (idem's values are hex, so a `;` only
-/// ever separates statements), each cut at its first blank.
+/// The statements of each simple query (idem's values are hex, so a `;`
+/// only ever separates statements), each as its first three words, an
+/// `EXECUTE` as the suffix of its statement's name.
 fn verbs(queries: &[String]) -> Vec<Vec<String>> {
     queries
         .iter()
@@ -407,6 +408,21 @@ fn verbs(queries: &[String]) -> Vec<Vec<String>> {
         .collect()
 }
 
+/// One 1-statement request, and the statements it sent.
+async fn sent(
+    proxy: &PgProxy,
+    pool: &PgPool,
+    service: &Service,
+    route: &str,
+    key: &str,
+) -> (reqwest::Response, Vec<Vec<String>>) {
+    settle(pool).await;
+    proxy.record_queries();
+    let response = service.post(route, key, 1).await;
+    settle(pool).await;
+    (response, verbs(&proxy.recorded_queries()))
+}
+
 /// What the server parses for a first attempt, beyond the baseline's
 /// `BEGIN` and `COMMIT`: the claim and the stored response, each one
 /// `EXECUTE` of a prepared statement, and the claim's lock timeout set and
@@ -426,54 +442,31 @@ async fn a_first_attempt_adds_four_statements_and_a_replay_through_the_claim_two
         let status = service.post(route, &unique("warm"), 1).await.status();
         assert_eq!(status, 201, "warm-up {route}");
     }
-    let sent = |route: &'static str, key: String| async move {
-        settle(pool).await;
-        proxy.record_queries();
-        let response = service.post(route, &key, 1).await;
-        settle(pool).await;
-        (response, verbs(&proxy.recorded_queries()))
-    };
 
-    let (response, baseline) = sent("/baseline", unique("b")).await;
+    let (response, baseline) = sent(proxy, pool, service, "/baseline", &unique("b")).await;
     assert_eq!(response.status(), 201);
     assert_eq!(baseline, [vec!["BEGIN"], vec!["COMMIT"]]);
 
+    let claim = [
+        "BEGIN",
+        "SET LOCAL lock_timeout",
+        "EXECUTE claim",
+        "SET LOCAL lock_timeout",
+    ];
     let key = unique("k");
-    let (response, first) = sent("/idempotent", key.clone()).await;
+    let (response, first) = sent(proxy, pool, service, "/idempotent", &key).await;
     assert_eq!(response.status(), 201);
-    assert_eq!(
-        first,
-        [
-            vec![
-                "BEGIN",
-                "SET LOCAL lock_timeout",
-                "EXECUTE claim",
-                "SET LOCAL lock_timeout"
-            ],
-            vec!["EXECUTE finish", "COMMIT"],
-        ]
-    );
+    assert_eq!(first, [claim.to_vec(), vec!["EXECUTE finish", "COMMIT"],]);
 
     // Another instance, which never saw the key finish: the claim finds
     // it taken, and one more round trip reads it and ends the transaction.
     let mut other = Service::start(pool.clone(), &fixture.keys, &fixture.table).await;
     other.account.clone_from(&service.account);
-    settle(pool).await;
-    proxy.record_queries();
-    let replay = other.post("/idempotent", &key, 1).await;
-    settle(pool).await;
+    let (replay, replayed) = sent(proxy, pool, &other, "/idempotent", &key).await;
     assert_eq!(replay.headers()["idempotent-replayed"], "true");
     assert_eq!(
-        verbs(&proxy.recorded_queries()),
-        [
-            vec![
-                "BEGIN",
-                "SET LOCAL lock_timeout",
-                "EXECUTE claim",
-                "SET LOCAL lock_timeout"
-            ],
-            vec!["EXECUTE select", "ROLLBACK"],
-        ]
+        replayed,
+        [claim.to_vec(), vec!["EXECUTE select", "ROLLBACK"],]
     );
     drop(other);
     fixture.stop().await;
