@@ -627,6 +627,67 @@ mod tests {
         drop_table(&pool, &table).await;
     }
 
+    /// A session kept across a deploy (a session-mode pooler) may still hold
+    /// an older revision's statements under that revision's names: the claim
+    /// prepares and runs today's, never the older text.
+    #[tokio::test]
+    async fn an_older_revisions_statements_are_never_run() {
+        let pool = test_pool(1, |options| options).await;
+        let table = table(&pool, "revision").await;
+        let older = statements::Statements::at_revision("1:", &table);
+        // An older claim that would claim nothing: run, it would send this
+        // key round the "taken, then vanished" loop until the claim failed.
+        let mut conn = pool.acquire().await.unwrap();
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "PREPARE {} (bytea, bytea, bytea, bigint) AS SELECT WHERE false",
+            older.name(&statements::CLAIM)
+        )))
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+        drop(conn);
+
+        let claim = Claim {
+            scope: "acct",
+            key: "revision-1",
+            fingerprint: Fingerprint::from_bytes(&[3; 32]).unwrap(),
+            ttl: Duration::from_secs(60),
+            wait: Duration::ZERO,
+        };
+        let mut conn = match Postgres::claim(&pool, &table, &claim).await {
+            Ok(ClaimOutcome::Claimed(conn)) => conn,
+            other => panic!("the key was not claimed: {other:?}"),
+        };
+        let response = StoredResponse {
+            status: StatusCode::CREATED,
+            headers: Vec::new(),
+            body: "{}".into(),
+        };
+        Postgres::finish(&mut conn, &table, Some(&claim), Some(&response))
+            .await
+            .expect("finish");
+        conn.release();
+        let status: Option<i16> = sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT status FROM {table} WHERE key = 'revision-1'"
+        )))
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        assert_eq!(status, Some(201));
+        // Both revisions' statements sit side by side in the one session.
+        let current = statements::Statements::new(&table).name(&statements::CLAIM);
+        let prepared: Vec<String> = sqlx::query_scalar(
+            "SELECT name FROM pg_prepared_statements WHERE name LIKE '%\\_claim' ORDER BY name",
+        )
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+        let mut expected = vec![older.name(&statements::CLAIM), current];
+        expected.sort();
+        assert_eq!(prepared, expected);
+        drop_table(&pool, &table).await;
+    }
+
     /// A row committed without a response (written by hand, or by a mode
     /// outside the atomic contract) is held by someone: 409, never claimed
     /// over, and nothing is left open.
