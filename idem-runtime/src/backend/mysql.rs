@@ -188,11 +188,7 @@ impl super::ClaimAttempt<MySql> for MySqlClaim {
             },
             Err(error) => {
                 reset(conn).await;
-                return Err(match number(&error) {
-                    Some(ER_LOCK_WAIT_TIMEOUT | ER_STATEMENT_TIMEOUT) => Failure::InUse,
-                    Some(ER_LOCK_DEADLOCK) => Failure::Retry(error),
-                    _ => Failure::Fatal(error),
-                });
+                return Err(failure(error));
             }
         };
         match found {
@@ -206,6 +202,17 @@ impl super::ClaimAttempt<MySql> for MySqlClaim {
                 Err(Failure::Fatal(error))
             }
         }
+    }
+}
+
+/// What a failed claim batch means: a lock wait that ran out is a 409, a
+/// deadlock (which rolled the claim back) is tried again, and anything else
+/// fails the claim.
+fn failure(error: sqlx::Error) -> Failure {
+    match number(&error) {
+        Some(ER_LOCK_WAIT_TIMEOUT | ER_STATEMENT_TIMEOUT) => Failure::InUse,
+        Some(ER_LOCK_DEADLOCK) => Failure::Retry(error),
+        _ => Failure::Fatal(error),
     }
 }
 
@@ -290,5 +297,155 @@ fn number(error: &sqlx::Error) -> Option<u16> {
             .try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
             .map(|db| db.number()),
         _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use sqlx::MySqlConnection;
+    use sqlx::mysql::MySqlPoolOptions;
+
+    use super::*;
+
+    /// A pool on the test server; fails loudly without one.
+    async fn test_pool(max_connections: u32) -> Pool<MySql> {
+        let url = std::env::var("IDEM_TEST_MYSQL_URL")
+            .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_owned());
+        MySqlPoolOptions::new()
+            .max_connections(max_connections)
+            .connect(&url)
+            .await
+            .unwrap_or_else(|error| panic!("MySQL/MariaDB is required at {url}: {error}"))
+    }
+
+    async fn run(conn: &mut MySqlConnection, sql: &str) -> Result<(), sqlx::Error> {
+        sqlx::raw_sql(AssertSqlSafe(sql.to_owned()))
+            .execute(conn)
+            .await
+            .map(drop)
+    }
+
+    /// The server's own errors, met as a claim meets them, sorted as the
+    /// claim's retry loop needs: a deadlock is tried again, a lock wait that
+    /// ran out (whole seconds, or MariaDB's statement time) is a 409, and
+    /// anything else fails the claim.
+    #[tokio::test]
+    async fn deadlocks_are_retried_and_lock_waits_are_in_use() {
+        let pool = test_pool(3).await;
+        let table = format!("idem_failures_{}", std::process::id());
+        let [first, second] =
+            [1, 2].map(|id| format!("SELECT id FROM {table} WHERE id = {id} FOR UPDATE"));
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "DROP TABLE IF EXISTS {table}; \
+             CREATE TABLE {table} (id int PRIMARY KEY) ENGINE = InnoDB; \
+             INSERT INTO {table} VALUES (1), (2)"
+        )))
+        .execute(&pool)
+        .await
+        .unwrap();
+
+        // a holds row 1 and b row 2; a asks for row 2 and waits ...
+        let mut a = pool.acquire().await.unwrap();
+        let mut b = pool.acquire().await.unwrap();
+        run(&mut a, &format!("START TRANSACTION; {first}"))
+            .await
+            .unwrap();
+        run(&mut b, &format!("START TRANSACTION; {second}"))
+            .await
+            .unwrap();
+        let a_thread: u64 = sqlx::query_scalar("SELECT CONNECTION_ID()")
+            .fetch_one(&mut *a)
+            .await
+            .unwrap();
+        let waiting = tokio::spawn(async move {
+            let result = run(&mut a, &second).await;
+            (a, result)
+        });
+        // ... as the server's lock queue shows (no event tells, so it is
+        // polled until a is in it) ...
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let waits: i64 = sqlx::query_scalar(
+                "SELECT COUNT(*) FROM information_schema.INNODB_TRX \
+                 WHERE trx_state = 'LOCK WAIT' AND trx_mysql_thread_id = ?",
+            )
+            .bind(a_thread)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+            if waits == 1 {
+                break;
+            }
+            assert!(Instant::now() < deadline, "a never waited for b's row");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        // ... and b asks for row 1: a cycle, and InnoDB picks a victim.
+        let b_result = run(&mut b, &first).await;
+        let (mut a, a_result) = waiting.await.unwrap();
+        let mut errors: Vec<_> = [a_result, b_result]
+            .into_iter()
+            .filter_map(Result::err)
+            .collect();
+        assert_eq!(errors.len(), 1, "one of the two is the deadlock's victim");
+        let deadlock = errors.remove(0);
+        assert_eq!(number(&deadlock), Some(ER_LOCK_DEADLOCK), "{deadlock}");
+        assert!(matches!(failure(deadlock), Failure::Retry(_)));
+        for conn in [&mut a, &mut b] {
+            run(conn, "ROLLBACK").await.unwrap();
+        }
+
+        // b holds row 1: c's lock waits for it run out.
+        run(&mut b, &format!("START TRANSACTION; {first}"))
+            .await
+            .unwrap();
+        let mut c = pool.acquire().await.unwrap();
+        let timed_out = run(
+            &mut c,
+            &format!("SET SESSION innodb_lock_wait_timeout = 0; START TRANSACTION; {first}"),
+        )
+        .await
+        .expect_err("row 1 is b's");
+        assert_eq!(
+            number(&timed_out),
+            Some(ER_LOCK_WAIT_TIMEOUT),
+            "{timed_out}"
+        );
+        assert!(matches!(failure(timed_out), Failure::InUse));
+        run(
+            &mut c,
+            "ROLLBACK; SET SESSION innodb_lock_wait_timeout = DEFAULT",
+        )
+        .await
+        .unwrap();
+        let mariadb: bool = sqlx::query_scalar("SELECT VERSION() LIKE '%MariaDB%'")
+            .fetch_one(&mut *c)
+            .await
+            .unwrap();
+        if mariadb {
+            let interrupted = run(
+                &mut c,
+                &format!("START TRANSACTION; SET STATEMENT max_statement_time = 0.05 FOR {first}"),
+            )
+            .await
+            .expect_err("row 1 is b's");
+            assert_eq!(
+                number(&interrupted),
+                Some(ER_STATEMENT_TIMEOUT),
+                "{interrupted}"
+            );
+            assert!(matches!(failure(interrupted), Failure::InUse));
+            run(&mut c, "ROLLBACK").await.unwrap();
+        }
+
+        let syntax = run(&mut c, "SELEC 1").await.expect_err("not SQL");
+        assert!(matches!(failure(syntax), Failure::Fatal(_)));
+        run(&mut b, "ROLLBACK").await.unwrap();
+        drop((a, b, c));
+        sqlx::raw_sql(AssertSqlSafe(format!("DROP TABLE {table}")))
+            .execute(&pool)
+            .await
+            .unwrap();
     }
 }
