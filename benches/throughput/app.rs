@@ -31,6 +31,8 @@ pub const ACCOUNTS: usize = 256;
 pub const ROLE: &str = "IDEM_BENCH_ROLE";
 const SERVER_THREADS: &str = "IDEM_BENCH_SERVER_THREADS";
 const POOL: &str = "IDEM_BENCH_POOL";
+/// 0: the server's pool does not ping a connection before handing it out.
+const TEST_BEFORE_ACQUIRE: &str = "IDEM_BENCH_TEST_BEFORE_ACQUIRE";
 
 /// What a server process is started with.
 #[derive(Clone, Debug)]
@@ -168,9 +170,13 @@ pub async fn connect(url: &str, size: u32, server: bool) -> PgPool {
     } else {
         "idem-bench-admin"
     };
+    // sqlx pings a connection as it leaves the pool (unless this is off)
+    // and as it comes back (always): two of a replay's three round trips.
+    let test_before_acquire = env_number(TEST_BEFORE_ACQUIRE, 1) != 0;
     PgPoolOptions::new()
         .max_connections(size)
         .min_connections(size)
+        .test_before_acquire(test_before_acquire || !server)
         .connect_with(connect.application_name(name))
         .await
         .unwrap_or_else(|error| panic!("PostgreSQL is required at {url}: {error}"))

@@ -33,6 +33,7 @@
 //! | `IDEM_BENCH_POOL` | 16 | the server's connection pool (all scenarios) |
 //! | `IDEM_BENCH_SERVER_THREADS` | cores | the server's tokio workers |
 //! | `IDEM_BENCH_FILLFACTOR` | 100 | fillfactor of the key tables (diagnostic) |
+//! | `IDEM_BENCH_TEST_BEFORE_ACQUIRE` | 1 | 0: the server's pool skips sqlx's ping before handing out a connection (diagnostic) |
 //! | `IDEM_BENCH_LOG` | `warn,sqlx::query=error` | the server's log filter |
 //! | `IDEM_BENCH_JSON` | `<target>/idem-bench/throughput.json` | the JSON file |
 
