@@ -420,6 +420,26 @@ mod tests {
             .unwrap();
     }
 
+    /// Stores a `status` with `body` as the claimed key's response, commits
+    /// and hands the connection back.
+    async fn store(
+        mut conn: OpenTx<Postgres>,
+        table: &str,
+        claim: &Claim<'_>,
+        status: StatusCode,
+        body: &'static [u8],
+    ) {
+        let response = StoredResponse {
+            status,
+            headers: Vec::new(),
+            body: body.into(),
+        };
+        Postgres::finish(&mut conn, table, Some(claim), Some(&response))
+            .await
+            .expect("finish");
+        conn.release();
+    }
+
     /// One scripted attempt: `None` settles, `Some` fails so.
     type Step = Option<fn() -> Failure>;
 
@@ -518,15 +538,7 @@ mod tests {
                 let settled = claim_on(&mut conn, &mut row).await.expect("claim");
                 assert!(matches!(settled, Settled::Ours));
                 assert_eq!(conn.inlined, !prepared);
-                let response = StoredResponse {
-                    status: StatusCode::OK,
-                    headers: Vec::new(),
-                    body: b"\\x00'\\".to_vec().into(),
-                };
-                Postgres::finish(&mut conn, &table, Some(&claim), Some(&response))
-                    .await
-                    .expect("finish");
-                conn.release();
+                store(conn, &table, &claim, StatusCode::OK, b"\\x00'\\").await;
                 let (stored_scope, body): (Vec<u8>, Vec<u8>) = sqlx::query_as(AssertSqlSafe(
                     format!("SELECT scope, body FROM {table} WHERE key = $1"),
                 ))
@@ -567,15 +579,7 @@ mod tests {
         let settled = settle(&mut conn, &row, "").await.expect("claim");
         assert!(matches!(settled, Settled::Ours));
         conn.inlined = true;
-        let response = StoredResponse {
-            status: StatusCode::CREATED,
-            headers: Vec::new(),
-            body: "{\"id\":1}".into(),
-        };
-        Postgres::finish(&mut conn, &table, Some(&claim), Some(&response))
-            .await
-            .expect("finish");
-        conn.release();
+        store(conn, &table, &claim, StatusCode::CREATED, b"{\"id\":1}").await;
         let prepared: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM pg_prepared_statements WHERE name LIKE 'idem\\_%'",
         )
@@ -654,19 +658,11 @@ mod tests {
             ttl: Duration::from_secs(60),
             wait: Duration::ZERO,
         };
-        let mut conn = match Postgres::claim(&pool, &table, &claim).await {
+        let conn = match Postgres::claim(&pool, &table, &claim).await {
             Ok(ClaimOutcome::Claimed(conn)) => conn,
             other => panic!("the key was not claimed: {other:?}"),
         };
-        let response = StoredResponse {
-            status: StatusCode::CREATED,
-            headers: Vec::new(),
-            body: "{}".into(),
-        };
-        Postgres::finish(&mut conn, &table, Some(&claim), Some(&response))
-            .await
-            .expect("finish");
-        conn.release();
+        store(conn, &table, &claim, StatusCode::CREATED, b"{}").await;
         let status: Option<i16> = sqlx::query_scalar(AssertSqlSafe(format!(
             "SELECT status FROM {table} WHERE key = 'revision-1'"
         )))
