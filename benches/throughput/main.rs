@@ -23,9 +23,9 @@
 //! | variable | default | |
 //! |---|---|---|
 //! | `IDEM_TEST_POSTGRES_URL` | `postgres://postgres@127.0.0.1:5432/test` | the server |
-//! | `IDEM_BENCH_SECS` | 4 | measured seconds per scenario (after the warm-up) |
+//! | `IDEM_BENCH_SECS` | 2 | measured seconds per scenario and round (after the warm-up) |
 //! | `IDEM_BENCH_WARMUP_MS` | 1000 | warm-up per scenario |
-//! | `IDEM_BENCH_ROUNDS` | 1 | runs per scenario, interleaved; the best is kept, and each round's ratios are printed (`by round`) and kept in the JSON (`*_by_round`) |
+//! | `IDEM_BENCH_ROUNDS` | 3 | rounds, each running every scenario back to back; a ratio is the median of the rounds' ratios, req/s and latencies are the best round's, and each round's ratios are printed (`by round`) and kept in the JSON (`*_by_round`) |
 //! | `IDEM_BENCH_CONCURRENCY` | `16,64` | concurrent clients |
 //! | `IDEM_BENCH_STATEMENTS` | `1,3` | statements per handler |
 //! | `IDEM_BENCH_SCENARIOS` | the four | a subset, or the diagnostic `read_floor` (see `floor.rs`) |
@@ -105,9 +105,9 @@ impl Settings {
         Self {
             server: ServerConfig::from_env(url.clone()),
             url,
-            secs: env_number("IDEM_BENCH_SECS", 4),
+            secs: env_number("IDEM_BENCH_SECS", 2),
             warmup: Duration::from_millis(env_number("IDEM_BENCH_WARMUP_MS", 1000)),
-            rounds: env_number("IDEM_BENCH_ROUNDS", 1usize).max(1),
+            rounds: env_number("IDEM_BENCH_ROUNDS", 3usize).max(1),
             concurrency: env_list("IDEM_BENCH_CONCURRENCY", "16,64"),
             statements: env_list("IDEM_BENCH_STATEMENTS", "1,3"),
             scenarios: env_list("IDEM_BENCH_SCENARIOS", &SCENARIOS.join(",")),
@@ -148,8 +148,9 @@ async fn bench() {
     );
     let load_before = loadavg();
     println!(
-        "idem throughput: PostgreSQL at {}, {} s per scenario after {} ms warm-up, best of {}, \
-         server pool {} connections, {} server threads; load average {load_before}",
+        "idem throughput: PostgreSQL at {}, {} s per scenario after {} ms warm-up, {} round(s) \
+         (ratios: the median of the rounds'), server pool {} connections, {} server threads; \
+         load average {load_before}",
         settings.url,
         settings.secs,
         settings.warmup.as_millis(),
@@ -299,9 +300,30 @@ impl Group {
             .filter(|ratio| ratio.is_finite())
             .collect()
     }
+
+    /// The median of `a / b` over the rounds (NaN without a round that ran
+    /// both). A shared machine's speed drifts by a fifth or more within
+    /// minutes; the scenarios of one round run seconds apart, so each
+    /// round's ratio compares like with like, and the median drops a round
+    /// that a burst of other work hit. A ratio of the best rounds would
+    /// pair measurements taken minutes apart.
+    fn ratio(&self, a: usize, b: usize) -> f64 {
+        median(self.ratio_by_round(a, b))
+    }
 }
 
-/// The scenarios at one shape, interleaved `rounds` times, best kept.
+/// The median of `values` (NaN when empty).
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    match values.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => values[n / 2],
+        n => (values[n / 2 - 1] + values[n / 2]) / 2.0,
+    }
+}
+
+/// The scenarios at one shape, interleaved `rounds` times: each
+/// scenario's best round, and every round's req/s for the ratios.
 async fn group(
     settings: &Settings,
     server: &ServerProcess,
@@ -369,7 +391,8 @@ async fn group(
         }
         rounds.push(rps);
     }
-    for (scenario, outcome) in all.iter().zip(&best) {
+    let group = Group { best, rounds };
+    for (i, (scenario, outcome)) in all.iter().zip(&group.best).enumerate() {
         if outcome.requests == 0 && !SCENARIOS.contains(scenario) {
             continue;
         }
@@ -383,7 +406,7 @@ async fn group(
             outcome.rps,
             outcome.p50_ms,
             outcome.p99_ms,
-            outcome.rps / best[0].rps,
+            group.ratio(i, 0),
             cpu.client_us,
             cpu.server_us,
             cpu.postgres_us,
@@ -391,7 +414,6 @@ async fn group(
             cpu.idle_share * 100.0
         );
     }
-    let group = Group { best, rounds };
     if settings.rounds > 1 {
         let show = |a: usize, b: usize| {
             let ratios = group.ratio_by_round(a, b);
@@ -434,7 +456,7 @@ fn run_json(
         fields.insert(format!("{scenario}_errors"), json!(outcome.errors));
         fields.insert(format!("{scenario}_cpu"), json!(outcome.cpu));
     }
-    let ratio = |a: usize, b: usize| round2(results[a].rps / results[b].rps);
+    let ratio = |a: usize, b: usize| round2(group.ratio(a, b));
     fields.insert("ratio_idempotent_to_baseline".into(), ratio(1, 0));
     fields.insert("ratio_replay_to_baseline".into(), ratio(2, 0));
     fields.insert("ratio_two_phase_to_baseline".into(), ratio(3, 0));
