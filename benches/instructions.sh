@@ -17,7 +17,9 @@
 # Per request = (count at N2 - count at N1) / (N2 - N1): start-up cancels out.
 # IDEM_IR_SERVER names another build of the benchmark to measure (an A/B
 # against another revision: `cargo bench --bench throughput --no-run` there).
-# Takes under a minute; everything it starts, it stops.
+# Takes about half a minute per scenario (two to three minutes for the
+# default four, plus a release build the first time); everything it
+# starts, it stops.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
