@@ -448,8 +448,10 @@ fn run_json(
         "extra_round_trips": extra_round_trips,
     });
     let fields = run.as_object_mut().unwrap();
-    for (scenario, outcome) in SCENARIOS.iter().zip(results) {
+    for (i, (scenario, outcome)) in SCENARIOS.iter().zip(results).enumerate() {
         fields.insert(format!("{scenario}_rps"), round2(outcome.rps));
+        let by_round: Vec<Value> = group.rounds.iter().map(|round| round2(round[i])).collect();
+        fields.insert(format!("{scenario}_rps_by_round"), by_round.into());
         fields.insert(format!("{scenario}_p50_ms"), round2(outcome.p50_ms));
         fields.insert(format!("{scenario}_p99_ms"), round2(outcome.p99_ms));
         fields.insert(format!("{scenario}_requests"), json!(outcome.requests));
@@ -527,6 +529,16 @@ fn targets(runs: &[Value], trips: &[count::RoundTrips]) {
             verdict(idem >= floor),
             verdict(replay >= 2.0),
             verdict(two >= 1.3)
+        );
+        // The same ratios from CPU per request (the best rounds'): what
+        // req/s would be on a machine whose cores are all busy, and less
+        // moved by the machine's drift.
+        println!(
+            "  by CPU per request: idempotent/baseline {:.2}, replay/baseline {:.2}, \
+             idempotent/two_phase {:.2}",
+            get("cpu_ratio_idempotent_to_baseline"),
+            get("cpu_ratio_replay_to_baseline"),
+            get("cpu_ratio_idempotent_to_two_phase")
         );
     }
 }
