@@ -5,6 +5,8 @@
 //! Also checks the proxy itself (cut, refuse, cut at commit), which the
 //! chaos tests rely on.
 
+#[path = "support/account.rs"]
+mod account;
 #[path = "support/pg_proxy.rs"]
 mod pg_proxy;
 
@@ -12,12 +14,13 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use account::Account;
 use axum::Json;
-use axum::extract::{FromRef, FromRequestParts, State};
-use axum::http::{StatusCode, request::Parts};
+use axum::extract::{FromRef, State};
+use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
-use idem::{Idem, Scope, Tx, idempotent};
+use idem::{Idem, Tx, idempotent};
 use pg_proxy::{CutOnCommit, PgProxy};
 use serde::Deserialize;
 use sqlx::postgres::PgPoolOptions;
@@ -117,27 +120,6 @@ struct AppState {
 
 #[derive(Clone)]
 struct Table(String);
-
-struct Account(String);
-
-impl Scope for Account {
-    fn scope(&self) -> std::borrow::Cow<'_, str> {
-        self.0.as_str().into()
-    }
-}
-
-impl<S: Send + Sync> FromRequestParts<S> for Account {
-    type Rejection = StatusCode;
-
-    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, StatusCode> {
-        let account = parts
-            .headers
-            .get("x-account")
-            .ok_or(StatusCode::UNAUTHORIZED)?;
-        let account = account.to_str().map_err(|_| StatusCode::UNAUTHORIZED)?;
-        Ok(Account(account.to_owned()))
-    }
-}
 
 #[derive(Deserialize)]
 struct Charge {

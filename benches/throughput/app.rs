@@ -9,14 +9,14 @@ use std::io::BufRead;
 use std::net::SocketAddr;
 
 use axum::Json;
-use axum::extract::FromRequestParts;
-use axum::http::{StatusCode, header, request::Parts};
+use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use idem::{Idem, Scope};
+use idem::Idem;
 use serde::{Deserialize, Serialize};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, PgPool};
 
+pub(crate) use crate::account::Account;
 use crate::handlers;
 
 /// The idempotency table of the benchmark (not the default one, which tests
@@ -206,28 +206,6 @@ pub async fn serve_here(pool: PgPool) -> (SocketAddr, tokio::task::JoinHandle<()
     let app = handlers::postgres::router(pool);
     let task = tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
     (addr, task)
-}
-
-/// The caller, from `x-account`.
-pub(crate) struct Account(pub(crate) String);
-
-impl Scope for Account {
-    fn scope(&self) -> std::borrow::Cow<'_, str> {
-        self.0.as_str().into()
-    }
-}
-
-impl<S: Send + Sync> FromRequestParts<S> for Account {
-    type Rejection = StatusCode;
-
-    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, StatusCode> {
-        let account = parts
-            .headers
-            .get("x-account")
-            .ok_or(StatusCode::UNAUTHORIZED)?;
-        let account = account.to_str().map_err(|_| StatusCode::UNAUTHORIZED)?;
-        Ok(Account(account.to_owned()))
-    }
 }
 
 #[derive(Deserialize)]

@@ -37,6 +37,8 @@
 //! | `IDEM_BENCH_LOG` | `warn,sqlx::query=error` | the server's log filter |
 //! | `IDEM_BENCH_JSON` | `<target>/idem-bench/throughput.json` | the JSON file |
 
+#[path = "../../tests/support/account.rs"]
+mod account;
 mod app;
 mod count;
 mod cpu;

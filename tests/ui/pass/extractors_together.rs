@@ -2,44 +2,20 @@
 //! in a concrete `Router<AppState>` and in a generic `Router<S>`.
 #![deny(warnings, clippy::all)]
 
-use std::borrow::Cow;
+#[path = "../support.rs"]
+mod support;
+
 use std::collections::HashMap;
 
 use axum::Json;
 use axum::Router;
-use axum::extract::{FromRef, FromRequestParts, Path, Query, State};
-use axum::http::{HeaderMap, StatusCode, request::Parts};
+use axum::extract::{FromRef, Path, Query, State};
+use axum::http::{HeaderMap, StatusCode};
 use axum::routing::post;
-use idem::{Idem, Scope, Tx, idempotent};
+use idem::{Idem, Tx, idempotent};
 use serde::Deserialize;
 use sqlx::{PgPool, Postgres};
-
-#[derive(Clone, FromRef)]
-struct AppState {
-    idem: Idem<Postgres>,
-    pool: PgPool,
-}
-
-struct Account(String);
-
-impl Scope for Account {
-    fn scope(&self) -> Cow<'_, str> {
-        Cow::Borrowed(&self.0)
-    }
-}
-
-impl<S: Send + Sync> FromRequestParts<S> for Account {
-    type Rejection = StatusCode;
-
-    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
-        parts
-            .headers
-            .get("x-account")
-            .and_then(|value| value.to_str().ok())
-            .map(|value| Account(value.to_owned()))
-            .ok_or(StatusCode::UNAUTHORIZED)
-    }
-}
+use support::{Account, AppState};
 
 #[derive(Deserialize)]
 struct Paging {
