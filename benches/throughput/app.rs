@@ -79,6 +79,11 @@ pub fn env_number<T: std::str::FromStr>(name: &str, default: T) -> T {
 /// Creates the tables (and empties them: every run starts alike).
 pub async fn setup(pool: &PgPool) -> Result<(), Box<dyn std::error::Error>> {
     Idem::new(pool.clone()).table(KEYS_TABLE)?.migrate().await?;
+    // The diagnostic `optimistic`'s keys, in a table just like the wrapper's.
+    Idem::new(pool.clone())
+        .table(crate::optimistic::TABLE)?
+        .migrate()
+        .await?;
     sqlx::raw_sql(
         "CREATE TABLE IF NOT EXISTS bench_charges (
             id bigserial PRIMARY KEY, account text NOT NULL, amount bigint NOT NULL,
@@ -93,7 +98,8 @@ pub async fn setup(pool: &PgPool) -> Result<(), Box<dyn std::error::Error>> {
             scope text NOT NULL, key text NOT NULL, fingerprint bytea NOT NULL,
             status smallint, body bytea, expires_at timestamptz NOT NULL,
             PRIMARY KEY (scope, key));
-         TRUNCATE bench_charges, bench_accounts, bench_ledger, bench_two_phase_keys, idem_bench_keys;
+         TRUNCATE bench_charges, bench_accounts, bench_ledger, bench_two_phase_keys, idem_bench_keys,
+            bench_optimistic_keys;
          INSERT INTO bench_accounts (account) SELECT 'c' || i FROM generate_series(0, 255) i;",
     )
     .execute(pool)
@@ -104,7 +110,8 @@ pub async fn setup(pool: &PgPool) -> Result<(), Box<dyn std::error::Error>> {
     // Diagnostic: room for HOT updates of the stored response.
     let fillfactor: u32 = env_number("IDEM_BENCH_FILLFACTOR", 100);
     sqlx::raw_sql(AssertSqlSafe(format!(
-        "ALTER TABLE idem_bench_keys SET (fillfactor = {fillfactor})"
+        "ALTER TABLE idem_bench_keys SET (fillfactor = {fillfactor}); \
+         ALTER TABLE bench_optimistic_keys SET (fillfactor = {fillfactor})"
     )))
     .execute(pool)
     .await?;

@@ -23,6 +23,8 @@ pub struct RoundTrips {
     pub idempotent: u64,
     pub replay: u64,
     pub two_phase: u64,
+    /// The diagnostic `optimistic` (see `optimistic.rs`).
+    pub optimistic: u64,
     /// `idempotent - baseline`: what the wrapper adds to a first attempt.
     pub extra_round_trips: i64,
 }
@@ -50,13 +52,25 @@ pub async fn count(database_url: &str, statements: &[u32]) -> Vec<RoundTrips> {
     };
     let mut out = Vec::new();
     for &s in statements {
-        let [baseline, idempotent, two_phase] =
-            ["baseline", "idempotent", "two_phase"].map(|route| format!("/{s}/{route}"));
+        let [baseline, idempotent, two_phase, optimistic] =
+            ["baseline", "idempotent", "two_phase", "optimistic"]
+                .map(|route| format!("/{s}/{route}"));
         for _ in 0..3 {
             let key = fresh();
             for path in [&baseline, &idempotent, &idempotent, &two_phase] {
                 send(&mut client, path, &key).await;
             }
+            // The diagnostic, checked too: a retry of its key is a replay.
+            let key = fresh();
+            let replayed = [
+                send(&mut client, &optimistic, &key).await,
+                send(&mut client, &optimistic, &key).await,
+            ];
+            assert_eq!(
+                replayed,
+                [false, true],
+                "{optimistic}: first attempt, then its replay"
+            );
         }
         let mut measure = async |path: &str, key: &str| {
             settle(&pool).await;
@@ -70,6 +84,7 @@ pub async fn count(database_url: &str, statements: &[u32]) -> Vec<RoundTrips> {
         let idem = measure(&idempotent, &key).await;
         let replay = measure(&idempotent, &key).await;
         let two = measure(&two_phase, &fresh()).await;
+        let optimistic = measure(&optimistic, &fresh()).await;
         out.push(RoundTrips {
             engine: "postgres",
             statements_per_handler: s,
@@ -77,6 +92,7 @@ pub async fn count(database_url: &str, statements: &[u32]) -> Vec<RoundTrips> {
             idempotent: idem,
             replay,
             two_phase: two,
+            optimistic,
             extra_round_trips: idem as i64 - base as i64,
         });
     }
@@ -85,11 +101,13 @@ pub async fn count(database_url: &str, statements: &[u32]) -> Vec<RoundTrips> {
     out
 }
 
-async fn send(client: &mut Client, path: &str, key: &str) {
+/// Sends one charge, which must be answered 201: whether it was a replay.
+async fn send(client: &mut Client, path: &str, key: &str) -> bool {
     client
         .send(path, key, bytes::Bytes::from_static(CHARGE.as_bytes()))
         .await
-        .unwrap_or_else(|error| panic!("{path}: {error}"));
+        .unwrap_or_else(|error| panic!("{path}: {error}"))
+        .1
 }
 
 async fn resolve(host: &str, port: u16) -> SocketAddr {

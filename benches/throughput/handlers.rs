@@ -210,5 +210,6 @@ service!(
     postgres,
     sqlx::Postgres,
     "/{statements}/read_floor" => crate::floor::read_floor,
+    "/{statements}/optimistic" => crate::optimistic::optimistic,
 );
 service!(sqlite, sqlx::Sqlite);
