@@ -23,8 +23,9 @@ pub struct RoundTrips {
     pub idempotent: u64,
     pub replay: u64,
     pub two_phase: u64,
-    /// The diagnostic `optimistic` (see `optimistic.rs`).
+    /// The diagnostics `optimistic` (see `optimistic.rs`) and `two_phase_tx`.
     pub optimistic: u64,
+    pub two_phase_tx: u64,
     /// `idempotent - baseline`: what the wrapper adds to a first attempt.
     pub extra_round_trips: i64,
 }
@@ -52,14 +53,20 @@ pub async fn count(database_url: &str, statements: &[u32]) -> Vec<RoundTrips> {
     };
     let mut out = Vec::new();
     for &s in statements {
-        let [baseline, idempotent, two_phase, optimistic] =
-            ["baseline", "idempotent", "two_phase", "optimistic"]
-                .map(|route| format!("/{s}/{route}"));
+        let [baseline, idempotent, two_phase, optimistic, two_phase_tx] = [
+            "baseline",
+            "idempotent",
+            "two_phase",
+            "optimistic",
+            "two_phase_tx",
+        ]
+        .map(|route| format!("/{s}/{route}"));
         for _ in 0..3 {
             let key = fresh();
             for path in [&baseline, &idempotent, &idempotent, &two_phase] {
                 send(&mut client, path, &key).await;
             }
+            send(&mut client, &two_phase_tx, &fresh()).await;
             // The diagnostic, checked too: a retry of its key is a replay.
             let key = fresh();
             let replayed = [
@@ -85,6 +92,7 @@ pub async fn count(database_url: &str, statements: &[u32]) -> Vec<RoundTrips> {
         let replay = measure(&idempotent, &key).await;
         let two = measure(&two_phase, &fresh()).await;
         let optimistic = measure(&optimistic, &fresh()).await;
+        let two_phase_tx = measure(&two_phase_tx, &fresh()).await;
         out.push(RoundTrips {
             engine: "postgres",
             statements_per_handler: s,
@@ -93,6 +101,7 @@ pub async fn count(database_url: &str, statements: &[u32]) -> Vec<RoundTrips> {
             replay,
             two_phase: two,
             optimistic,
+            two_phase_tx,
             extra_round_trips: idem as i64 - base as i64,
         });
     }

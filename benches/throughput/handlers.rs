@@ -64,6 +64,7 @@ macro_rules! service {
                     .route("/{statements}/baseline", post(baseline))
                     .route("/{statements}/idempotent", post(idempotent))
                     .route("/{statements}/two_phase", post(two_phase))
+                    .route("/{statements}/two_phase_tx", post(two_phase_tx))
                     $(.route($path, post($handler)))*
                     .with_state(AppState { idem, pool })
             }
@@ -108,6 +109,41 @@ macro_rules! service {
                 headers: HeaderMap,
                 body: Bytes,
             ) -> Result<Response, ApiError> {
+                let request = (method, uri, headers, body);
+                two_phase_with(Claim::Autocommit, account, statements, pool, request).await
+            }
+
+            /// The diagnostic two_phase_tx: the same recipe as it is usually
+            /// written, the claim in a `begin()`/`commit()` transaction of its
+            /// own (two more round trips than `two_phase`).
+            async fn two_phase_tx(
+                account: Account,
+                Path(statements): Path<u32>,
+                State(pool): State<Pool<$db>>,
+                method: Method,
+                uri: Uri,
+                headers: HeaderMap,
+                body: Bytes,
+            ) -> Result<Response, ApiError> {
+                let request = (method, uri, headers, body);
+                two_phase_with(Claim::Transaction, account, statements, pool, request).await
+            }
+
+            /// How phase 1 commits the claim.
+            enum Claim {
+                /// An autocommitted `INSERT`: one round trip.
+                Autocommit,
+                /// `BEGIN`, `INSERT`, `COMMIT`: three.
+                Transaction,
+            }
+
+            async fn two_phase_with(
+                claim: Claim,
+                account: Account,
+                statements: u32,
+                pool: Pool<$db>,
+                (method, uri, headers, body): (Method, Uri, HeaderMap, Bytes),
+            ) -> Result<Response, ApiError> {
                 let Some(key) = headers
                     .get("idempotency-key")
                     .and_then(|value| value.to_str().ok())
@@ -123,14 +159,21 @@ macro_rules! service {
                 };
                 let mut conn = pool.acquire().await?;
                 // Phase 1: the claim, committed on its own.
-                let claimed = sqlx::query(<$db as Dialect>::CLAIM)
+                let insert = sqlx::query(<$db as Dialect>::CLAIM)
                     .bind(&account.0)
                     .bind(key)
-                    .bind(&fingerprint.as_bytes()[..])
-                    .execute(&mut *conn)
-                    .await?
-                    .rows_affected()
-                    == 1;
+                    .bind(&fingerprint.as_bytes()[..]);
+                let inserted = match claim {
+                    Claim::Autocommit => insert.execute(&mut *conn).await?,
+                    Claim::Transaction => {
+                        let mut tx =
+                            Connection::begin_with(&mut *conn, <$db as Dialect>::BEGIN).await?;
+                        let inserted = insert.execute(&mut *tx).await?;
+                        tx.commit().await?;
+                        inserted
+                    }
+                };
+                let claimed = inserted.rows_affected() == 1;
                 if !claimed {
                     return replay_two_phase(&mut conn, &account.0, key, &fingerprint).await;
                 }

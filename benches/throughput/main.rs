@@ -28,7 +28,7 @@
 //! | `IDEM_BENCH_ROUNDS` | 3 | rounds, each running every scenario back to back; a ratio is the median of the rounds' ratios, req/s and latencies are the best round's, and each round's ratios are printed (`by round`) and kept in the JSON (`*_by_round`) |
 //! | `IDEM_BENCH_CONCURRENCY` | `16,64` | concurrent clients |
 //! | `IDEM_BENCH_STATEMENTS` | `1,3` | statements per handler |
-//! | `IDEM_BENCH_SCENARIOS` | the four | a subset, or also the diagnostics `read_floor` (`floor.rs`) and `optimistic` (`optimistic.rs`) |
+//! | `IDEM_BENCH_SCENARIOS` | the four | a subset, or also the diagnostics `read_floor` (`floor.rs`), `optimistic` (`optimistic.rs`) and `two_phase_tx` (`handlers.rs`) |
 //! | `IDEM_BENCH_ENGINES` | `postgres,sqlite` | `postgres` alone skips SQLite (PostgreSQL always runs) |
 //! | `IDEM_BENCH_POOL` | 16 | the server's connection pool (all scenarios) |
 //! | `IDEM_BENCH_SERVER_THREADS` | cores | the server's tokio workers |
@@ -65,12 +65,15 @@ use app::{ServerConfig, env_number};
 use load::{Keys, Load, Outcome};
 
 const SCENARIOS: [&str; 4] = ["baseline", "idempotent", "replay", "two_phase"];
-/// Diagnostic scenarios (see `floor` and `optimistic`), run on PostgreSQL
-/// only when named in `IDEM_BENCH_SCENARIOS`; printed, and kept in the
-/// JSON as `diagnostic_*`, apart from the issue's fields.
-const DIAGNOSTICS: [&str; 2] = ["read_floor", "optimistic"];
+/// Diagnostic scenarios (see `floor`, `optimistic` and `two_phase_tx` in
+/// `handlers`), run on PostgreSQL only when named in
+/// `IDEM_BENCH_SCENARIOS`; printed, and kept in the JSON as
+/// `diagnostic_*`, apart from the issue's fields.
+const DIAGNOSTICS: [&str; 3] = ["read_floor", "optimistic", "two_phase_tx"];
 /// `optimistic`'s place among a group's scenarios.
 const OPTIMISTIC: usize = SCENARIOS.len() + 1;
+/// `two_phase_tx`'s place among a group's scenarios.
+const TWO_PHASE_TX: usize = SCENARIOS.len() + 2;
 /// Finished keys per client that a replay run cycles through.
 const REPLAY_KEYS: usize = 16;
 
@@ -175,14 +178,15 @@ async fn bench() {
         println!(
             "round trips per request ({} statement(s), pool pings included): baseline {}, \
              idempotent {}, replay {}, two_phase {} => extra_round_trips = {} \
-             (diagnostic optimistic {})",
+             (diagnostics: optimistic {}, two_phase_tx {})",
             t.statements_per_handler,
             t.baseline,
             t.idempotent,
             t.replay,
             t.two_phase,
             t.extra_round_trips,
-            t.optimistic
+            t.optimistic,
+            t.two_phase_tx
         );
     }
 
@@ -427,6 +431,12 @@ async fn group(
             show(2, 0),
             show(1, 3)
         );
+        if group.ran(TWO_PHASE_TX) {
+            println!(
+                "  by round: idempotent/two_phase_tx {}",
+                show(1, TWO_PHASE_TX)
+            );
+        }
         if group.ran(OPTIMISTIC) {
             println!(
                 "  by round: optimistic/baseline {} | optimistic/two_phase {} | optimistic/idempotent {}",
@@ -500,6 +510,16 @@ fn run_json(
             fields.insert(format!("diagnostic_{scenario}_cpu"), json!(outcome.cpu));
         }
     }
+    if group.ran(TWO_PHASE_TX) {
+        fields.insert(
+            "diagnostic_ratio_idempotent_to_two_phase_tx".into(),
+            ratio(1, TWO_PHASE_TX),
+        );
+        fields.insert(
+            "diagnostic_cpu_ratio_idempotent_to_two_phase_tx".into(),
+            cpu_ratio(1, TWO_PHASE_TX),
+        );
+    }
     if group.ran(OPTIMISTIC) {
         for (name, b) in [("baseline", 0), ("idempotent", 1), ("two_phase", 3)] {
             fields.insert(
@@ -563,6 +583,14 @@ fn targets(runs: &[Value], trips: &[count::RoundTrips]) {
             get("cpu_ratio_replay_to_baseline"),
             get("cpu_ratio_idempotent_to_two_phase")
         );
+        let tx = get("diagnostic_ratio_idempotent_to_two_phase_tx");
+        if tx.is_finite() {
+            println!(
+                "  diagnostic two_phase_tx (the recipe's claim in a transaction of its own): \
+                 idempotent/two_phase_tx {tx:.2} (by CPU per request {:.2})",
+                get("diagnostic_cpu_ratio_idempotent_to_two_phase_tx")
+            );
+        }
         let optimistic = get("diagnostic_ratio_optimistic_to_baseline");
         if optimistic.is_finite() {
             println!(
