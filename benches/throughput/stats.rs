@@ -3,7 +3,8 @@
 
 /// `rounds[r][a] / rounds[r][b]` for every round `r` where both ran (a
 /// scenario not run in a round has 0 req/s there, and its ratios are left
-/// out rather than infinite or NaN).
+/// out rather than 0, infinite or NaN; so are those of a round whose
+/// requests all failed, which the benchmark reports as errors).
 pub fn ratio_by_round(rounds: &[Vec<f64>], a: usize, b: usize) -> Vec<f64> {
     rounds
         .iter()
