@@ -49,6 +49,7 @@ mod memory;
 mod optimistic;
 #[path = "../../tests/support/pg_proxy.rs"]
 mod pg_proxy;
+mod report;
 mod sqlite;
 mod stats;
 
@@ -58,7 +59,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use bytes::Bytes;
-use serde_json::{Value, json};
+use serde_json::json;
 use tokio::io::{AsyncBufReadExt, BufReader};
 
 use app::{ServerConfig, env_number};
@@ -212,7 +213,7 @@ async fn bench() {
                 .iter()
                 .find(|t| t.statements_per_handler == statements)
                 .map(|t| t.extra_round_trips);
-            runs.push(run_json(
+            runs.push(report::run_json(
                 "postgres",
                 statements,
                 concurrency,
@@ -238,7 +239,13 @@ async fn bench() {
         for &statements in &settings.statements {
             for &concurrency in &settings.concurrency {
                 let results = group(&settings, &server, &admin, statements, concurrency).await;
-                runs.push(run_json("sqlite", statements, concurrency, &results, None));
+                runs.push(report::run_json(
+                    "sqlite",
+                    statements,
+                    concurrency,
+                    &results,
+                    None,
+                ));
             }
         }
         drop(server);
@@ -264,7 +271,7 @@ async fn bench() {
     }
 
     println!();
-    targets(&runs, &trips);
+    report::targets(&runs, &trips);
     let load_after = loadavg();
     println!("load average before {load_before}, after {load_after}");
 
@@ -447,164 +454,6 @@ async fn group(
         }
     }
     group
-}
-
-fn run_json(
-    engine: &str,
-    statements: u32,
-    concurrency: usize,
-    group: &Group,
-    extra_round_trips: Option<i64>,
-) -> Value {
-    let results = &group.best[..];
-    let mut run = json!({
-        "engine": engine,
-        "statements_per_handler": statements,
-        "concurrency": concurrency,
-        "extra_round_trips": extra_round_trips,
-    });
-    let fields = run.as_object_mut().unwrap();
-    for (i, (scenario, outcome)) in SCENARIOS.iter().zip(results).enumerate() {
-        fields.insert(format!("{scenario}_rps"), round2(outcome.rps));
-        let by_round: Vec<Value> = group.rounds.iter().map(|round| round2(round[i])).collect();
-        fields.insert(format!("{scenario}_rps_by_round"), by_round.into());
-        fields.insert(format!("{scenario}_p50_ms"), round2(outcome.p50_ms));
-        fields.insert(format!("{scenario}_p99_ms"), round2(outcome.p99_ms));
-        fields.insert(format!("{scenario}_requests"), json!(outcome.requests));
-        fields.insert(format!("{scenario}_errors"), json!(outcome.errors));
-        fields.insert(format!("{scenario}_cpu"), json!(outcome.cpu));
-    }
-    let ratio = |a: usize, b: usize| round2(group.ratio(a, b));
-    fields.insert("ratio_idempotent_to_baseline".into(), ratio(1, 0));
-    fields.insert("ratio_replay_to_baseline".into(), ratio(2, 0));
-    fields.insert("ratio_two_phase_to_baseline".into(), ratio(3, 0));
-    fields.insert("ratio_idempotent_to_two_phase".into(), ratio(1, 3));
-    let by_round = |a: usize, b: usize| {
-        Value::from(
-            group
-                .ratio_by_round(a, b)
-                .into_iter()
-                .map(round2)
-                .collect::<Vec<_>>(),
-        )
-    };
-    fields.insert(
-        "ratio_idempotent_to_baseline_by_round".into(),
-        by_round(1, 0),
-    );
-    fields.insert("ratio_replay_to_baseline_by_round".into(), by_round(2, 0));
-    fields.insert(
-        "ratio_idempotent_to_two_phase_by_round".into(),
-        by_round(1, 3),
-    );
-    // CPU per request is steadier than req/s on a shared machine, and on
-    // a saturated one throughput is cores / CPU per request.
-    let cpu_ratio =
-        |a: usize, b: usize| round2(results[b].cpu.total_us() / results[a].cpu.total_us());
-    fields.insert("cpu_ratio_idempotent_to_baseline".into(), cpu_ratio(1, 0));
-    fields.insert("cpu_ratio_replay_to_baseline".into(), cpu_ratio(2, 0));
-    fields.insert("cpu_ratio_idempotent_to_two_phase".into(), cpu_ratio(1, 3));
-    for (scenario, outcome) in DIAGNOSTICS.iter().zip(&results[SCENARIOS.len()..]) {
-        if outcome.requests > 0 {
-            fields.insert(format!("diagnostic_{scenario}_rps"), round2(outcome.rps));
-            fields.insert(format!("diagnostic_{scenario}_cpu"), json!(outcome.cpu));
-        }
-    }
-    if group.ran(TWO_PHASE_TX) {
-        fields.insert(
-            "diagnostic_ratio_idempotent_to_two_phase_tx".into(),
-            ratio(1, TWO_PHASE_TX),
-        );
-        fields.insert(
-            "diagnostic_cpu_ratio_idempotent_to_two_phase_tx".into(),
-            cpu_ratio(1, TWO_PHASE_TX),
-        );
-    }
-    if group.ran(OPTIMISTIC) {
-        for (name, b) in [("baseline", 0), ("idempotent", 1), ("two_phase", 3)] {
-            fields.insert(
-                format!("diagnostic_ratio_optimistic_to_{name}"),
-                ratio(OPTIMISTIC, b),
-            );
-            fields.insert(
-                format!("diagnostic_cpu_ratio_optimistic_to_{name}"),
-                cpu_ratio(OPTIMISTIC, b),
-            );
-        }
-    }
-    run
-}
-
-fn round2(x: f64) -> Value {
-    json!((x * 100.0).round() / 100.0)
-}
-
-/// The issue's targets, checked on the PostgreSQL runs at 16 clients.
-fn targets(runs: &[Value], trips: &[count::RoundTrips]) {
-    // A ratio is NaN when a scenario it needs was not selected.
-    let verdict = |ratio: f64, target: f64| match ratio {
-        ratio if ratio.is_nan() => "not run",
-        ratio if ratio >= target => "met",
-        _ => "MISSED",
-    };
-    let extra = trips
-        .iter()
-        .map(|t| t.extra_round_trips)
-        .max()
-        .unwrap_or(i64::MAX);
-    println!(
-        "target extra_round_trips <= 1 (goal 0): {extra} -> {}",
-        if extra <= 1 { "met" } else { "MISSED" }
-    );
-    for run in runs
-        .iter()
-        .filter(|run| run["concurrency"] == 16 && run["engine"] == "postgres")
-    {
-        let s = run["statements_per_handler"].as_u64().unwrap_or(0);
-        let get = |field: &str| run[field].as_f64().unwrap_or(f64::NAN);
-        let floor = if s >= 3 { 0.80 } else { 0.65 };
-        let idem = get("ratio_idempotent_to_baseline");
-        let replay = get("ratio_replay_to_baseline");
-        let two = get("ratio_idempotent_to_two_phase");
-        println!(
-            "postgres, {s} statement(s), 16 clients: idempotent/baseline {idem:.2} (>= {floor:.2}: {}), \
-             replay/baseline {replay:.2} (>= 2.0: {}), idempotent/two_phase {two:.2} (>= 1.3: {})",
-            verdict(idem, floor),
-            verdict(replay, 2.0),
-            verdict(two, 1.3)
-        );
-        // The same ratios from CPU per request (the best rounds'): what
-        // req/s would be on a machine whose cores are all busy, and less
-        // moved by the machine's drift.
-        println!(
-            "  by CPU per request: idempotent/baseline {:.2}, replay/baseline {:.2}, \
-             idempotent/two_phase {:.2}",
-            get("cpu_ratio_idempotent_to_baseline"),
-            get("cpu_ratio_replay_to_baseline"),
-            get("cpu_ratio_idempotent_to_two_phase")
-        );
-        let tx = get("diagnostic_ratio_idempotent_to_two_phase_tx");
-        if tx.is_finite() {
-            println!(
-                "  diagnostic two_phase_tx (the recipe's claim in a transaction of its own): \
-                 idempotent/two_phase_tx {tx:.2} (by CPU per request {:.2})",
-                get("diagnostic_cpu_ratio_idempotent_to_two_phase_tx")
-            );
-        }
-        let optimistic = get("diagnostic_ratio_optimistic_to_baseline");
-        if optimistic.is_finite() {
-            println!(
-                "  diagnostic optimistic (outside the contract): optimistic/baseline {optimistic:.2} \
-                 (>= {floor:.2}: {}), optimistic/two_phase {two:.2} (>= 1.3: {}); by CPU per \
-                 request {:.2} and {:.2}",
-                verdict(optimistic, floor),
-                verdict(get("diagnostic_ratio_optimistic_to_two_phase"), 1.3),
-                get("diagnostic_cpu_ratio_optimistic_to_baseline"),
-                get("diagnostic_cpu_ratio_optimistic_to_two_phase"),
-                two = get("diagnostic_ratio_optimistic_to_two_phase"),
-            );
-        }
-    }
 }
 
 fn json_path() -> PathBuf {
