@@ -1,0 +1,336 @@
+//! PostgreSQL's claim against the test server: the retry policy, bytes
+//! through both statement forms, the inlined fallback, statements of an
+//! older revision, and rows held outside the atomic contract.
+
+use std::time::Duration;
+
+use http::StatusCode;
+use sqlx::postgres::PgPoolOptions;
+
+use super::*;
+
+/// A pool on the test server, `configure`d; fails loudly without one.
+async fn test_pool(
+    max_connections: u32,
+    configure: impl FnOnce(sqlx::postgres::PgConnectOptions) -> sqlx::postgres::PgConnectOptions,
+) -> Pool<Postgres> {
+    let url = std::env::var("IDEM_TEST_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+    PgPoolOptions::new()
+        .max_connections(max_connections)
+        .connect_with(configure(url.parse().expect("database URL")))
+        .await
+        .unwrap_or_else(|error| panic!("PostgreSQL is required at {url}: {error}"))
+}
+
+/// A key table of this test process named after `name`, migrated.
+async fn table(pool: &Pool<Postgres>, name: &str) -> String {
+    let table = format!("idem_{name}_{}", std::process::id());
+    Postgres::migrate(pool, &table).await.expect("migrate");
+    table
+}
+
+async fn drop_table(pool: &Pool<Postgres>, table: &str) {
+    sqlx::raw_sql(AssertSqlSafe(format!("DROP TABLE {table}")))
+        .execute(pool)
+        .await
+        .unwrap();
+}
+
+/// Stores a `status` with `body` as the claimed key's response, commits
+/// and hands the connection back.
+async fn store(
+    mut conn: OpenTx<Postgres>,
+    table: &str,
+    claim: &Claim<'_>,
+    status: StatusCode,
+    body: &'static [u8],
+) {
+    let response = StoredResponse {
+        status,
+        headers: Vec::new(),
+        body: body.into(),
+    };
+    Postgres::finish(&mut conn, table, Some(claim), Some(&response))
+        .await
+        .expect("finish");
+    conn.release();
+}
+
+/// One scripted attempt: `None` settles, `Some` fails so.
+type Step = Option<fn() -> Failure>;
+
+/// A claim that goes as scripted, recording the number of each attempt.
+struct Scripted {
+    script: std::collections::VecDeque<Step>,
+    attempts: Vec<usize>,
+}
+
+impl crate::backend::ClaimAttempt<Postgres> for &mut Scripted {
+    async fn attempt(
+        &mut self,
+        conn: OpenTx<Postgres>,
+        number: usize,
+    ) -> Result<ClaimOutcome<Postgres>, Failure> {
+        self.attempts.push(number);
+        match self.script.pop_front().expect("an attempt past the script") {
+            None => Ok(ClaimOutcome::Claimed(conn)),
+            Some(failure) => {
+                conn.release();
+                Err(failure())
+            }
+        }
+    }
+}
+
+/// The retry policy both server engines share: retryable failures are
+/// tried again up to `CLAIM_ATTEMPTS` in all, each on a fresh
+/// connection; "in use" is a 409 at once; anything else fails at once.
+#[tokio::test]
+async fn claims_are_retried_only_when_the_engine_asks() {
+    let pool = test_pool(1, |options| options).await;
+    let retry = || Failure::Retry(sqlx::Error::PoolTimedOut);
+    let fatal = || Failure::Fatal(sqlx::Error::RowNotFound);
+    let in_use = || Failure::InUse;
+    let cases: [(&[Step], &str, &[usize]); 5] = [
+        (&[Some(retry), Some(retry), None], "claimed", &[1, 2, 3]),
+        (
+            &[Some(retry), Some(retry), Some(retry)],
+            "timed out",
+            &[1, 2, 3],
+        ),
+        (&[Some(retry), Some(in_use)], "in use", &[1, 2]),
+        (&[Some(in_use)], "in use", &[1]),
+        (&[Some(fatal)], "no rows", &[1]),
+    ];
+    for (script, expected, attempts) in cases {
+        let mut claim = Scripted {
+            script: script.iter().copied().collect(),
+            attempts: Vec::new(),
+        };
+        let outcome = crate::backend::claim_with_retries(&pool, &mut claim).await;
+        let got = match outcome {
+            Ok(ClaimOutcome::Claimed(mut conn)) => {
+                // A live connection, handed over by the last attempt.
+                sqlx::raw_sql("SELECT 1")
+                    .execute(&mut **conn)
+                    .await
+                    .unwrap();
+                conn.release();
+                "claimed".to_owned()
+            }
+            Ok(ClaimOutcome::InUse) => "in use".to_owned(),
+            Ok(ClaimOutcome::Finished { .. }) => "finished".to_owned(),
+            Err(error) => error.to_string(),
+        };
+        assert!(got.contains(expected), "{script:?}: {got}");
+        assert_eq!(claim.attempts, attempts, "{expected}");
+        assert!(claim.script.is_empty(), "{expected}: script not used up");
+    }
+}
+
+/// Values reach the row byte for byte, prepared or inlined, even on a
+/// server still configured with `standard_conforming_strings = off`.
+#[tokio::test]
+async fn bytes_arrive_intact_whatever_standard_conforming_strings_says() {
+    let scope = "a'b\\c\\x41\0\u{e9}";
+    for setting in ["on", "off"] {
+        let pool = test_pool(1, |options| {
+            options.options([("standard_conforming_strings", setting)])
+        })
+        .await;
+        let table = table(&pool, "scs").await;
+        for prepared in [true, false] {
+            let key = format!("k-{setting}-{prepared}");
+            let claim = Claim {
+                scope,
+                key: &key,
+                fingerprint: Fingerprint::from_bytes(&[0x5c; 32]).unwrap(),
+                ttl: Duration::from_secs(60),
+                wait: Duration::from_millis(100),
+            };
+            let mut row = ClaimRow::new(&table, &claim);
+            row.prepared = prepared;
+            let mut conn = OpenTx::new(pool.acquire().await.unwrap());
+            let settled = claim_on(&mut conn, &mut row).await.expect("claim");
+            assert!(matches!(settled, Settled::Ours));
+            assert_eq!(conn.inlined, !prepared);
+            store(conn, &table, &claim, StatusCode::OK, b"\\x00'\\").await;
+            let (stored_scope, body): (Vec<u8>, Vec<u8>) = sqlx::query_as(AssertSqlSafe(format!(
+                "SELECT scope, body FROM {table} WHERE key = $1"
+            )))
+            .bind(key.as_bytes())
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+            assert_eq!(
+                stored_scope,
+                scope.as_bytes(),
+                "{setting}, prepared {prepared}"
+            );
+            assert_eq!(body, b"\\x00'\\", "{setting}, prepared {prepared}");
+        }
+        drop_table(&pool, &table).await;
+    }
+}
+
+/// The fallback for sessions that cannot keep prepared statements (a
+/// transaction-mode pooler): the same claim, takeover, replay and
+/// finish with inlined arguments, on the real server.
+#[tokio::test]
+async fn inlined_statements_claim_finish_replay_and_take_over() {
+    let pool = test_pool(2, |options| options).await;
+    let table = table(&pool, "inline").await;
+    let fingerprint = Fingerprint::from_bytes(&[7; 32]).unwrap();
+    let claim = Claim {
+        scope: "acct",
+        key: "inline-1",
+        fingerprint,
+        ttl: Duration::from_secs(60),
+        wait: Duration::from_millis(100),
+    };
+    let mut row = ClaimRow::new(&table, &claim);
+    row.prepared = false;
+
+    let mut conn = OpenTx::new(pool.acquire().await.unwrap());
+    let settled = settle(&mut conn, &row, "").await.expect("claim");
+    assert!(matches!(settled, Settled::Ours));
+    conn.inlined = true;
+    store(conn, &table, &claim, StatusCode::CREATED, b"{\"id\":1}").await;
+    let prepared: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_prepared_statements WHERE name LIKE 'idem\\_%'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(prepared, 0, "inlined mode prepares nothing");
+
+    let mut conn = OpenTx::new(pool.acquire().await.unwrap());
+    match settle(&mut conn, &row, "").await.expect("replay") {
+        Settled::Finished(stored, replayed) => {
+            assert_eq!(stored, fingerprint);
+            assert_eq!(replayed.status, StatusCode::CREATED);
+            assert_eq!(&replayed.body[..], b"{\"id\":1}");
+        }
+        Settled::Ours | Settled::Held => panic!("a finished key was not replayed"),
+    }
+    // The read ended the transaction: each statement is its own now.
+    let idle: bool = sqlx::raw_sql("SELECT now() = statement_timestamp()")
+        .fetch_one(&mut **conn)
+        .await
+        .and_then(|row| row.try_get(0))
+        .unwrap();
+    assert!(idle, "the replay left its transaction open");
+    conn.release();
+
+    // Expired: taken over, with the new fingerprint and no response.
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "UPDATE {table} SET expires_at = now() - interval '1 second'"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let mut conn = OpenTx::new(pool.acquire().await.unwrap());
+    let settled = settle(&mut conn, &row, "").await.expect("take over");
+    assert!(matches!(settled, Settled::Ours));
+    Postgres::finish(&mut conn, &table, None, None)
+        .await
+        .unwrap();
+    conn.release();
+    let (status, live): (Option<i16>, bool) = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT status, expires_at > now() FROM {table}"
+    )))
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!((status, live), (None, true));
+
+    drop_table(&pool, &table).await;
+}
+
+/// A session kept across a deploy (a session-mode pooler) may still hold
+/// an older revision's statements under that revision's names: the claim
+/// prepares and runs today's, never the older text.
+#[tokio::test]
+async fn an_older_revisions_statements_are_never_run() {
+    let pool = test_pool(1, |options| options).await;
+    let table = table(&pool, "revision").await;
+    let older = statements::Statements::at_revision("1:", &table);
+    // An older claim that would claim nothing: run, it would send this
+    // key round the "taken, then vanished" loop until the claim failed.
+    let mut conn = pool.acquire().await.unwrap();
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "PREPARE {} (bytea, bytea, bytea, bigint) AS SELECT WHERE false",
+        older.name(&statements::CLAIM)
+    )))
+    .execute(&mut *conn)
+    .await
+    .unwrap();
+    drop(conn);
+
+    let claim = Claim {
+        scope: "acct",
+        key: "revision-1",
+        fingerprint: Fingerprint::from_bytes(&[3; 32]).unwrap(),
+        ttl: Duration::from_secs(60),
+        wait: Duration::ZERO,
+    };
+    let conn = match Postgres::claim(&pool, &table, &claim).await {
+        Ok(ClaimOutcome::Claimed(conn)) => conn,
+        other => panic!("the key was not claimed: {other:?}"),
+    };
+    store(conn, &table, &claim, StatusCode::CREATED, b"{}").await;
+    let status: Option<i16> = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT status FROM {table} WHERE key = 'revision-1'"
+    )))
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(status, Some(201));
+    // Both revisions' statements sit side by side in the one session.
+    let current = statements::Statements::new(&table).name(&statements::CLAIM);
+    let prepared: Vec<String> = sqlx::query_scalar(
+        "SELECT name FROM pg_prepared_statements WHERE name LIKE '%\\_claim' ORDER BY name",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    let mut expected = vec![older.name(&statements::CLAIM), current];
+    expected.sort();
+    assert_eq!(prepared, expected);
+    drop_table(&pool, &table).await;
+}
+
+/// A row committed without a response (written by hand, or by a mode
+/// outside the atomic contract) is held by someone: 409, never claimed
+/// over, and nothing is left open.
+#[tokio::test]
+async fn a_committed_row_without_a_response_is_in_use() {
+    let pool = test_pool(1, |options| options).await;
+    let table = table(&pool, "held").await;
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "INSERT INTO {table} (scope, key, fingerprint, expires_at) \
+         VALUES ('acct', 'held', '\\x00', now() + interval '1 hour')"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let claim = Claim {
+        scope: "acct",
+        key: "held",
+        fingerprint: Fingerprint::from_bytes(&[0; 32]).unwrap(),
+        ttl: Duration::from_secs(60),
+        wait: Duration::ZERO,
+    };
+    let outcome = Postgres::claim(&pool, &table, &claim).await.expect("claim");
+    assert!(matches!(outcome, ClaimOutcome::InUse), "{outcome:?}");
+    // The one connection came back to the pool, out of any transaction.
+    let status: Option<i16> = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT status FROM {table} WHERE key = 'held'"
+    )))
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(status, None);
+    drop_table(&pool, &table).await;
+}
