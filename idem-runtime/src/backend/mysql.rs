@@ -333,6 +333,10 @@ mod tests {
             .map(drop)
     }
 
+    /// Longer than the 0.1 s `INNODB_TRX` must go unread before InnoDB
+    /// refreshes it.
+    const INNODB_TRX_REFRESH: Duration = Duration::from_millis(150);
+
     /// The server's own errors, met as a claim meets them, sorted as the
     /// claim's retry loop needs: a deadlock is tried again, a lock wait that
     /// ran out (whole seconds, or MariaDB's statement time) is a 409, and
@@ -370,7 +374,10 @@ mod tests {
             (a, result)
         });
         // ... as the server's lock queue shows (no event tells, so it is
-        // polled until a is in it) ...
+        // polled until a is in it). InnoDB refreshes `INNODB_TRX` only once
+        // it has gone unread for 0.1 s: polled more often than that, it
+        // shows the first read's snapshot for ever (this test failed so
+        // when a first read came before a's wait). ...
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
             let waits: i64 = sqlx::query_scalar(
@@ -385,7 +392,7 @@ mod tests {
                 break;
             }
             assert!(Instant::now() < deadline, "a never waited for b's row");
-            tokio::time::sleep(Duration::from_millis(5)).await;
+            tokio::time::sleep(INNODB_TRX_REFRESH).await;
         }
         // ... and b asks for row 1: a cycle, and InnoDB picks a victim.
         let b_result = run(&mut b, &first).await;
