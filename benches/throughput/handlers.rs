@@ -63,8 +63,8 @@ macro_rules! service {
                 axum::Router::new()
                     .route("/{statements}/baseline", post(baseline))
                     .route("/{statements}/idempotent", post(idempotent))
-                    .route("/{statements}/two_phase", post(two_phase))
-                    .route("/{statements}/two_phase_tx", post(two_phase_tx))
+                    .route("/{statements}/two_phase", post(two_phase::<false>))
+                    .route("/{statements}/two_phase_tx", post(two_phase::<true>))
                     $(.route($path, post($handler)))*
                     .with_state(AppState { idem, pool })
             }
@@ -99,8 +99,11 @@ macro_rules! service {
             /// own transaction and commit it (here an autocommitted `INSERT`,
             /// the cheapest form: one round trip, on the connection phase 2
             /// reuses), then do the work and record the response in a second
-            /// transaction.
-            async fn two_phase(
+            /// transaction. `CLAIM_IN_TRANSACTION` is the diagnostic
+            /// two_phase_tx: the same recipe as it is usually written, the
+            /// claim in a `begin()`/`commit()` transaction of its own (two
+            /// more round trips).
+            async fn two_phase<const CLAIM_IN_TRANSACTION: bool>(
                 account: Account,
                 Path(statements): Path<u32>,
                 State(pool): State<Pool<$db>>,
@@ -108,41 +111,6 @@ macro_rules! service {
                 uri: Uri,
                 headers: HeaderMap,
                 body: Bytes,
-            ) -> Result<Response, ApiError> {
-                let request = (method, uri, headers, body);
-                two_phase_with(Claim::Autocommit, account, statements, pool, request).await
-            }
-
-            /// The diagnostic two_phase_tx: the same recipe as it is usually
-            /// written, the claim in a `begin()`/`commit()` transaction of its
-            /// own (two more round trips than `two_phase`).
-            async fn two_phase_tx(
-                account: Account,
-                Path(statements): Path<u32>,
-                State(pool): State<Pool<$db>>,
-                method: Method,
-                uri: Uri,
-                headers: HeaderMap,
-                body: Bytes,
-            ) -> Result<Response, ApiError> {
-                let request = (method, uri, headers, body);
-                two_phase_with(Claim::Transaction, account, statements, pool, request).await
-            }
-
-            /// How phase 1 commits the claim.
-            enum Claim {
-                /// An autocommitted `INSERT`: one round trip.
-                Autocommit,
-                /// `BEGIN`, `INSERT`, `COMMIT`: three.
-                Transaction,
-            }
-
-            async fn two_phase_with(
-                claim: Claim,
-                account: Account,
-                statements: u32,
-                pool: Pool<$db>,
-                (method, uri, headers, body): (Method, Uri, HeaderMap, Bytes),
             ) -> Result<Response, ApiError> {
                 let Some(key) = headers
                     .get("idempotency-key")
@@ -163,15 +131,13 @@ macro_rules! service {
                     .bind(&account.0)
                     .bind(key)
                     .bind(&fingerprint.as_bytes()[..]);
-                let inserted = match claim {
-                    Claim::Autocommit => insert.execute(&mut *conn).await?,
-                    Claim::Transaction => {
-                        let mut tx =
-                            Connection::begin_with(&mut *conn, <$db as Dialect>::BEGIN).await?;
-                        let inserted = insert.execute(&mut *tx).await?;
-                        tx.commit().await?;
-                        inserted
-                    }
+                let inserted = if CLAIM_IN_TRANSACTION {
+                    let mut tx = Connection::begin_with(&mut *conn, <$db as Dialect>::BEGIN).await?;
+                    let inserted = insert.execute(&mut *tx).await?;
+                    tx.commit().await?;
+                    inserted
+                } else {
+                    insert.execute(&mut *conn).await?
                 };
                 let claimed = inserted.rows_affected() == 1;
                 if !claimed {

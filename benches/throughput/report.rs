@@ -69,26 +69,16 @@ pub fn run_json(
             fields.insert(format!("diagnostic_{scenario}_cpu"), json!(outcome.cpu));
         }
     }
+    let mut diagnostic = |name: &str, a: usize, b: usize| {
+        fields.insert(format!("diagnostic_ratio_{name}"), ratio(a, b));
+        fields.insert(format!("diagnostic_cpu_ratio_{name}"), cpu_ratio(a, b));
+    };
     if group.ran(TWO_PHASE_TX) {
-        fields.insert(
-            "diagnostic_ratio_idempotent_to_two_phase_tx".into(),
-            ratio(1, TWO_PHASE_TX),
-        );
-        fields.insert(
-            "diagnostic_cpu_ratio_idempotent_to_two_phase_tx".into(),
-            cpu_ratio(1, TWO_PHASE_TX),
-        );
+        diagnostic("idempotent_to_two_phase_tx", 1, TWO_PHASE_TX);
     }
     if group.ran(OPTIMISTIC) {
         for (name, b) in [("baseline", 0), ("idempotent", 1), ("two_phase", 3)] {
-            fields.insert(
-                format!("diagnostic_ratio_optimistic_to_{name}"),
-                ratio(OPTIMISTIC, b),
-            );
-            fields.insert(
-                format!("diagnostic_cpu_ratio_optimistic_to_{name}"),
-                cpu_ratio(OPTIMISTIC, b),
-            );
+            diagnostic(&format!("optimistic_to_{name}"), OPTIMISTIC, b);
         }
     }
     run
