@@ -6,6 +6,7 @@
 
 mod app;
 mod engines;
+mod expiry;
 mod harness;
 #[cfg(feature = "mysql")]
 mod mysql_only;
@@ -47,6 +48,7 @@ macro_rules! all_engines {
                 killed_server_leaves_nothing_behind,
                 bad_keys_are_400,
                 expired_keys_run_as_new,
+                sweeping_spares_live_and_taken_over_keys,
                 extractor_rejections_store_nothing,
                 oversized_responses_roll_back,
                 optional_keys,

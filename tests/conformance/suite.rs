@@ -7,7 +7,9 @@ use reqwest::{Method, StatusCode};
 use crate::app::{Effect, Hold, TestDb};
 use crate::harness::{Answer, ChildServer, Client, send, start, unique};
 
-const BODY: &str = r#"{"note":"charge 1250 eur"}"#;
+pub use crate::expiry::{expired_keys_run_as_new, sweeping_spares_live_and_taken_over_keys};
+
+pub const BODY: &str = r#"{"note":"charge 1250 eur"}"#;
 
 /// 1. Same request twice: one effect, the second a verbatim replay.
 pub async fn replay_is_verbatim<DB: TestDb>() {
@@ -418,36 +420,6 @@ pub async fn bad_keys_are_400<DB: TestDb>() {
         "only the 255-character key ran"
     );
     assert_eq!(server.keys(&caller).await, 1);
-}
-
-/// 10. With `ttl = "1s"` the key replays inside the second and is new after it.
-pub async fn expired_keys_run_as_new<DB: TestDb>() {
-    let server = start::<DB>().await;
-    let caller = unique("ttl");
-    let client = server.client(&caller);
-    let first = send(client.post("/effects/short", "k", BODY)).await;
-    assert_eq!(first.status, StatusCode::CREATED);
-    assert!(
-        send(client.post("/effects/short", "k", BODY))
-            .await
-            .replayed()
-    );
-    // The passage of time is what is under test here.
-    tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
-    let later = send(client.post("/effects/short", "k", r#"{"note":"another day"}"#)).await;
-    assert_eq!(later.status, StatusCode::CREATED, "{later:?}");
-    assert!(!later.replayed());
-    assert_eq!(server.effects(&caller).await, 2);
-    assert_eq!(
-        server.keys(&caller).await,
-        1,
-        "the expired row was taken over, not duplicated"
-    );
-    assert!(
-        send(client.post("/effects/short", "k", r#"{"note":"another day"}"#))
-            .await
-            .replayed()
-    );
 }
 
 /// 11. The Json extractor's rejection passes through; nothing stored.

@@ -169,9 +169,16 @@ impl Backend for Postgres {
     }
 
     async fn sweep(pool: &Pool<Self>, table: &str, batch: u32) -> Result<u64, sqlx::Error> {
+        // The expiry is checked again on the row the delete meets, and rows
+        // locked by a takeover are skipped. With the check only in the
+        // subquery, a delete that waited on a takeover's row lock re-checked
+        // nothing but the key after the takeover committed, and deleted the
+        // fresh row: an effect without its memory.
         let sql = format!(
             "DELETE FROM {table} WHERE (scope, key) IN \
-             (SELECT scope, key FROM {table} WHERE expires_at < now() LIMIT {batch})"
+             (SELECT scope, key FROM {table} WHERE expires_at < now() \
+              LIMIT {batch} FOR UPDATE SKIP LOCKED) \
+             AND expires_at < now()"
         );
         Ok(sqlx::raw_sql(AssertSqlSafe(sql))
             .execute(pool)

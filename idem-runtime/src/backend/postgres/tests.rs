@@ -334,3 +334,72 @@ async fn a_committed_row_without_a_response_is_in_use() {
     assert_eq!(status, None);
     drop_table(&pool, &table).await;
 }
+
+/// The sweeper never deletes a row that a takeover holds, even when the
+/// sweeper's statement started while the row was still expired: the
+/// takeover's response outlives the sweep.
+#[tokio::test]
+async fn the_sweeper_spares_a_row_taken_over_while_it_runs() {
+    let pool = test_pool(3, |options| options).await;
+    let table = table(&pool, "sweep").await;
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "INSERT INTO {table} (scope, key, fingerprint, status, expires_at) VALUES \
+         ('acct', 'old', '\\x00', 201, now() - interval '1 second'), \
+         ('acct', 'gone', '\\x00', 201, now() - interval '1 second'), \
+         ('acct', 'live', '\\x00', 201, now() + interval '1 hour')"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let claim = Claim {
+        scope: "acct",
+        key: "old",
+        fingerprint: Fingerprint::from_bytes(&[1; 32]).unwrap(),
+        ttl: Duration::from_secs(60),
+        wait: Duration::ZERO,
+    };
+    let ClaimOutcome::Claimed(conn) = Postgres::claim(&pool, &table, &claim).await.unwrap() else {
+        panic!("the expired row was not taken over");
+    };
+
+    let sweeper = tokio::spawn({
+        let (pool, table) = (pool.clone(), table.clone());
+        async move { Postgres::sweep(&pool, &table, 100).await }
+    });
+    // Commit the takeover only once the sweep has run, or is waiting for
+    // the takeover's row lock (as it did before it skipped locked rows).
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !sweeper.is_finished() {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE wait_event_type = 'Lock' AND query LIKE 'DELETE FROM idem_sweep_%'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        if waiting > 0 {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "the sweep never ran");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    store(conn, &table, &claim, StatusCode::CREATED, b"{\"id\":2}").await;
+    let swept = sweeper.await.unwrap().expect("sweep");
+
+    let keys: Vec<(String, Option<Vec<u8>>)> = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT convert_from(key, 'UTF8'), body FROM {table} ORDER BY key"
+    )))
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        keys,
+        [
+            ("live".to_owned(), None),
+            ("old".to_owned(), Some(b"{\"id\":2}".to_vec()))
+        ],
+        "the sweep deleted {swept} rows"
+    );
+    assert_eq!(swept, 1, "only the expired, unclaimed row goes");
+    drop_table(&pool, &table).await;
+}

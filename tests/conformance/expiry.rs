@@ -1,0 +1,91 @@
+//! Expiry: a key past its lifetime runs as new, and the sweeper reclaims
+//! expired rows without ever touching a live or re-claimed one.
+
+use std::time::Duration;
+
+use reqwest::StatusCode;
+
+use crate::app::TestDb;
+use crate::harness::{send, start, unique};
+use crate::suite::BODY;
+
+/// 10. With `ttl = "1s"` the key replays inside the second and is new after it.
+pub async fn expired_keys_run_as_new<DB: TestDb>() {
+    let server = start::<DB>().await;
+    let caller = unique("ttl");
+    let client = server.client(&caller);
+    let first = send(client.post("/effects/short", "k", BODY)).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert!(
+        send(client.post("/effects/short", "k", BODY))
+            .await
+            .replayed()
+    );
+    // The passage of time is what is under test here.
+    tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
+    let later = send(client.post("/effects/short", "k", r#"{"note":"another day"}"#)).await;
+    assert_eq!(later.status, StatusCode::CREATED, "{later:?}");
+    assert!(!later.replayed());
+    assert_eq!(server.effects(&caller).await, 2);
+    assert_eq!(
+        server.keys(&caller).await,
+        1,
+        "the expired row was taken over, not duplicated"
+    );
+    assert!(
+        send(client.post("/effects/short", "k", r#"{"note":"another day"}"#))
+            .await
+            .replayed()
+    );
+}
+
+/// 22. The sweeper deletes expired keys only: never a live one, nor one
+/// that a retry took over while the sweep ran (on PostgreSQL the sweep
+/// skips the locked row; elsewhere it waits for the takeover and finds the
+/// row live). A swept key then runs as new.
+pub async fn sweeping_spares_live_and_taken_over_keys<DB: TestDb>() {
+    let server = start::<DB>().await;
+    let caller = unique("sweep");
+    let client = server.client(&caller);
+    for key in ["swept", "taken"] {
+        let first = send(client.post("/effects/short", key, BODY)).await;
+        assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    }
+    let live = send(client.post("/effects", "live", BODY)).await;
+    assert_eq!(live.status, StatusCode::CREATED, "{live:?}");
+    // The passage of time is what is under test here.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+
+    let hold = server.state.holds.get(&caller);
+    let taking = tokio::spawn(send(
+        client
+            .post("/effects/short", "taken", BODY)
+            .header("x-test-mode", format!("hold:{caller}")),
+    ));
+    hold.entered.notified().await;
+    let idem = server.state.idem.clone();
+    let sweep = tokio::spawn(async move { idem.sweep_expired(10_000).await });
+    hold.release.notify_one();
+    let taken = taking.await.unwrap();
+    assert_eq!(taken.status, StatusCode::CREATED, "{taken:?}");
+    assert!(!taken.replayed(), "an expired key runs as new");
+    let swept = sweep.await.unwrap().expect("the sweep");
+    assert!(swept >= 1, "the expired key was not swept");
+
+    assert_eq!(server.keys(&caller).await, 2, "`live` and `taken` remain");
+    let retry = send(client.post("/effects/short", "taken", BODY)).await;
+    assert!(
+        retry.replayed(),
+        "the takeover's response was lost: {retry:?}"
+    );
+    assert_eq!(retry.body, taken.body);
+    assert!(send(client.post("/effects", "live", BODY)).await.replayed());
+    let again = send(client.post("/effects/short", "swept", BODY)).await;
+    assert_eq!(again.status, StatusCode::CREATED, "{again:?}");
+    assert!(!again.replayed(), "a swept key runs as new");
+    assert_eq!(
+        server.effects(&caller).await,
+        5,
+        "swept and taken twice, live once"
+    );
+}
