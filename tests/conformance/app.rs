@@ -481,6 +481,28 @@ macro_rules! define_app {
                             .execute(&mut **tx)
                             .await?;
                     }
+                    // A nested sqlx transaction, as repository code opens
+                    // one: it must be a savepoint of the request's.
+                    m if m.starts_with("savepoint:") => {
+                        let mut nested = sqlx::Connection::begin(&mut **tx).await?;
+                        sqlx::query(<$db as TestDb>::INSERT_EFFECT)
+                            .bind(caller.0.as_bytes())
+                            .bind(&key)
+                            .bind("nested")
+                            .bind(app::nonce())
+                            .fetch_one(&mut *nested)
+                            .await?;
+                        match &m[10..] {
+                            "rollback" => nested.rollback().await?,
+                            "drop" => drop(nested),
+                            _ => nested.commit().await?,
+                        }
+                        if m.ends_with(":503") {
+                            return Ok(
+                                (StatusCode::SERVICE_UNAVAILABLE, "try later").into_response()
+                            );
+                        }
+                    }
                     m if m.starts_with("status:") => {
                         let status = StatusCode::from_u16(m[7..].parse().unwrap()).unwrap();
                         return Ok((status, Json(Effect { id, note, nonce })).into_response());

@@ -39,7 +39,7 @@ pub async fn expired_keys_run_as_new<DB: TestDb>() {
     );
 }
 
-/// 22. The sweeper deletes expired keys only: never a live one, nor one
+/// The sweeper deletes expired keys only: never a live one, nor one
 /// that a retry took over while the sweep ran (on PostgreSQL the sweep
 /// skips the locked row; elsewhere it waits for the takeover and finds the
 /// row live). A swept key then runs as new.

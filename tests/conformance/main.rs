@@ -56,6 +56,7 @@ macro_rules! all_engines {
                 unreachable_store_is_503,
                 cancelled_requests_roll_back,
                 handler_statements_may_wait_on_locks,
+                nested_transactions_are_savepoints,
             );
         )*
 

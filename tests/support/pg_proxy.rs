@@ -75,8 +75,9 @@ impl CutOnCommit {
 
 /// A proxy on `127.0.0.1:<ephemeral>` in front of one PostgreSQL server.
 ///
-/// Counts round trips (client `Query` and `Sync` messages) across all its
-/// connections. Stopped, with all its connections, when dropped.
+/// Counts round trips across all its connections: client `Query` and
+/// `Sync` messages, where messages the client sends together, before any
+/// answer, are one round trip (sqlx queues a rollback ahead of its ping). Stopped, with all its connections, when dropped.
 pub struct PgProxy {
     addr: SocketAddr,
     shared: Arc<Shared>,
@@ -87,6 +88,7 @@ struct Shared {
     upstream: SocketAddr,
     queries: AtomicU64,
     syncs: AtomicU64,
+    round_trips: AtomicU64,
     connections: AtomicU64,
     cut_on_commit: AtomicU8,
     refuse: AtomicBool,
@@ -110,6 +112,7 @@ impl PgProxy {
             upstream,
             queries: AtomicU64::new(0),
             syncs: AtomicU64::new(0),
+            round_trips: AtomicU64::new(0),
             connections: AtomicU64::new(0),
             cut_on_commit: AtomicU8::new(CutOnCommit::Off.as_u8()),
             refuse: AtomicBool::new(false),
@@ -131,11 +134,12 @@ impl PgProxy {
     }
 
     /// Round trips forwarded since the start or the last [`reset`]: client
-    /// `Query` plus `Sync` messages.
+    /// `Query` and `Sync` messages, those sent before the server answered
+    /// the one before them counted with it.
     ///
     /// [`reset`]: PgProxy::reset
     pub fn round_trips(&self) -> u64 {
-        self.queries() + self.syncs()
+        self.shared.round_trips.load(Ordering::SeqCst)
     }
 
     /// Simple-protocol `Query` messages forwarded.
@@ -158,6 +162,7 @@ impl PgProxy {
     pub fn reset(&self) {
         self.shared.queries.store(0, Ordering::SeqCst);
         self.shared.syncs.store(0, Ordering::SeqCst);
+        self.shared.round_trips.store(0, Ordering::SeqCst);
         self.shared.connections.store(0, Ordering::SeqCst);
     }
 
@@ -240,18 +245,33 @@ async fn serve(client: TcpStream, shared: Arc<Shared>, mut cut: watch::Receiver<
     let _ = server.set_nodelay(true);
     let (client_read, client_write) = client.into_split();
     let (server_read, server_write) = server.into_split();
+    // Whether the server has answered since the client's last round trip.
+    let answered = AtomicBool::new(true);
     // Biased towards the cut: once `cut_all` returns, nothing more passes.
     tokio::select! {
         biased;
         _ = cut.changed() => {}
-        _ = frontend(client_read, server_write, &shared) => {}
-        _ = backend(server_read, client_write) => {}
+        _ = frontend(client_read, server_write, &shared, &answered) => {}
+        _ = backend(server_read, client_write, &answered) => {}
     }
 }
 
-/// Server -> client: copied through.
-async fn backend(mut from: OwnedReadHalf, mut to: OwnedWriteHalf) -> std::io::Result<()> {
-    tokio::io::copy(&mut from, &mut to).await.map(|_| ())
+/// Server -> client: copied through, noting that the server answered.
+async fn backend(
+    mut from: OwnedReadHalf,
+    mut to: OwnedWriteHalf,
+    answered: &AtomicBool,
+) -> std::io::Result<()> {
+    let mut chunk = vec![0u8; 16 * 1024];
+    loop {
+        let read = from.read(&mut chunk).await?;
+        if read == 0 {
+            return Ok(());
+        }
+        // Before the client can see the answer and send again.
+        answered.store(true, Ordering::SeqCst);
+        to.write_all(&chunk[..read]).await?;
+    }
 }
 
 /// Client -> server: framed, counted, and cut at a commit when asked.
@@ -259,6 +279,7 @@ async fn frontend(
     mut from: OwnedReadHalf,
     mut to: OwnedWriteHalf,
     shared: &Shared,
+    answered: &AtomicBool,
 ) -> std::io::Result<()> {
     let mut framing = Framing::Startup;
     let mut buf: Vec<u8> = Vec::with_capacity(8192);
@@ -286,14 +307,14 @@ async fn frontend(
             let cut = CutOnCommit::from_u8(shared.cut_on_commit.load(Ordering::SeqCst));
             if cut != CutOnCommit::Off && carries_commit(kind, body) {
                 if cut == CutOnCommit::AfterForwarding {
-                    count(shared, kind);
+                    count(shared, kind, answered);
                     out.extend_from_slice(raw);
                 }
                 to.write_all(&out).await?;
                 to.flush().await?;
                 return Ok(());
             }
-            count(shared, kind);
+            count(shared, kind, answered);
             if kind == b'Q' {
                 shared.record(body);
             }
@@ -346,12 +367,17 @@ fn typed(kind: u8, body: &[u8]) -> Vec<u8> {
     message
 }
 
-fn count(shared: &Shared, kind: u8) {
+/// Counts a client message: a `Query` or `Sync` is a round trip unless it
+/// follows another that the server has not answered yet.
+fn count(shared: &Shared, kind: u8, answered: &AtomicBool) {
     match kind {
         b'Q' => shared.queries.fetch_add(1, Ordering::SeqCst),
         b'S' => shared.syncs.fetch_add(1, Ordering::SeqCst),
-        _ => 0,
+        _ => return,
     };
+    if answered.swap(false, Ordering::SeqCst) {
+        shared.round_trips.fetch_add(1, Ordering::SeqCst);
+    }
 }
 
 /// Where the client is in the frontend protocol.

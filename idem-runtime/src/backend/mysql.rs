@@ -42,9 +42,10 @@
 //! exceed twice `Idem::max_response_bytes` (16 MiB on MariaDB and 64 MiB on
 //! MySQL 8 by default, against the 1 MiB default cap).
 
-use sqlx::mysql::MySqlRow;
+use sqlx::mysql::{MySqlRow, MySqlTransactionManager};
 use sqlx::pool::PoolConnection;
-use sqlx::{AssertSqlSafe, MySql, Pool, Row};
+use sqlx::{AssertSqlSafe, Connection, MySql, Pool, Row, SqlSafeStr};
+use sqlx_core::transaction::TransactionManager;
 
 use super::{Backend, Claim, ClaimOutcome, Failure, OpenTx, abandon, finished, hex};
 use crate::Error;
@@ -122,9 +123,7 @@ impl Backend for MySql {
 
     async fn begin(pool: &Pool<Self>) -> Result<OpenTx<Self>, sqlx::Error> {
         let mut conn = OpenTx::acquire(pool).await?;
-        sqlx::raw_sql("START TRANSACTION")
-            .execute(&mut **conn)
-            .await?;
+        MySqlTransactionManager::begin(&mut conn, None).await?;
         Ok(conn)
     }
 
@@ -134,25 +133,35 @@ impl Backend for MySql {
         claim: Option<&Claim<'_>>,
         response: Option<&StoredResponse>,
     ) -> Result<(), sqlx::Error> {
-        let sql = match (claim, response) {
-            (Some(claim), Some(response)) => format!(
-                "UPDATE {table} SET status = {}, headers = X'{}', body = X'{}' WHERE {}; COMMIT",
-                response.status.as_u16(),
-                hex(&response.encode_headers()),
-                hex(&response.body),
-                matches(claim),
-            ),
-            _ => "COMMIT".to_owned(),
+        let (Some(claim), Some(response)) = (claim, response) else {
+            return MySqlTransactionManager::commit(conn).await;
         };
+        // The empty transaction after the commit stands for the one sqlx
+        // counts; sqlx's rollback of it is queued and goes out with the
+        // pool's return ping, in the same round trip.
+        let sql = format!(
+            "UPDATE {table} SET status = {}, headers = X'{}', body = X'{}' WHERE {}; \
+             COMMIT; START TRANSACTION",
+            response.status.as_u16(),
+            hex(&response.encode_headers()),
+            hex(&response.body),
+            matches(claim),
+        );
         sqlx::raw_sql(AssertSqlSafe(sql))
             .execute(&mut ***conn)
             .await?;
+        MySqlTransactionManager::start_rollback(conn);
         Ok(())
     }
 
     async fn rollback(conn: &mut PoolConnection<Self>) -> Result<(), sqlx::Error> {
-        sqlx::raw_sql("ROLLBACK").execute(&mut **conn).await?;
-        Ok(())
+        if conn.is_in_transaction() {
+            MySqlTransactionManager::rollback(conn).await
+        } else {
+            // A claim whose batch opened the transaction itself.
+            sqlx::raw_sql("ROLLBACK").execute(&mut **conn).await?;
+            Ok(())
+        }
     }
 
     async fn sweep(pool: &Pool<Self>, table: &str, batch: u32) -> Result<u64, sqlx::Error> {
@@ -192,7 +201,13 @@ impl super::ClaimAttempt<MySql> for MySqlClaim {
             }
         };
         match found {
-            Ok(None) => Ok(ClaimOutcome::Claimed(conn)),
+            Ok(None) => match counted(&mut conn).await {
+                Ok(()) => Ok(ClaimOutcome::Claimed(conn)),
+                Err(error) => {
+                    abandon(conn).await;
+                    Err(Failure::Fatal(error))
+                }
+            },
             Ok(Some(finished)) => {
                 abandon(conn).await;
                 Ok(finished)
@@ -203,6 +218,16 @@ impl super::ClaimAttempt<MySql> for MySqlClaim {
             }
         }
     }
+}
+
+/// Has sqlx count the claim's transaction (its depth), so that a
+/// handler's nested `begin()` is a savepoint: on MySQL a second `BEGIN`
+/// would commit the request's transaction half-way. sqlx counts only a
+/// transaction its own `begin` opened, and hands back no results of that
+/// statement, while the claim needs its row: so this costs MySQL a round
+/// trip of its own (`DO 0`, inside the open transaction).
+async fn counted(conn: &mut OpenTx<MySql>) -> Result<(), sqlx::Error> {
+    MySqlTransactionManager::begin(conn, Some("DO 0".into_sql_str())).await
 }
 
 /// What a failed claim batch means: a lock wait that ran out is a 409, a

@@ -46,8 +46,9 @@
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use sqlx::sqlite::SqliteRow;
-use sqlx::{AssertSqlSafe, Pool, Row, Sqlite};
+use sqlx::sqlite::{SqliteRow, SqliteTransactionManager};
+use sqlx::{AssertSqlSafe, Connection, Pool, Row, SqlSafeStr, Sqlite};
+use sqlx_core::transaction::TransactionManager;
 use tokio::time::Instant;
 
 use super::single_flight::{self, Slot};
@@ -132,16 +133,7 @@ impl Backend for Sqlite {
             }
         };
 
-        let mut conn = OpenTx::acquire(pool).await?;
-        if let Err(error) = sqlx::raw_sql("BEGIN IMMEDIATE").execute(&mut **conn).await {
-            // A busy BEGIN IMMEDIATE starts no transaction (the lock is
-            // taken before autocommit is switched off): the connection is
-            // clean. After any other failure, `OpenTx` closes it.
-            if is_busy(&error) {
-                conn.release();
-            }
-            return Err(error);
-        }
+        let mut conn = begin_immediate(pool).await?;
         let now = now_ms();
         let row = sqlx::query(AssertSqlSafe(sql.claim))
             .bind(claim.scope.as_bytes())
@@ -180,16 +172,7 @@ impl Backend for Sqlite {
     }
 
     async fn begin(pool: &Pool<Self>) -> Result<OpenTx<Self>, sqlx::Error> {
-        let mut conn = OpenTx::acquire(pool).await?;
-        match sqlx::raw_sql("BEGIN IMMEDIATE").execute(&mut **conn).await {
-            Ok(_) => Ok(conn),
-            Err(error) => {
-                if is_busy(&error) {
-                    conn.release();
-                }
-                Err(error)
-            }
-        }
+        begin_immediate(pool).await
     }
 
     async fn finish(
@@ -198,27 +181,28 @@ impl Backend for Sqlite {
         claim: Option<&Claim<'_>>,
         response: Option<&StoredResponse>,
     ) -> Result<(), sqlx::Error> {
-        match (claim, response) {
-            (Some(claim), Some(response)) => {
-                sqlx::query(AssertSqlSafe(Sql::new(table).finish))
-                    .bind(i64::from(response.status.as_u16()))
-                    .bind(response.encode_headers())
-                    .bind(&response.body[..])
-                    .bind(claim.scope.as_bytes())
-                    .bind(claim.key.as_bytes())
-                    .execute(&mut ***conn)
-                    .await?;
-            }
-            _ => {
-                sqlx::raw_sql("COMMIT").execute(&mut ***conn).await?;
-            }
+        if let (Some(claim), Some(response)) = (claim, response) {
+            sqlx::query(AssertSqlSafe(Sql::new(table).finish))
+                .bind(i64::from(response.status.as_u16()))
+                .bind(response.encode_headers())
+                .bind(&response.body[..])
+                .bind(claim.scope.as_bytes())
+                .bind(claim.key.as_bytes())
+                .execute(&mut ***conn)
+                .await?;
         }
-        Ok(())
+        // In process: a second statement costs no round trip, and sqlx's
+        // own commit keeps its transaction depth right.
+        SqliteTransactionManager::commit(conn).await
     }
 
     async fn rollback(conn: &mut sqlx::pool::PoolConnection<Self>) -> Result<(), sqlx::Error> {
-        sqlx::raw_sql("ROLLBACK").execute(&mut **conn).await?;
-        Ok(())
+        if conn.is_in_transaction() {
+            SqliteTransactionManager::rollback(conn).await
+        } else {
+            sqlx::raw_sql("ROLLBACK").execute(&mut **conn).await?;
+            Ok(())
+        }
     }
 
     async fn sweep(pool: &Pool<Self>, table: &str, batch: u32) -> Result<u64, sqlx::Error> {
@@ -231,6 +215,26 @@ impl Backend for Sqlite {
             .execute(pool)
             .await?
             .rows_affected())
+    }
+}
+
+/// A connection in a new `BEGIN IMMEDIATE` transaction, begun through
+/// sqlx's transaction manager so that sqlx counts it: a handler's nested
+/// `begin()` is then a savepoint, not a second `BEGIN` (which SQLite
+/// refuses).
+async fn begin_immediate(pool: &Pool<Sqlite>) -> Result<OpenTx<Sqlite>, sqlx::Error> {
+    let mut conn = OpenTx::acquire(pool).await?;
+    match SqliteTransactionManager::begin(&mut conn, Some("BEGIN IMMEDIATE".into_sql_str())).await {
+        Ok(()) => Ok(conn),
+        Err(error) => {
+            // A busy BEGIN IMMEDIATE starts no transaction (the lock is
+            // taken before autocommit is switched off): the connection is
+            // clean. After any other failure, `OpenTx` closes it.
+            if is_busy(&error) {
+                conn.release();
+            }
+            Err(error)
+        }
     }
 }
 
@@ -302,7 +306,7 @@ impl Sql {
             ),
             finish: format!(
                 "UPDATE {table} SET status = ?1, headers = ?2, body = ?3 \
-                 WHERE scope = ?4 AND \"key\" = ?5; COMMIT"
+                 WHERE scope = ?4 AND \"key\" = ?5"
             ),
         }
     }

@@ -14,8 +14,9 @@
 //! arguments.
 
 use sqlx::pool::PoolConnection;
-use sqlx::postgres::PgRow;
-use sqlx::{AssertSqlSafe, Pool, Postgres, Row};
+use sqlx::postgres::{PgRow, PgTransactionManager};
+use sqlx::{AssertSqlSafe, Connection, Pool, Postgres, Row, SqlSafeStr};
+use sqlx_core::transaction::TransactionManager;
 
 use self::statements::{ClaimRow, PEEK};
 use super::{Backend, Claim, ClaimOutcome, Failure, OpenTx};
@@ -132,7 +133,7 @@ impl Backend for Postgres {
 
     async fn begin(pool: &Pool<Self>) -> Result<OpenTx<Self>, sqlx::Error> {
         let mut conn = OpenTx::acquire(pool).await?;
-        sqlx::raw_sql("BEGIN").execute(&mut **conn).await?;
+        PgTransactionManager::begin(&mut conn, None).await?;
         Ok(conn)
     }
 
@@ -142,30 +143,42 @@ impl Backend for Postgres {
         claim: Option<&Claim<'_>>,
         response: Option<&StoredResponse>,
     ) -> Result<(), sqlx::Error> {
-        let sql = match (claim, response) {
-            (Some(claim), Some(response)) => {
-                let mut row = ClaimRow::new(table, claim);
-                row.prepared = !conn.inlined;
-                row.finish_and_commit(response)
-            }
-            _ => "COMMIT".to_owned(),
+        let (Some(claim), Some(response)) = (claim, response) else {
+            return PgTransactionManager::commit(conn).await;
         };
-        let result = sqlx::raw_sql(AssertSqlSafe(sql))
+        let mut row = ClaimRow::new(table, claim);
+        row.prepared = !conn.inlined;
+        let result = sqlx::raw_sql(AssertSqlSafe(row.finish_and_commit(response)))
             .execute(&mut ***conn)
             .await;
-        if let Err(error) = &result
-            && has_code(error, &[UNDEFINED_STATEMENT])
-        {
-            // Someone deallocated the finish statement but not the claim's,
-            // so the claim did not notice: a new connection prepares all.
-            conn.close_on_drop();
+        match result {
+            // The commit landed, and the text opened an empty transaction in
+            // its place: the one sqlx counts. sqlx's rollback of it is
+            // queued, and sent with the ping the pool sends anyway when the
+            // connection comes back: no round trip of its own.
+            Ok(_) => PgTransactionManager::start_rollback(conn),
+            Err(error) => {
+                if has_code(&error, &[UNDEFINED_STATEMENT]) {
+                    // Someone deallocated the finish statement but not the
+                    // claim's, so the claim did not notice: a new
+                    // connection prepares all.
+                    conn.close_on_drop();
+                }
+                return Err(error);
+            }
         }
-        result.map(drop)
+        Ok(())
     }
 
     async fn rollback(conn: &mut PoolConnection<Self>) -> Result<(), sqlx::Error> {
-        sqlx::raw_sql("ROLLBACK").execute(&mut **conn).await?;
-        Ok(())
+        if conn.is_in_transaction() {
+            PgTransactionManager::rollback(conn).await
+        } else {
+            // A claim that failed inside its `BEGIN`: sqlx never counted
+            // that transaction.
+            sqlx::raw_sql("ROLLBACK").execute(&mut **conn).await?;
+            Ok(())
+        }
     }
 
     async fn sweep(pool: &Pool<Self>, table: &str, batch: u32) -> Result<u64, sqlx::Error> {
@@ -298,51 +311,45 @@ async fn claim_with_fallback(
 /// attempt. `prelude` runs first, before the transaction begins (the
 /// `PREPARE`s a new connection needs).
 ///
-/// The claim is a plain `INSERT .. ON CONFLICT DO NOTHING`, answered by its
-/// row count alone: one row, and the key is ours, in one round trip. (A
-/// data-modifying CTE that also read the taken row back cost the server
-/// more per first attempt than it saved the rare retry.) No row, and
-/// another attempt committed the key, perhaps after this one waited for
-/// it: a second statement reads it (its own snapshot, so the row committed
-/// after the claim's is seen) and ends the transaction in the same round
-/// trip. An expired row is taken over with an `UPDATE` that re-checks
-/// expiry under the row lock, so of two concurrent takeovers one wins and
-/// the other reads the winner's committed row. A row that vanished (swept)
-/// in between is claimed again.
+/// The claim's round trip is sqlx's own `BEGIN` (its transaction manager's,
+/// with the claim as the statement), so sqlx counts the transaction: a
+/// handler's nested `begin()` on its `Tx` is then a savepoint, not a second
+/// `BEGIN` whose commit or rollback would end the request's transaction
+/// under the wrapper. sqlx hands back no results of that statement, so the
+/// claim answers by succeeding (the key is ours) or failing: a plain
+/// `INSERT`, whose unique violation says another attempt committed the key,
+/// perhaps after this one waited for it. A second statement then reads it
+/// (its own snapshot, so the row committed after the claim's is seen),
+/// after ending the failed transaction, in one round trip. An expired row
+/// is deleted in the next claim's round trip, before its `BEGIN`; of two
+/// attempts doing so at once the unique index lets one claim the key, and
+/// the other reads the winner's row. A row that vanished (swept) in between
+/// is claimed again.
 async fn settle(
     conn: &mut PoolConnection<Postgres>,
     row: &ClaimRow<'_>,
     prelude: &str,
 ) -> Result<Settled, sqlx::Error> {
-    let mut claim = Some(row.begin_and_insert(prelude));
+    let mut claim = row.begin_and_insert(prelude);
     for _ in 0..SETTLE_ATTEMPTS {
-        if let Some(sql) = claim.take() {
-            let inserted = sqlx::raw_sql(AssertSqlSafe(sql))
-                .execute(&mut **conn)
-                .await?;
-            if inserted.rows_affected() == 1 {
-                return Ok(Settled::Ours);
-            }
+        let begun =
+            PgTransactionManager::begin(conn, Some(AssertSqlSafe(claim).into_sql_str())).await;
+        match begun {
+            Ok(()) => return Ok(Settled::Ours),
+            Err(error) if has_code(&error, &[UNIQUE_VIOLATION]) => {}
+            Err(error) => return Err(error),
         }
-        let rows = sqlx::raw_sql(AssertSqlSafe(row.select_and_end()))
+        let rows = sqlx::raw_sql(AssertSqlSafe(row.end_and_select()))
             .fetch_all(&mut **conn)
             .await?;
-        match rows.first().map(read_row).transpose()? {
-            None => claim = Some(row.begin_and_insert("")),
-            Some(Found::Expired) => {
-                let taken = sqlx::raw_sql(AssertSqlSafe(row.begin_and_take_over()))
-                    .execute(&mut **conn)
-                    .await?;
-                if taken.rows_affected() == 1 {
-                    return Ok(Settled::Ours);
-                }
-                // Another takeover won: read its row, as after a claim.
-            }
+        claim = match rows.first().map(read_row).transpose()? {
+            None => row.begin_and_insert(""),
+            Some(Found::Expired) => row.expire_and_insert(),
             Some(Found::Unfinished) => return Ok(Settled::Held),
             Some(Found::Finished(fingerprint, response)) => {
                 return Ok(Settled::Finished(fingerprint, response));
             }
-        }
+        };
     }
     Err(sqlx::Error::Protocol(
         "idempotency row changed repeatedly during its claim".into(),

@@ -23,15 +23,16 @@ pub(super) struct Statement {
     text: &'static str,
 }
 
-/// The claim: one row affected when the key is ours, none when another
-/// attempt holds or finished it (after waiting for that attempt's outcome,
-/// as long as the lock timeout lets it).
+/// The claim: it succeeds when the key is ours, and fails with a unique
+/// violation when another attempt finished it (after waiting for that
+/// attempt's outcome, as long as the lock timeout lets it). It answers by
+/// succeeding or failing, not by a row count, because it runs as sqlx's own
+/// `BEGIN`, whose results sqlx does not hand back.
 pub(super) const CLAIM: Statement = Statement {
     suffix: "claim",
     types: "bytea, bytea, bytea, bigint",
     text: "INSERT INTO {table} (scope, key, fingerprint, expires_at) \
-           VALUES ($1, $2, $3, now() + $4 * interval '1 millisecond') \
-           ON CONFLICT (scope, key) DO NOTHING",
+           VALUES ($1, $2, $3, now() + $4 * interval '1 millisecond')",
 };
 
 pub(super) const SELECT: Statement = Statement {
@@ -47,13 +48,13 @@ pub(super) const PEEK: &str = "SELECT status, fingerprint, headers, body, false 
                     FROM {table} WHERE scope = $1 AND key = $2 \
                     AND status IS NOT NULL AND expires_at > now()";
 
-/// Takes over an expired row: one row affected when it is ours.
-pub(super) const TAKE_OVER: Statement = Statement {
-    suffix: "take_over",
-    types: "bytea, bytea, bytea, bigint",
-    text: "UPDATE {table} SET fingerprint = $3, status = NULL, headers = NULL, body = NULL, \
-           created_at = now(), expires_at = now() + $4 * interval '1 millisecond' \
-           WHERE scope = $1 AND key = $2 AND expires_at <= now()",
+/// Deletes the key's row if it has expired, before a claim takes the key
+/// anew: of two attempts doing so at once, one deletes and both claim, and
+/// the unique index lets one of them have it.
+pub(super) const EXPIRE: Statement = Statement {
+    suffix: "expire",
+    types: "bytea, bytea",
+    text: "DELETE FROM {table} WHERE scope = $1 AND key = $2 AND expires_at <= now()",
 };
 
 pub(super) const FINISH: Statement = Statement {
@@ -64,8 +65,9 @@ pub(super) const FINISH: Statement = Statement {
 };
 
 /// Changes whenever a statement's text or answer changes (2: the claim
-/// answers with its row count, not the row).
-const STATEMENTS_REVISION: &str = "2:";
+/// answers with its row count, not the row; 3: the claim fails on a taken
+/// key, and an expired row is deleted rather than taken over in place).
+const STATEMENTS_REVISION: &str = "3:";
 
 /// One argument of a statement.
 #[derive(Clone, Copy)]
@@ -93,7 +95,7 @@ pub(super) struct Statements<'t> {
 }
 
 impl<'t> Statements<'t> {
-    const ALL: [Statement; 4] = [CLAIM, SELECT, TAKE_OVER, FINISH];
+    const ALL: [Statement; 4] = [CLAIM, SELECT, EXPIRE, FINISH];
 
     pub(super) fn new(table: &'t str) -> Self {
         Self::at_revision(STATEMENTS_REVISION, table)
@@ -245,8 +247,7 @@ impl<'c> ClaimRow<'c> {
     }
 
     /// Runs `prelude` (a new connection's `PREPARE`s, or nothing), opens
-    /// the transaction and claims the key: one row affected when the key
-    /// is ours.
+    /// the transaction and claims the key: it fails if the key is taken.
     pub(super) fn begin_and_insert(&self, prelude: &str) -> String {
         let mut out = self.buffer(prelude.len());
         out.push_str(prelude);
@@ -255,26 +256,33 @@ impl<'c> ClaimRow<'c> {
         out
     }
 
-    /// Opens the transaction and takes over the expired row: one row
-    /// affected when it is ours.
-    pub(super) fn begin_and_take_over(&self) -> String {
+    /// Deletes the expired row, then opens the transaction and claims the
+    /// key as [`begin_and_insert`](Self::begin_and_insert) does.
+    pub(super) fn expire_and_insert(&self) -> String {
         let mut out = self.buffer(0);
-        out.push_str("BEGIN; ");
-        self.push_bounded(&mut out, &TAKE_OVER);
+        self.statements
+            .push_run(&mut out, &EXPIRE, self.prepared, &self.key_args());
+        out.push_str("; BEGIN; ");
+        self.push_bounded(&mut out, &CLAIM);
         out
     }
 
-    /// Reads the row and ends the transaction, in one round trip.
-    pub(super) fn select_and_end(&self) -> String {
+    /// Ends the failed claim's transaction and reads the row that made it
+    /// fail, in one round trip; the read has a snapshot of its own, so it
+    /// sees the row that committed while the claim waited.
+    pub(super) fn end_and_select(&self) -> String {
         let mut out = self.buffer(0);
-        let key = [
+        out.push_str("ROLLBACK; ");
+        self.statements
+            .push_run(&mut out, &SELECT, self.prepared, &self.key_args());
+        out
+    }
+
+    fn key_args(&self) -> [Arg<'_>; 2] {
+        [
             Arg::Bytes(self.claim.scope.as_bytes()),
             Arg::Bytes(self.claim.key.as_bytes()),
-        ];
-        self.statements
-            .push_run(&mut out, &SELECT, self.prepared, &key);
-        out.push_str("; ROLLBACK");
-        out
+        ]
     }
 
     /// Stores `response` on the row and commits, in one round trip.
@@ -290,7 +298,10 @@ impl<'c> ClaimRow<'c> {
         ];
         self.statements
             .push_run(&mut out, &FINISH, self.prepared, &args);
-        out.push_str("; COMMIT");
+        // The empty transaction after the commit stands for the one sqlx
+        // still counts (its depth), until sqlx's own rollback of it rides
+        // on the pool's return ping: see `Postgres::finish`.
+        out.push_str("; COMMIT; BEGIN");
         out
     }
 }
@@ -338,7 +349,7 @@ mod tests {
         let finish = row.finish_and_commit(&response);
         assert_eq!(
             finish,
-            r"UPDATE keys SET status = 201, headers = E'\\x', body = E'\\x7b7d' WHERE scope = E'\\x61' AND key = E'\\x62'; COMMIT"
+            r"UPDATE keys SET status = 201, headers = E'\\x', body = E'\\x7b7d' WHERE scope = E'\\x61' AND key = E'\\x62'; COMMIT; BEGIN"
         );
         let insert = row.begin_and_insert("");
         assert!(!insert.contains('$'), "{insert}");
@@ -358,20 +369,20 @@ mod tests {
         let row = ClaimRow::new("keys", &claim);
         let name = row.statements.name(&SELECT);
         assert_eq!(
-            row.select_and_end(),
-            format!(r"EXECUTE {name}(E'\\x61', E'\\x62'); ROLLBACK")
+            row.end_and_select(),
+            format!(r"ROLLBACK; EXECUTE {name}(E'\\x61', E'\\x62')")
         );
-        let take_over = row.begin_and_take_over();
-        assert!(take_over.contains(&format!(
-            "EXECUTE {}(E'\\\\x61', E'\\\\x62', E'\\\\x",
-            row.statements.name(&TAKE_OVER)
+        let expire = row.expire_and_insert();
+        assert!(expire.starts_with(&format!(
+            "EXECUTE {}(E'\\\\x61', E'\\\\x62'); BEGIN; SET LOCAL lock_timeout",
+            row.statements.name(&EXPIRE)
         )));
         // Tables get their own statements, within PostgreSQL's identifiers.
         assert_ne!(
             Statements::new("a.keys").name(&CLAIM),
             Statements::new("b.keys").name(&CLAIM)
         );
-        assert!(row.statements.name(&TAKE_OVER).len() <= 63);
+        assert!(row.statements.name(&EXPIRE).len() <= 63);
         assert_eq!(
             Statements {
                 table: "t",
