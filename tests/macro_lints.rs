@@ -109,6 +109,15 @@ async fn raw(account: Account, tx: Tx<Postgres>, body: axum::body::Bytes) -> Res
     (StatusCode::OK, format!("{} {}", account.0, body.len())).into_response()
 }
 
+/// Parameters and locals named like the handler.
+#[idempotent(scope = "account")]
+async fn refund(account: Account, tx: Tx<Postgres>, Json(refund): Json<i64>) -> Json<i64> {
+    drop((account, tx));
+    let doubled = refund * 2;
+    let refund = doubled + 1;
+    Json(refund)
+}
+
 /// A public handler in a module, with docs.
 mod api {
     use idem::{Tx, idempotent};
@@ -128,6 +137,7 @@ fn router() -> Router<AppState> {
         .route("/books/{book}/notes", post(create_note))
         .route("/touch", post(touch))
         .route("/raw", post(raw))
+        .route("/refunds", post(refund))
         .route("/api", post(api::create))
 }
 

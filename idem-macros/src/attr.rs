@@ -2,12 +2,13 @@
 
 use proc_macro2::{Span, TokenStream, TokenTree};
 use syn::ext::IdentExt;
-use syn::parse::{Parse, ParseStream};
+use syn::parse::{ParseStream, Parser};
 use syn::{Expr, ExprLit, Ident, Lit, LitStr, Token};
 
 use crate::duration::{MAX_TTL_MS, MAX_WAIT_MS, parse_ms};
 use crate::errors::Errors;
 
+const KEYS: &[&str] = &["scope", "ttl", "key", "wait", "crate"];
 const VALID_KEYS: &str = "valid arguments are `scope`, `ttl`, `key`, `wait` and `crate`";
 
 /// The default `ttl`: 24 hours.
@@ -24,8 +25,8 @@ pub enum KeyMode {
 #[derive(Default)]
 pub struct Args {
     pub scope: Option<LitStr>,
-    /// Whether `scope` was (or may have been) written, even wrongly: only
-    /// an absent `scope` is reported as missing.
+    /// Whether `scope` was written, even wrongly (or as a bare string):
+    /// only an absent `scope` is reported as missing.
     pub scope_written: bool,
     pub ttl: Option<(u64, Span)>,
     pub wait: Option<(u64, Span)>,
@@ -43,35 +44,47 @@ impl Args {
     }
 }
 
-struct Arg {
-    name: Ident,
-    value: Expr,
+/// One argument as written: the key it names, if it names one, and its
+/// value or what is wrong with it.
+struct Piece {
+    name: Option<Ident>,
+    /// A bare string literal, which can only have meant the `scope`.
+    positional: bool,
+    value: syn::Result<Expr>,
 }
 
-impl Parse for Arg {
-    fn parse(input: ParseStream<'_>) -> syn::Result<Self> {
-        if input.peek(LitStr) {
-            let lit: LitStr = input.parse()?;
-            return Err(syn::Error::new(
-                lit.span(),
-                format!(
-                    "arguments are named: write `scope = \"{}\"`; {VALID_KEYS}",
-                    lit.value()
-                ),
-            ));
-        }
-        let name = Ident::parse_any(input)?;
-        if !input.peek(Token![=]) {
-            return Err(syn::Error::new(
-                name.span(),
-                format!("expected `{name} = \"...\"`; {VALID_KEYS}"),
-            ));
-        }
-        input.parse::<Token![=]>()?;
-        Ok(Self {
+impl Piece {
+    fn parse(chunk: TokenStream) -> Self {
+        let (mut name, mut positional) = (None, false);
+        let parser = |input: ParseStream<'_>| -> syn::Result<Expr> {
+            if input.peek(LitStr) {
+                positional = true;
+                let lit: LitStr = input.parse()?;
+                return Err(syn::Error::new(
+                    lit.span(),
+                    format!(
+                        "arguments are named: write `scope = \"{}\"`; {VALID_KEYS}",
+                        lit.value()
+                    ),
+                ));
+            }
+            let ident = Ident::parse_any(input)?;
+            name = Some(ident.clone());
+            if !input.peek(Token![=]) {
+                return Err(syn::Error::new(
+                    ident.span(),
+                    format!("expected `{ident} = \"...\"`; {VALID_KEYS}"),
+                ));
+            }
+            input.parse::<Token![=]>()?;
+            input.parse()
+        };
+        let value = parser.parse2(chunk);
+        Self {
             name,
-            value: input.parse()?,
-        })
+            positional,
+            value,
+        }
     }
 }
 
@@ -79,33 +92,32 @@ impl Parse for Arg {
 /// stopping at the first.
 pub fn parse(tokens: TokenStream, errors: &mut Errors) -> Args {
     let mut args = Args::default();
-    for chunk in split_commas(tokens) {
-        let Arg { name, value } = match syn::parse2::<Arg>(chunk) {
-            Ok(arg) => arg,
-            Err(error) => {
-                // Too malformed to tell which argument it meant: it may
-                // have been the `scope`, so do not also report it missing.
-                args.scope_written = true;
+    // Keys written so far, even with a wrong value: a second one is a
+    // duplicate whether or not the first could be used.
+    let mut seen: Vec<String> = Vec::new();
+    for chunk in split_commas(tokens, errors) {
+        let Piece {
+            name,
+            positional,
+            value,
+        } = Piece::parse(chunk);
+        args.scope_written |= positional;
+        let Some(name) = name else {
+            // Not even a key to tell which argument it meant.
+            if let Err(error) = value {
                 errors.push(error);
-                continue;
             }
+            continue;
         };
         let key = name.unraw().to_string();
-        let already_set = match key.as_str() {
-            "scope" => args.scope.is_some(),
-            "ttl" => args.ttl.is_some(),
-            "wait" => args.wait.is_some(),
-            "key" => args.key.is_some(),
-            "crate" => args.krate.is_some(),
-            _ => {
-                errors.push(syn::Error::new(
-                    name.span(),
-                    format!("unknown argument `{key}`; {VALID_KEYS}"),
-                ));
-                continue;
-            }
-        };
-        if already_set {
+        if !KEYS.contains(&key.as_str()) {
+            errors.push(syn::Error::new(
+                name.span(),
+                format!("unknown argument `{key}`; {VALID_KEYS}"),
+            ));
+            continue;
+        }
+        if seen.contains(&key) {
             errors.push(syn::Error::new(
                 name.span(),
                 format!("`{key}` set multiple times"),
@@ -113,16 +125,10 @@ pub fn parse(tokens: TokenStream, errors: &mut Errors) -> Args {
             continue;
         }
         args.scope_written |= key == "scope";
-        let parsed = match key.as_str() {
-            "scope" => scope(&value).map(|lit| args.scope = Some(lit)),
-            "ttl" => duration(&key, &value).map(|ms| args.ttl = Some((ms, value_span(&value)))),
-            "wait" => duration(&key, &value).map(|ms| args.wait = Some((ms, value_span(&value)))),
-            "key" => key_mode(&value).map(|mode| args.key = Some(mode)),
-            _ => krate(&value).map(|path| args.krate = Some(path)),
-        };
-        if let Err(error) = parsed {
+        if let Err(error) = value.and_then(|value| args.set(&key, &value)) {
             errors.push(error);
         }
+        seen.push(key);
     }
     if let (Some((ttl, _)), Some((wait, span))) = (args.ttl, args.wait)
         && wait > ttl
@@ -135,17 +141,44 @@ pub fn parse(tokens: TokenStream, errors: &mut Errors) -> Args {
     args
 }
 
+impl Args {
+    /// Fills the slot of a known `key` written once, from its value.
+    fn set(&mut self, key: &str, value: &Expr) -> syn::Result<()> {
+        match key {
+            "scope" => self.scope = Some(scope(value)?),
+            "ttl" => self.ttl = Some((duration(key, value)?, value_span(value))),
+            "wait" => self.wait = Some((duration(key, value)?, value_span(value))),
+            "key" => self.key = Some(key_mode(value)?),
+            _ => self.krate = Some(krate(value)?),
+        }
+        Ok(())
+    }
+}
+
 /// The arguments between top-level commas, each parsed on its own so that
-/// one malformed argument does not hide the errors of the others.
-fn split_commas(tokens: TokenStream) -> Vec<TokenStream> {
-    let mut chunks = vec![TokenStream::new()];
+/// one malformed argument does not hide the errors of the others. One
+/// trailing comma is fine; an empty argument is an error on its comma.
+fn split_commas(tokens: TokenStream, errors: &mut Errors) -> Vec<TokenStream> {
+    let mut chunks = Vec::new();
+    let mut chunk = TokenStream::new();
     for token in tokens {
         match &token {
-            TokenTree::Punct(punct) if punct.as_char() == ',' => chunks.push(TokenStream::new()),
-            _ => chunks.last_mut().expect("never empty").extend([token]),
+            TokenTree::Punct(punct) if punct.as_char() == ',' => {
+                if chunk.is_empty() {
+                    errors.push(syn::Error::new(
+                        punct.span(),
+                        "expected an argument before this `,`; remove the stray comma",
+                    ));
+                } else {
+                    chunks.push(std::mem::take(&mut chunk));
+                }
+            }
+            _ => chunk.extend([token]),
         }
     }
-    chunks.retain(|chunk| !chunk.is_empty());
+    if !chunk.is_empty() {
+        chunks.push(chunk);
+    }
     chunks
 }
 
@@ -328,6 +361,42 @@ mod tests {
     fn a_duplicate_is_reported_even_when_its_value_is_wrong() {
         let found = messages(quote!(scope = "a", ttl = "1h", ttl = 5));
         assert_eq!(found, vec!["`ttl` set multiple times".to_owned()]);
+    }
+
+    #[test]
+    fn a_duplicate_is_reported_even_when_the_first_value_is_wrong() {
+        for key in ["scope", "ttl", "key", "wait", "crate"] {
+            let name: TokenStream = key.parse().unwrap();
+            let found = messages(quote!(#name = 5, #name = "1s"));
+            assert_eq!(found.len(), 2, "{key}: {found:?}");
+            assert!(found[0].starts_with(&format!("`{key}` takes a string literal")));
+            assert_eq!(found[1], format!("`{key}` set multiple times"));
+        }
+        let found = messages(quote!(scope = "a", ttl "1h", ttl = "2h"));
+        assert!(found[0].contains("expected `ttl = \"...\"`"), "{found:?}");
+        assert_eq!(found[1], "`ttl` set multiple times");
+    }
+
+    #[test]
+    fn only_a_scope_written_wrongly_counts_as_written() {
+        let written = |tokens: TokenStream| parse(tokens, &mut Errors::default()).scope_written;
+        assert!(written(quote!(scope = 5)));
+        assert!(written(quote!(scope "a")));
+        assert!(written(quote!("account")));
+        assert!(!written(quote!(ttl "1h")));
+        assert!(!written(quote!(5, ttl = "1h")));
+        assert!(!written(quote!(colour = "red")));
+    }
+
+    #[test]
+    fn empty_arguments_are_errors() {
+        let stray = "expected an argument before this `,`; remove the stray comma";
+        assert_eq!(one_message(quote!(, scope = "a")), stray);
+        assert_eq!(one_message(quote!(scope = "a",, ttl = "1h")), stray);
+        assert_eq!(one_message(quote!(scope = "a",,)), stray);
+        assert_eq!(messages(quote!(,)), [stray]);
+        let args = parse_ok(quote!(scope = "a", ttl = "1h",));
+        assert_eq!(args.ttl_ms(), 3_600_000);
     }
 
     #[test]

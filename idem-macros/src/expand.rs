@@ -10,10 +10,11 @@
 //! parameter, instead of reporting that `Handler<_, _>` is not implemented.
 
 use proc_macro2::{Delimiter, Group, Span, TokenStream, TokenTree};
-use quote::{ToTokens, format_ident, quote};
-use syn::{Attribute, ItemFn, ReturnType, Type};
+use quote::{ToTokens, quote};
+use syn::{ItemFn, ReturnType, Type};
 
 use crate::attr::{Args, KeyMode};
+use crate::shell::Shell;
 use crate::valid::{self, Handler, Param};
 
 /// The struct-and-impls expansion of a handler that passed every check.
@@ -354,63 +355,6 @@ fn bound_over(trait_: TokenStream, ty: &Type, rest: TokenStream) -> TokenStream 
     let head = respan(quote!(__IdemS: #trait_<), first);
     let tail = respan(quote!(#rest>,), last);
     quote!(#head #ty #tail)
-}
-
-/// The unit struct standing for the handler, and the user's function kept
-/// verbatim beside it as `__idem_handler`.
-struct Shell {
-    /// `#[cfg]`s of the function, which every generated item inherits.
-    cfgs: Vec<Attribute>,
-    declaration: TokenStream,
-    name: syn::Ident,
-}
-
-impl Shell {
-    fn new(item: &ItemFn) -> Self {
-        let vis = &item.vis;
-        let name = item.sig.ident.clone();
-        let mut docs = Vec::new();
-        let mut cfgs = Vec::new();
-        let mut attrs = Vec::new();
-        for attr in &item.attrs {
-            if attr.path().is_ident("doc") {
-                docs.push(attr);
-            } else if attr.path().is_ident("cfg") {
-                cfgs.push(attr.clone());
-            } else {
-                attrs.push(attr);
-            }
-        }
-        // The user's function, verbatim, as an associated function: type
-        // errors in its body point at the user's code. Only a `const`
-        // (already reported) goes: const evaluation rules would add errors.
-        let mut sig = item.sig.clone();
-        sig.ident = format_ident!("__idem_handler", span = name.span());
-        sig.constness = None;
-        let block = &item.block;
-        // `async` is required by the attribute, so `clippy::unused_async`'s
-        // advice cannot be followed (it is silent for a plain axum handler,
-        // which is passed by value rather than called).
-        let declaration = quote! {
-            #(#cfgs)*
-            #(#docs)*
-            #[allow(non_camel_case_types)]
-            #[derive(Clone, Copy, Debug, Default)]
-            #vis struct #name;
-
-            #(#cfgs)*
-            impl #name {
-                #(#attrs)*
-                #[allow(dead_code, clippy::too_many_arguments, clippy::unused_async)]
-                #sig #block
-            }
-        };
-        Self {
-            cfgs,
-            declaration,
-            name,
-        }
-    }
 }
 
 /// The spans of `tokens`' first and last token.

@@ -7,6 +7,7 @@ mod attr;
 mod duration;
 mod errors;
 mod expand;
+mod shell;
 mod valid;
 
 use proc_macro::TokenStream;
@@ -14,6 +15,12 @@ use proc_macro::TokenStream;
 /// Makes an axum write handler safe to retry with an `Idempotency-Key`.
 ///
 /// See the `idem` crate for the arguments and the full contract.
+///
+/// The handler's name becomes a unit struct (the value `post(name)`
+/// routes) in the function's module. Inside the handler, parameters and
+/// locals may still be named like it: there, the name is a plain function,
+/// not the handler. Elsewhere in that module a pattern of that name
+/// matches the struct instead of binding, as with any unit struct.
 #[proc_macro_attribute]
 pub fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
     idempotent_impl(args.into(), item.into()).into()

@@ -140,7 +140,6 @@ impl Params {
         let mut extractors = Vec::new();
         let mut txs = Vec::new();
         let mut tx_names = Vec::new();
-        let mut malformed_tx = false;
         for (index, input) in sig.inputs.iter().enumerate() {
             let typed = match input {
                 FnArg::Receiver(receiver) => {
@@ -160,50 +159,64 @@ impl Params {
                 ));
                 continue;
             }
-            match tx_database(&typed.ty) {
-                TxParam::Tx(db) => {
-                    txs.push((index, db, &*typed.ty));
-                    if let Pat::Ident(ident) = &*typed.pat {
-                        tx_names.push(ident.ident.to_string());
-                    }
+            let db = match tx_database(&typed.ty) {
+                TxParam::No => {
+                    extractors.push(Param {
+                        pat: (*typed.pat).clone(),
+                        ty: (*typed.ty).clone(),
+                        local: quote::format_ident!("__idem_arg{}", index),
+                    });
+                    continue;
                 }
-                // rustc reports a `Tx` without its database type on the
-                // function kept beside the errors (with a suggested fix).
-                TxParam::Malformed => malformed_tx = true,
-                TxParam::No => extractors.push(Param {
-                    pat: (*typed.pat).clone(),
-                    ty: (*typed.ty).clone(),
-                    local: quote::format_ident!("__idem_arg{}", index),
-                }),
+                TxParam::Tx(db) => Some(db),
+                TxParam::Malformed => None,
+            };
+            txs.push((index, db, &*typed.ty));
+            if let Pat::Ident(ident) = &*typed.pat {
+                tx_names.push(ident.ident.to_string());
             }
         }
-        let tx = match txs.as_slice() {
-            [] if malformed_tx => None,
-            [] => {
-                errors.push(syn::Error::new(
-                    sig.ident.span(),
-                    "`#[idempotent]` handlers take exactly one `Tx<DB>` parameter, the request's \
-                     transaction; add one, e.g. `mut tx: idem::Tx<sqlx::Postgres>`",
-                ));
-                None
-            }
-            [(index, db, ty)] => Some((*index, (*db).clone(), (*ty).clone())),
-            [_, rest @ ..] => {
-                for (_, _, ty) in rest {
-                    errors.push(syn::Error::new_spanned(
-                        ty,
-                        "a second `Tx` parameter: `#[idempotent]` handlers run in exactly one \
-                         transaction",
-                    ));
-                }
-                None
-            }
-        };
+        let tx = the_one_tx(sig, &txs, errors);
         Self {
             extractors,
             tx,
             tx_names,
         }
+    }
+}
+
+/// The single `Tx<DB>` among the parameters that look like one (with the
+/// database type each names, if it names one): a `Tx` without its database
+/// is reported on its token, and every `Tx` after the first, whatever its
+/// form, is a second transaction.
+fn the_one_tx(
+    sig: &Signature,
+    txs: &[(usize, Option<&Type>, &Type)],
+    errors: &mut Errors,
+) -> Option<(usize, Type, Type)> {
+    let Some(((index, db, ty), rest)) = txs.split_first() else {
+        errors.push(syn::Error::new(
+            sig.ident.span(),
+            "`#[idempotent]` handlers take exactly one `Tx<DB>` parameter, the request's \
+             transaction; add one, e.g. `mut tx: idem::Tx<sqlx::Postgres>`",
+        ));
+        return None;
+    };
+    if db.is_none() {
+        errors.push(syn::Error::new_spanned(
+            ty,
+            "`Tx` takes the database as its one type argument, e.g. `Tx<sqlx::Postgres>`",
+        ));
+    }
+    for (_, _, ty) in rest {
+        errors.push(syn::Error::new_spanned(
+            ty,
+            "a second `Tx` parameter: `#[idempotent]` handlers run in exactly one transaction",
+        ));
+    }
+    match (db, rest) {
+        (Some(db), []) => Some((*index, (*db).clone(), (*ty).clone())),
+        _ => None,
     }
 }
 
@@ -441,15 +454,40 @@ mod tests {
         );
         assert_eq!(two.len(), 1);
         assert!(two[0].starts_with("a second `Tx`"));
-        // rustc reports a bare `Tx` itself; no "missing `Tx`" on top.
-        assert!(
+        let needs_db =
+            "`Tx` takes the database as its one type argument, e.g. `Tx<sqlx::Postgres>`";
+        for malformed in [
+            quote!(Tx),
+            quote!(Tx<Pg, Pg>),
+            quote!(idem::Tx<'a>),
+            quote!(Tx<DB = Pg>),
+        ] {
+            let found = messages(
+                quote!(scope = "a"),
+                quote!(async fn f(a: A, x: #malformed) {}),
+            );
+            assert_eq!(found, [needs_db], "{malformed}");
+        }
+        // A `Tx` of any form after the first is a second one.
+        let second =
+            "a second `Tx` parameter: `#[idempotent]` handlers run in exactly one transaction";
+        assert_eq!(
             messages(
                 quote!(scope = "a"),
                 quote!(
-                    async fn f(a: A, x: Tx) {}
+                    async fn f(a: A, y: Tx, x: Tx<Pg>) {}
                 )
-            )
-            .is_empty()
+            ),
+            [needs_db, second]
+        );
+        assert_eq!(
+            messages(
+                quote!(scope = "a"),
+                quote!(
+                    async fn f(a: A, x: Tx<Pg>, y: Tx) {}
+                )
+            ),
+            [second]
         );
     }
 
