@@ -108,6 +108,30 @@ pub fn canonicalize(body: &[u8]) -> Option<Vec<u8>> {
     Some(out)
 }
 
+/// The largest magnitude up to which every integer is exact as a double.
+const EXACT_INTEGERS: u64 = 1 << 53;
+
+/// Appends a number as RFC 8785 writes it (the shortest form that reads
+/// back as the same double), except an integer beyond 2^53 that serde_json
+/// holds exactly: its own digits. As doubles, 9007199254740993 and
+/// 9007199254740992 are one number, but a handler reading a `u64` sees two
+/// (an account number, say), so they must not share a fingerprint. Where
+/// the double is exact, its shortest form is these same digits.
+fn write_number(number: &serde_json::Number, out: &mut Vec<u8>) -> Option<()> {
+    if let Some(int) = number.as_u64().filter(|&int| int > EXACT_INTEGERS) {
+        out.extend_from_slice(int.to_string().as_bytes());
+    } else if let Some(int) = number
+        .as_i64()
+        .filter(|&int| int.unsigned_abs() > EXACT_INTEGERS)
+    {
+        out.extend_from_slice(int.to_string().as_bytes());
+    } else {
+        let double = number.as_f64().filter(|double| double.is_finite())?;
+        out.extend_from_slice(ryu_js::Buffer::new().format_finite(double).as_bytes());
+    }
+    Some(())
+}
+
 /// Appends `value` in canonical form; `None` for a number JSON cannot
 /// hold (only reachable with serde_json's `arbitrary_precision`).
 fn write_canonical(value: &Value, out: &mut Vec<u8>) -> Option<()> {
@@ -115,10 +139,7 @@ fn write_canonical(value: &Value, out: &mut Vec<u8>) -> Option<()> {
         Value::Null => out.extend_from_slice(b"null"),
         Value::Bool(true) => out.extend_from_slice(b"true"),
         Value::Bool(false) => out.extend_from_slice(b"false"),
-        Value::Number(number) => {
-            let double = number.as_f64().filter(|double| double.is_finite())?;
-            out.extend_from_slice(ryu_js::Buffer::new().format_finite(double).as_bytes());
-        }
+        Value::Number(number) => write_number(number, out)?,
         Value::String(string) => write_string(string, out),
         Value::Array(items) => {
             out.push(b'[');
@@ -321,6 +342,30 @@ mod tests {
         assert_ne!(
             post("/ab", Some("c"), &json(), b"{}"),
             post("/a", Some("bc"), &json(), b"{}")
+        );
+    }
+
+    /// Integers a double cannot tell apart are still two bodies; exact
+    /// ones keep the canonical form.
+    #[test]
+    fn large_integers_keep_their_digits() {
+        assert_ne!(
+            post("/c", None, &json(), br#"{"to":9007199254740993}"#),
+            post("/c", None, &json(), br#"{"to":9007199254740992}"#)
+        );
+        assert_ne!(
+            post("/c", None, &json(), br#"{"to":-9007199254740993}"#),
+            post("/c", None, &json(), br#"{"to":-9007199254740992}"#)
+        );
+        let canonical = |body: &[u8]| String::from_utf8(canonicalize(body).unwrap()).unwrap();
+        assert_eq!(
+            canonical(b"[18446744073709551615]"),
+            "[18446744073709551615]"
+        );
+        assert_eq!(canonical(b"[1152921504606846976]"), "[1152921504606846976]");
+        assert_eq!(
+            canonical(b"[9007199254740992, 1e3]"),
+            "[9007199254740992,1000]"
         );
     }
 
