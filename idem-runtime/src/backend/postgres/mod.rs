@@ -183,10 +183,10 @@ impl Backend for Postgres {
 
     async fn sweep(pool: &Pool<Self>, table: &str, batch: u32) -> Result<u64, sqlx::Error> {
         // The expiry is checked again on the row the delete meets, and rows
-        // locked by a takeover are skipped. With the check only in the
-        // subquery, a delete that waited on a takeover's row lock re-checked
-        // nothing but the key after the takeover committed, and deleted the
-        // fresh row: an effect without its memory.
+        // another transaction holds are skipped. With the check only in the
+        // subquery, a delete that waited on the lock of a writer making an
+        // expired row live again (in place) re-checked nothing but the key
+        // once that writer committed, and deleted the live row.
         let sql = format!(
             "DELETE FROM {table} WHERE (scope, key) IN \
              (SELECT scope, key FROM {table} WHERE expires_at < now() \
