@@ -249,6 +249,28 @@ pub(crate) async fn claim_with_retries<DB: Database>(
     }
 }
 
+/// Rolls back the connection's transaction: through sqlx's transaction
+/// manager when sqlx counts it (so its depth goes back to zero), or with a
+/// plain `ROLLBACK` when sqlx never counted it (a claim that failed inside
+/// the statement that opened it). Every engine's [`Backend::rollback`].
+#[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
+pub(crate) async fn rollback_transaction<DB: Database>(
+    conn: &mut PoolConnection<DB>,
+) -> Result<(), sqlx::Error>
+where
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+{
+    use sqlx::Connection as _;
+    use sqlx_core::transaction::TransactionManager as _;
+
+    if conn.is_in_transaction() {
+        DB::TransactionManager::rollback(conn).await
+    } else {
+        sqlx::raw_sql("ROLLBACK").execute(&mut **conn).await?;
+        Ok(())
+    }
+}
+
 /// Ends a transaction that will not commit. A connection whose rollback
 /// fails is closed instead of going back to the pool.
 pub(crate) async fn abandon<DB: Backend>(mut conn: OpenTx<DB>) {

@@ -44,7 +44,7 @@
 
 use sqlx::mysql::{MySqlRow, MySqlTransactionManager};
 use sqlx::pool::PoolConnection;
-use sqlx::{AssertSqlSafe, Connection, MySql, Pool, Row, SqlSafeStr};
+use sqlx::{AssertSqlSafe, MySql, Pool, Row, SqlSafeStr};
 use sqlx_core::transaction::TransactionManager;
 
 use super::{Backend, Claim, ClaimOutcome, Failure, OpenTx, abandon, finished, hex};
@@ -155,13 +155,7 @@ impl Backend for MySql {
     }
 
     async fn rollback(conn: &mut PoolConnection<Self>) -> Result<(), sqlx::Error> {
-        if conn.is_in_transaction() {
-            MySqlTransactionManager::rollback(conn).await
-        } else {
-            // A claim whose batch opened the transaction itself.
-            sqlx::raw_sql("ROLLBACK").execute(&mut **conn).await?;
-            Ok(())
-        }
+        super::rollback_transaction(conn).await
     }
 
     async fn sweep(pool: &Pool<Self>, table: &str, batch: u32) -> Result<u64, sqlx::Error> {

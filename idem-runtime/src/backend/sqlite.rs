@@ -47,7 +47,7 @@
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use sqlx::sqlite::{SqliteRow, SqliteTransactionManager};
-use sqlx::{AssertSqlSafe, Connection, Pool, Row, SqlSafeStr, Sqlite};
+use sqlx::{AssertSqlSafe, Pool, Row, SqlSafeStr, Sqlite};
 use sqlx_core::transaction::TransactionManager;
 use tokio::time::Instant;
 
@@ -197,12 +197,7 @@ impl Backend for Sqlite {
     }
 
     async fn rollback(conn: &mut sqlx::pool::PoolConnection<Self>) -> Result<(), sqlx::Error> {
-        if conn.is_in_transaction() {
-            SqliteTransactionManager::rollback(conn).await
-        } else {
-            sqlx::raw_sql("ROLLBACK").execute(&mut **conn).await?;
-            Ok(())
-        }
+        super::rollback_transaction(conn).await
     }
 
     async fn sweep(pool: &Pool<Self>, table: &str, batch: u32) -> Result<u64, sqlx::Error> {

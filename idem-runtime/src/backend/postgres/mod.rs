@@ -15,7 +15,7 @@
 
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgRow, PgTransactionManager};
-use sqlx::{AssertSqlSafe, Connection, Pool, Postgres, Row, SqlSafeStr};
+use sqlx::{AssertSqlSafe, Pool, Postgres, Row, SqlSafeStr};
 use sqlx_core::transaction::TransactionManager;
 
 use self::statements::{ClaimRow, PEEK};
@@ -151,34 +151,24 @@ impl Backend for Postgres {
         let result = sqlx::raw_sql(AssertSqlSafe(row.finish_and_commit(response)))
             .execute(&mut ***conn)
             .await;
-        match result {
-            // The commit landed, and the text opened an empty transaction in
-            // its place: the one sqlx counts. sqlx's rollback of it is
-            // queued, and sent with the ping the pool sends anyway when the
-            // connection comes back: no round trip of its own.
-            Ok(_) => PgTransactionManager::start_rollback(conn),
-            Err(error) => {
-                if has_code(&error, &[UNDEFINED_STATEMENT]) {
-                    // Someone deallocated the finish statement but not the
-                    // claim's, so the claim did not notice: a new
-                    // connection prepares all.
-                    conn.close_on_drop();
-                }
-                return Err(error);
-            }
+        if let Err(error) = &result
+            && has_code(error, &[UNDEFINED_STATEMENT])
+        {
+            // Someone deallocated the finish statement but not the claim's,
+            // so the claim did not notice: a new connection prepares all.
+            conn.close_on_drop();
         }
+        result?;
+        // The commit landed, and the text opened an empty transaction in
+        // its place: the one sqlx counts. sqlx's rollback of it is queued,
+        // and sent with the ping the pool sends anyway when the connection
+        // comes back: no round trip of its own.
+        PgTransactionManager::start_rollback(conn);
         Ok(())
     }
 
     async fn rollback(conn: &mut PoolConnection<Self>) -> Result<(), sqlx::Error> {
-        if conn.is_in_transaction() {
-            PgTransactionManager::rollback(conn).await
-        } else {
-            // A claim that failed inside its `BEGIN`: sqlx never counted
-            // that transaction.
-            sqlx::raw_sql("ROLLBACK").execute(&mut **conn).await?;
-            Ok(())
-        }
+        super::rollback_transaction(conn).await
     }
 
     async fn sweep(pool: &Pool<Self>, table: &str, batch: u32) -> Result<u64, sqlx::Error> {
