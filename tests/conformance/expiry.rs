@@ -40,9 +40,11 @@ pub async fn expired_keys_run_as_new<DB: TestDb>() {
 }
 
 /// The sweeper deletes expired keys only: never a live one, nor one
-/// that a retry took over while the sweep ran (on PostgreSQL the sweep
-/// skips the locked row; elsewhere it waits for the takeover and finds the
-/// row live). A swept key then runs as new.
+/// that a retry took over while the sweep ran (on PostgreSQL the takeover
+/// deletes the expired row and inserts a new one, which the sweep does not
+/// see; on MySQL it rewrites the row in place, and the sweep waits for it
+/// and finds it live; on SQLite the sweep waits for the write lock). A
+/// swept key then runs as new.
 pub async fn sweeping_spares_live_and_taken_over_keys<DB: TestDb>() {
     let server = start::<DB>().await;
     let caller = unique("sweep");

@@ -40,7 +40,7 @@ const UNDEFINED_STATEMENT: &str = "26000";
 const DUPLICATE_STATEMENT: &str = "42P05";
 
 /// How many statements a claim runs, reading again a row that committed
-/// after its snapshot, vanished (swept) or was taken over, before giving up
+/// after its snapshot, vanished (swept) or was claimed anew, before giving up
 /// with a store error.
 const SETTLE_ATTEMPTS: usize = 4;
 
@@ -355,7 +355,7 @@ enum Found {
     Finished(Fingerprint, StoredResponse),
 }
 
-/// Where a claim ended: expired rows have been taken over by then. Unless
+/// Where a claim ended: expired rows have been deleted by then. Unless
 /// it is `Ours`, the transaction has already ended.
 enum Settled {
     Ours,

@@ -1,4 +1,4 @@
-//! The SQL text of PostgreSQL's claim, read, takeover and finish, written
+//! The SQL text of PostgreSQL's claim, read, expiry and finish, written
 //! straight into the one buffer each round trip sends.
 //!
 //! Every request builds two such texts (the claim riding on `BEGIN`, the

@@ -175,7 +175,7 @@ async fn bytes_arrive_intact_whatever_standard_conforming_strings_says() {
 }
 
 /// The fallback for sessions that cannot keep prepared statements (a
-/// transaction-mode pooler): the same claim, takeover, replay and
+/// transaction-mode pooler): the same claim, expiry, replay and
 /// finish with inlined arguments, on the real server.
 #[tokio::test]
 async fn inlined_statements_claim_finish_replay_and_take_over() {
