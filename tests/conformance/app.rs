@@ -433,6 +433,23 @@ macro_rules! define_app {
                 self, Caller, DropSignal, Effect, EffectRequest, HandlerError, Holds, TestDb,
             };
 
+            /// Records one effect on `conn`, returning its id.
+            async fn insert_effect(
+                conn: &mut <$db as sqlx::Database>::Connection,
+                caller: &Caller,
+                key: &str,
+                note: &str,
+                nonce: &str,
+            ) -> Result<i64, sqlx::Error> {
+                sqlx::query_scalar(<$db as TestDb>::INSERT_EFFECT)
+                    .bind(caller.0.as_bytes())
+                    .bind(key)
+                    .bind(note)
+                    .bind(nonce)
+                    .fetch_one(conn)
+                    .await
+            }
+
             async fn effect(
                 caller: &Caller,
                 headers: &HeaderMap,
@@ -442,13 +459,7 @@ macro_rules! define_app {
             ) -> Result<Response, HandlerError> {
                 let nonce = app::nonce();
                 let key = tx.key().map(|k| k.as_str().to_owned()).unwrap_or_default();
-                let id: i64 = sqlx::query_scalar(<$db as TestDb>::INSERT_EFFECT)
-                    .bind(caller.0.as_bytes())
-                    .bind(&key)
-                    .bind(&note)
-                    .bind(&nonce)
-                    .fetch_one(&mut **tx)
-                    .await?;
+                let id = insert_effect(&mut **tx, caller, &key, &note, &nonce).await?;
                 match app::mode(headers).as_str() {
                     "fail-503" => {
                         return Ok((StatusCode::SERVICE_UNAVAILABLE, "try later").into_response());
@@ -485,13 +496,7 @@ macro_rules! define_app {
                     // one: it must be a savepoint of the request's.
                     m if m.starts_with("savepoint:") => {
                         let mut nested = sqlx::Connection::begin(&mut **tx).await?;
-                        sqlx::query(<$db as TestDb>::INSERT_EFFECT)
-                            .bind(caller.0.as_bytes())
-                            .bind(&key)
-                            .bind("nested")
-                            .bind(app::nonce())
-                            .fetch_one(&mut *nested)
-                            .await?;
+                        insert_effect(&mut nested, caller, &key, "nested", &app::nonce()).await?;
                         match &m[10..] {
                             "rollback" => nested.rollback().await?,
                             "drop" => drop(nested),

@@ -58,13 +58,9 @@ pub async fn sweeping_spares_live_and_taken_over_keys<DB: TestDb>() {
     // The passage of time is what is under test here.
     tokio::time::sleep(Duration::from_millis(1100)).await;
 
-    let hold = server.state.holds.get(&caller);
-    let taking = tokio::spawn(send(
-        client
-            .post("/effects/short", "taken", BODY)
-            .header("x-test-mode", format!("hold:{caller}")),
-    ));
-    hold.entered.notified().await;
+    let (hold, taking) = server
+        .send_held(client.post("/effects/short", "taken", BODY), &caller)
+        .await;
     let idem = server.state.idem.clone();
     let sweep = tokio::spawn(async move { idem.sweep_expired(10_000).await });
     hold.release.notify_one();

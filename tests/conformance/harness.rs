@@ -3,12 +3,14 @@
 
 use std::net::SocketAddr;
 use std::process::Stdio;
+use std::sync::Arc;
 
 use tokio::io::{AsyncBufReadExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdout};
+use tokio::task::JoinHandle;
 
 pub use crate::app::{Answer, send, unique};
-use crate::app::{AppState, Holds, TestDb, percent_encode};
+use crate::app::{AppState, Hold, Holds, TestDb, percent_encode};
 
 /// The stored-response cap of the test service (the `big` mode exceeds it).
 pub const RESPONSE_CAP: usize = 32 * 1024;
@@ -47,6 +49,20 @@ pub async fn start_with<DB: TestDb>(pool: sqlx::Pool<DB>) -> Server<DB> {
 impl<DB: TestDb> Server<DB> {
     pub fn client(&self, caller: &str) -> Client {
         Client::new(self.addr, caller)
+    }
+
+    /// Sends `request` in `hold:<name>` mode and returns once its handler
+    /// has written its effect and parked, with the hold that releases it
+    /// and the answer to come.
+    pub async fn send_held(
+        &self,
+        request: reqwest::RequestBuilder,
+        name: &str,
+    ) -> (Arc<Hold>, JoinHandle<Answer>) {
+        let hold = self.state.holds.get(name);
+        let answer = tokio::spawn(send(request.header("x-test-mode", format!("hold:{name}"))));
+        hold.entered().await;
+        (hold, answer)
     }
 
     /// Effects recorded for a caller.

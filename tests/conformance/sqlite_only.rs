@@ -109,13 +109,9 @@ async fn shared_memory_database_keeps_the_contract() {
     assert!(again.replayed());
     assert_eq!(again.body, first.body);
 
-    let hold = server.state.holds.get(&caller);
-    let held = tokio::spawn(send(
-        client
-            .post("/effects", "held", BODY)
-            .header("x-test-mode", format!("hold:{caller}")),
-    ));
-    hold.entered.notified().await;
+    let (hold, held) = server
+        .send_held(client.post("/effects", "held", BODY), &caller)
+        .await;
     let duplicate = send(client.post("/effects", "held", BODY)).await;
     assert_eq!(duplicate.status, StatusCode::CONFLICT, "{duplicate:?}");
     assert_eq!(duplicate.problem_code(), "idempotency_key_in_use");

@@ -83,13 +83,9 @@ pub async fn in_flight_duplicates_get_409_or_wait<DB: TestDb>() {
     let server = start::<DB>().await;
     let caller = unique("inflight");
     let client = server.client(&caller);
-    let hold = server.state.holds.get(&caller);
-    let first = tokio::spawn(send(
-        client
-            .post("/effects", "k", BODY)
-            .header("x-test-mode", format!("hold:{caller}")),
-    ));
-    hold.entered.notified().await;
+    let (hold, first) = server
+        .send_held(client.post("/effects", "k", BODY), &caller)
+        .await;
 
     let duplicates = join_all((0..8).map(|_| send(client.post("/effects", "k", BODY)))).await;
     for answer in &duplicates {
@@ -105,13 +101,12 @@ pub async fn in_flight_duplicates_get_409_or_wait<DB: TestDb>() {
     }
     // A duplicate allowed to wait blocks on the claim until the first commits.
     let waiting = tokio::spawn(send(client.post("/effects/wait", "w", BODY)));
-    let waiting_first = tokio::spawn(send(
-        client
-            .post("/effects/wait", "w2", BODY)
-            .header("x-test-mode", format!("hold:{caller}-w")),
-    ));
-    let hold_w = server.state.holds.get(&format!("{caller}-w"));
-    hold_w.entered.notified().await;
+    let (hold_w, waiting_first) = server
+        .send_held(
+            client.post("/effects/wait", "w2", BODY),
+            &format!("{caller}-w"),
+        )
+        .await;
     let waiter = tokio::spawn(send(client.post("/effects/wait", "w2", BODY)));
     hold_w.release.notify_one();
     let waited = waiter.await.unwrap();
@@ -145,13 +140,9 @@ pub async fn short_waits_are_honoured<DB: TestDb>() {
     let server = start::<DB>().await;
     let caller = unique("brief");
     let client = server.client(&caller);
-    let hold = server.state.holds.get(&caller);
-    let first = tokio::spawn(send(
-        client
-            .post("/effects/brief", "k", BODY)
-            .header("x-test-mode", format!("hold:{caller}")),
-    ));
-    hold.entered.notified().await;
+    let (hold, first) = server
+        .send_held(client.post("/effects/brief", "k", BODY), &caller)
+        .await;
     let started = std::time::Instant::now();
     let duplicate = send(client.post("/effects/brief", "k", BODY)).await;
     let waited = started.elapsed();
