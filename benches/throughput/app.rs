@@ -9,9 +9,9 @@ use std::io::BufRead;
 use std::net::SocketAddr;
 
 use axum::Json;
-use axum::http::{StatusCode, header};
+use axum::http::{HeaderMap, Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
-use idem::Idem;
+use idem::{Fingerprint, Idem};
 use serde::{Deserialize, Serialize};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, PgPool};
@@ -299,4 +299,26 @@ pub(crate) fn created(charge: Charge) -> Response {
         Json(charge),
     )
         .into_response()
+}
+
+/// What the hand-written idempotent handlers (the two-phase recipe, the
+/// optimistic sketch) read first: the key, the request's fingerprint and
+/// the charge; or the answer to a request that lacks one of them.
+pub(crate) fn read_request<'h>(
+    method: &Method,
+    uri: &Uri,
+    headers: &'h HeaderMap,
+    body: &[u8],
+) -> Result<(&'h str, Fingerprint, NewCharge), (StatusCode, &'static str)> {
+    let Some(key) = headers
+        .get("idempotency-key")
+        .and_then(|value| value.to_str().ok())
+    else {
+        return Err((StatusCode::BAD_REQUEST, "Idempotency-Key required"));
+    };
+    let fingerprint = Fingerprint::of(method, uri.path(), uri.query(), headers, body);
+    let Ok(new) = serde_json::from_slice::<NewCharge>(body) else {
+        return Err((StatusCode::UNPROCESSABLE_ENTITY, "bad JSON"));
+    };
+    Ok((key, fingerprint, new))
 }

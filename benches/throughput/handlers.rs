@@ -47,7 +47,7 @@ macro_rules! service {
             use sqlx::{Connection, Pool};
 
             use super::Dialect;
-            use crate::app::{Account, ApiError, KEYS_TABLE, NewCharge, created, work};
+            use crate::app::{Account, ApiError, KEYS_TABLE, NewCharge, created, read_request, work};
 
             #[derive(Clone, FromRef)]
             struct AppState {
@@ -112,19 +112,11 @@ macro_rules! service {
                 headers: HeaderMap,
                 body: Bytes,
             ) -> Result<Response, ApiError> {
-                let Some(key) = headers
-                    .get("idempotency-key")
-                    .and_then(|value| value.to_str().ok())
-                else {
-                    return Ok(
-                        (StatusCode::BAD_REQUEST, "Idempotency-Key required").into_response()
-                    );
-                };
-                let fingerprint =
-                    Fingerprint::of(&method, uri.path(), uri.query(), &headers, &body);
-                let Ok(new) = serde_json::from_slice::<NewCharge>(&body) else {
-                    return Ok((StatusCode::UNPROCESSABLE_ENTITY, "bad JSON").into_response());
-                };
+                let (key, fingerprint, new) =
+                    match read_request(&method, &uri, &headers, &body) {
+                        Ok(read) => read,
+                        Err(refusal) => return Ok(refusal.into_response()),
+                    };
                 let mut conn = pool.acquire().await?;
                 // Phase 1: the claim, committed on its own.
                 let insert = sqlx::query(<$db as Dialect>::CLAIM)

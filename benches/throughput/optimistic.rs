@@ -34,7 +34,7 @@ use sqlx::pool::PoolConnection;
 use sqlx::postgres::PgRow;
 use sqlx::{AssertSqlSafe, PgPool, Postgres, Row};
 
-use crate::app::{Account, ApiError, NewCharge, created, work};
+use crate::app::{Account, ApiError, created, read_request, work};
 
 /// The key table of this scenario.
 pub const TABLE: &str = "bench_optimistic_keys";
@@ -65,15 +65,9 @@ pub async fn optimistic(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    let Some(key) = headers
-        .get("idempotency-key")
-        .and_then(|value| value.to_str().ok())
-    else {
-        return Ok((StatusCode::BAD_REQUEST, "Idempotency-Key required").into_response());
-    };
-    let fingerprint = Fingerprint::of(&method, uri.path(), uri.query(), &headers, &body);
-    let Ok(new) = serde_json::from_slice::<NewCharge>(&body) else {
-        return Ok((StatusCode::UNPROCESSABLE_ENTITY, "bad JSON").into_response());
+    let (key, fingerprint, new) = match read_request(&method, &uri, &headers, &body) {
+        Ok(read) => read,
+        Err(refusal) => return Ok(refusal.into_response()),
     };
     let scope = bytea(account.0.as_bytes());
     let key = bytea(key.as_bytes());
