@@ -249,10 +249,10 @@ async fn deallocate(pool: &PgPool, names: &[String]) {
     }
 }
 
-/// The claim, select, takeover and finish are prepared once per connection
-/// (planning them per request was most of the wrapper's database CPU), and
-/// a session that lost them (`DEALLOCATE`, `DISCARD ALL`) prepares them
-/// again without failing a request or half-doing one.
+/// The claim, select, expiry delete and finish are prepared once per
+/// connection (planning them per request was most of the wrapper's
+/// database CPU), and a session that lost them (`DEALLOCATE`, `DISCARD
+/// ALL`) prepares them again without failing a request or half-doing one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn statements_are_prepared_once_per_connection_and_again_when_lost() {
     let fixture = Proxied::start("ps").await;
