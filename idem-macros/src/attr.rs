@@ -42,6 +42,18 @@ impl Args {
     pub fn wait_ms(&self) -> u64 {
         self.wait.map_or(0, |(ms, _)| ms)
     }
+
+    /// Fills the slot of a known `key` written once, from its value.
+    fn set(&mut self, key: &str, value: &Expr) -> syn::Result<()> {
+        match key {
+            "scope" => self.scope = Some(scope(value)?),
+            "ttl" => self.ttl = Some((duration(key, value)?, value_span(value))),
+            "wait" => self.wait = Some((duration(key, value)?, value_span(value))),
+            "key" => self.key = Some(key_mode(value)?),
+            _ => self.krate = Some(krate(value)?),
+        }
+        Ok(())
+    }
 }
 
 /// One argument as written: the key it names, if it names one, and its
@@ -139,20 +151,6 @@ pub fn parse(tokens: TokenStream, errors: &mut Errors) -> Args {
         ));
     }
     args
-}
-
-impl Args {
-    /// Fills the slot of a known `key` written once, from its value.
-    fn set(&mut self, key: &str, value: &Expr) -> syn::Result<()> {
-        match key {
-            "scope" => self.scope = Some(scope(value)?),
-            "ttl" => self.ttl = Some((duration(key, value)?, value_span(value))),
-            "wait" => self.wait = Some((duration(key, value)?, value_span(value))),
-            "key" => self.key = Some(key_mode(value)?),
-            _ => self.krate = Some(krate(value)?),
-        }
-        Ok(())
-    }
 }
 
 /// The arguments between top-level commas, each parsed on its own so that
