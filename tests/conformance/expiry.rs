@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use futures::future::join_all;
 use reqwest::StatusCode;
 
 use crate::app::TestDb;
@@ -85,5 +86,40 @@ pub async fn sweeping_spares_live_and_taken_over_keys<DB: TestDb>() {
         server.effects(&caller).await,
         5,
         "swept and taken twice, live once"
+    );
+}
+
+/// Retries of an expired key at once: one of them runs as new (the row is
+/// deleted and claimed again, or rewritten in place), the others replay it
+/// or are told it is in use.
+pub async fn concurrent_retries_of_an_expired_key_make_one_effect<DB: TestDb>() {
+    let server = start::<DB>().await;
+    let caller = unique("expired_race");
+    let client = server.client(&caller);
+    let first = send(client.post("/effects/short", "k", BODY)).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    // The passage of time is what is under test here.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+
+    let again = r#"{"note":"another day"}"#;
+    let answers = join_all((0..16).map(|_| send(client.post("/effects/short", "k", again)))).await;
+    let mut originals = 0;
+    for answer in &answers {
+        match answer.status {
+            StatusCode::CREATED if answer.replayed() => {}
+            StatusCode::CREATED => originals += 1,
+            StatusCode::CONFLICT => {
+                assert_eq!(answer.problem_code(), "idempotency_key_in_use");
+            }
+            other => panic!("unexpected {other}: {answer:?}"),
+        }
+    }
+    assert_eq!(originals, 1, "exactly one retry runs the handler");
+    assert_eq!(server.effects(&caller).await, 2);
+    assert_eq!(server.keys(&caller).await, 1);
+    assert!(
+        send(client.post("/effects/short", "k", again))
+            .await
+            .replayed()
     );
 }

@@ -13,6 +13,7 @@ mod mysql_only;
 #[cfg(feature = "sqlite")]
 mod sqlite_only;
 mod suite;
+mod transactions;
 
 /// Instantiates every test of `suite` for one engine.
 macro_rules! conformance {
@@ -48,6 +49,7 @@ macro_rules! all_engines {
                 killed_server_leaves_nothing_behind,
                 bad_keys_are_400,
                 expired_keys_run_as_new,
+                concurrent_retries_of_an_expired_key_make_one_effect,
                 sweeping_spares_live_and_taken_over_keys,
                 extractor_rejections_store_nothing,
                 oversized_responses_roll_back,
@@ -57,6 +59,7 @@ macro_rules! all_engines {
                 cancelled_requests_roll_back,
                 handler_statements_may_wait_on_locks,
                 nested_transactions_are_savepoints,
+                connections_come_back_outside_any_transaction,
             );
         )*
 

@@ -7,7 +7,13 @@ use reqwest::{Method, StatusCode};
 use crate::app::{Effect, Hold, TestDb};
 use crate::harness::{Answer, ChildServer, Client, send, start, unique};
 
-pub use crate::expiry::{expired_keys_run_as_new, sweeping_spares_live_and_taken_over_keys};
+pub use crate::expiry::{
+    concurrent_retries_of_an_expired_key_make_one_effect, expired_keys_run_as_new,
+    sweeping_spares_live_and_taken_over_keys,
+};
+pub use crate::transactions::{
+    connections_come_back_outside_any_transaction, nested_transactions_are_savepoints,
+};
 
 pub const BODY: &str = r#"{"note":"charge 1250 eur"}"#;
 
@@ -571,41 +577,4 @@ pub async fn handler_statements_may_wait_on_locks<DB: TestDb>() {
     assert_eq!(answer.status, StatusCode::CREATED, "{answer:?}");
     assert!(send(client.post("/effects", "k", BODY)).await.replayed());
     assert_eq!(server.effects(&caller).await, 2);
-}
-
-/// A transaction the handler opens on its `Tx` (sqlx's `begin`, as
-/// repository code does) is a savepoint of the request's: released, rolled
-/// back or dropped, the request's claim, effects and stored response still
-/// commit together, or not at all.
-pub async fn nested_transactions_are_savepoints<DB: TestDb>() {
-    let server = start::<DB>().await;
-    let caller = unique("nested");
-    let client = server.client(&caller);
-    let mode = |key: &str, mode: &str| {
-        client
-            .post("/effects", key, BODY)
-            .header("x-test-mode", format!("savepoint:{mode}"))
-    };
-    let mut effects = 0;
-    for (key, nested_kept) in [("commit", true), ("rollback", false), ("drop", false)] {
-        let first = send(mode(key, key)).await;
-        assert_eq!(first.status, StatusCode::CREATED, "{key}: {first:?}");
-        effects += 1 + i64::from(nested_kept);
-        assert_eq!(server.effects(&caller).await, effects, "{key}");
-        let retry = send(client.post("/effects", key, BODY)).await;
-        assert!(
-            retry.replayed(),
-            "{key}: the response was not stored: {retry:?}"
-        );
-        assert_eq!(retry.body, first.body);
-        assert_eq!(server.effects(&caller).await, effects, "{key}: ran twice");
-    }
-    // A released savepoint, then a transient failure: nothing stays.
-    let failed = send(mode("failed", "commit:503")).await;
-    assert_eq!(failed.status, StatusCode::SERVICE_UNAVAILABLE);
-    assert_eq!(server.effects(&caller).await, effects, "a 503 kept effects");
-    assert_eq!(server.keys(&caller).await, 3, "a 503 kept its key");
-    let again = send(client.post("/effects", "failed", BODY)).await;
-    assert_eq!(again.status, StatusCode::CREATED, "{again:?}");
-    assert!(!again.replayed());
 }

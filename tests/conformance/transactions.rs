@@ -1,0 +1,112 @@
+//! The request's transaction as sqlx sees it: a handler's nested
+//! transactions are savepoints of it, and every connection goes back to
+//! the pool outside any transaction, whichever way the request went.
+
+use std::time::{Duration, Instant};
+
+use reqwest::{Method, StatusCode};
+use sqlx::Connection;
+
+use crate::app::TestDb;
+use crate::harness::{send, start, start_with, unique};
+use crate::suite::BODY;
+
+/// A transaction the handler opens on its `Tx` (sqlx's `begin`, as
+/// repository code does) is a savepoint of the request's: released, rolled
+/// back or dropped, the request's claim, effects and stored response still
+/// commit together, or not at all.
+pub async fn nested_transactions_are_savepoints<DB: TestDb>() {
+    let server = start::<DB>().await;
+    let caller = unique("nested");
+    let client = server.client(&caller);
+    let mode = |key: &str, mode: &str| {
+        client
+            .post("/effects", key, BODY)
+            .header("x-test-mode", format!("savepoint:{mode}"))
+    };
+    let mut effects = 0;
+    for (key, nested_kept) in [("commit", true), ("rollback", false), ("drop", false)] {
+        let first = send(mode(key, key)).await;
+        assert_eq!(first.status, StatusCode::CREATED, "{key}: {first:?}");
+        effects += 1 + i64::from(nested_kept);
+        assert_eq!(server.effects(&caller).await, effects, "{key}");
+        let retry = send(client.post("/effects", key, BODY)).await;
+        assert!(
+            retry.replayed(),
+            "{key}: the response was not stored: {retry:?}"
+        );
+        assert_eq!(retry.body, first.body);
+        assert_eq!(server.effects(&caller).await, effects, "{key}: ran twice");
+    }
+    // A released savepoint, then a transient failure: nothing stays.
+    let failed = send(mode("failed", "commit:503")).await;
+    assert_eq!(failed.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(server.effects(&caller).await, effects, "a 503 kept effects");
+    assert_eq!(server.keys(&caller).await, 3, "a 503 kept its key");
+    let again = send(client.post("/effects", "failed", BODY)).await;
+    assert_eq!(again.status, StatusCode::CREATED, "{again:?}");
+    assert!(!again.replayed());
+}
+
+/// Every way a request can end leaves its connection outside any
+/// transaction, in the database and in sqlx's count: one that came back
+/// still counted inside a transaction would turn the next user's `begin()`
+/// into a savepoint of nothing.
+pub async fn connections_come_back_outside_any_transaction<DB: TestDb>() {
+    let server = start::<DB>().await;
+    // Another instance on the same pool never saw the key finish: its
+    // retries go through the claim, which finds the key taken.
+    let other = start_with::<DB>(server.state.idem.pool().clone()).await;
+    let caller = unique("clean");
+    let client = server.client(&caller);
+    let elsewhere = other.client(&caller);
+    let mode = |key: &str, mode: &str| {
+        client
+            .post("/effects", key, BODY)
+            .header("x-test-mode", mode.to_owned())
+    };
+    let keyless = client
+        .request(Method::POST, "/effects/optional")
+        .header("content-type", "application/json")
+        .body(BODY);
+    let mut statuses = Vec::new();
+    for request in [
+        client.post("/effects", "k", BODY),
+        client.post("/effects", "k", BODY),
+        elsewhere.post("/effects", "k", BODY),
+        elsewhere.post("/effects", "k", r#"{"note":"another"}"#),
+        mode("failed", "fail-503"),
+        mode("nested", "savepoint:rollback"),
+        keyless,
+    ] {
+        statuses.push(send(request).await.status.as_u16());
+    }
+    assert_eq!(statuses, [201, 201, 201, 422, 503, 201, 201]);
+    let (hold, first) = server
+        .send_held(client.post("/effects", "held", BODY), &caller)
+        .await;
+    let busy = send(client.post("/effects", "held", BODY)).await;
+    assert_eq!(busy.status, StatusCode::CONFLICT, "{busy:?}");
+    hold.release.notify_one();
+    assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
+
+    // sqlx hands a connection back to the pool after the response is out.
+    let pool = server.state.idem.pool();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while pool.num_idle() < pool.size() as usize {
+        assert!(Instant::now() < deadline, "a connection never came back");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let mut connections = Vec::new();
+    for _ in 0..pool.size() {
+        connections.push(pool.acquire().await.unwrap());
+    }
+    for conn in &mut connections {
+        assert!(
+            !conn.is_in_transaction(),
+            "a connection came back inside a transaction"
+        );
+        let plain = conn.begin().await.expect("a plain BEGIN");
+        plain.commit().await.expect("its COMMIT");
+    }
+}
