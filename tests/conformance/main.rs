@@ -60,6 +60,7 @@ macro_rules! all_engines {
                 handler_statements_may_wait_on_locks,
                 nested_transactions_are_savepoints,
                 connections_come_back_outside_any_transaction,
+                ended_transactions_are_not_successes,
             );
         )*
 

@@ -12,7 +12,8 @@ pub use crate::expiry::{
     sweeping_spares_live_and_taken_over_keys,
 };
 pub use crate::transactions::{
-    connections_come_back_outside_any_transaction, nested_transactions_are_savepoints,
+    connections_come_back_outside_any_transaction, ended_transactions_are_not_successes,
+    nested_transactions_are_savepoints,
 };
 
 pub const BODY: &str = r#"{"note":"charge 1250 eur"}"#;

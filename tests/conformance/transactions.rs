@@ -110,3 +110,42 @@ pub async fn connections_come_back_outside_any_transaction<DB: TestDb>() {
         plain.commit().await.expect("its COMMIT");
     }
 }
+
+/// A handler that catches the error of a statement after which the engine
+/// ended its transaction (PostgreSQL's failed transaction, InnoDB's
+/// deadlock victim, SQLite's `INSERT OR ROLLBACK`), and answers 201 anyway,
+/// is not reported as a success: its effect is gone, so its client is told
+/// 503 and a retry runs it again. With a key (on MySQL, the finish must not
+/// commit in autocommit) and without one (PostgreSQL answers `COMMIT` in a
+/// failed transaction with a silent rollback).
+pub async fn ended_transactions_are_not_successes<DB: TestDb>() {
+    let server = start::<DB>().await;
+    let caller = unique("ended");
+    let client = server.client(&caller);
+    let keyed = client
+        .post("/effects", "k", BODY)
+        .header("x-test-mode", "end-by-error");
+    let keyless = client
+        .request(Method::POST, "/effects/optional")
+        .header("content-type", "application/json")
+        .header("x-test-mode", "end-by-error")
+        .body(BODY);
+    for (what, request) in [("keyed", keyed), ("keyless", keyless)] {
+        let answer = send(request).await;
+        assert_eq!(
+            answer.status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "{what}: {answer:?}"
+        );
+        assert_eq!(answer.problem_code(), "idempotency_store_unavailable");
+        assert!(answer.header("retry-after").is_some(), "{what}: {answer:?}");
+        assert_eq!(server.effects(&caller).await, 0, "{what}");
+    }
+    assert_eq!(server.keys(&caller).await, 0, "no response was stored");
+
+    let retry = send(client.post("/effects", "k", BODY)).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
+    assert!(!retry.replayed(), "{retry:?}");
+    assert_eq!(server.effects(&caller).await, 1);
+    assert!(send(client.post("/effects", "k", BODY)).await.replayed());
+}

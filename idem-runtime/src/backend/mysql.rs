@@ -133,20 +133,28 @@ impl Backend for MySql {
         claim: Option<&Claim<'_>>,
         response: Option<&StoredResponse>,
     ) -> Result<(), sqlx::Error> {
-        let (Some(claim), Some(response)) = (claim, response) else {
-            return MySqlTransactionManager::commit(conn).await;
-        };
+        // InnoDB rolls a whole transaction back on a deadlock, and the
+        // session then runs in autocommit: a handler that caught that error
+        // and answered 2xx would have its client told of writes that were
+        // undone (as sqlx's own `commit()` would), and the `UPDATE` could
+        // write onto a row a concurrent retry has claimed since. So the
+        // finish first checks, in the same round trip, that a transaction
+        // is still open: outside one, a savepoint ends with its own
+        // statement and releasing it fails, which stops the batch there.
+        let mut sql = String::from("SAVEPOINT idem_open; RELEASE SAVEPOINT idem_open; ");
+        if let (Some(claim), Some(response)) = (claim, response) {
+            sql.push_str(&format!(
+                "UPDATE {table} SET status = {}, headers = X'{}', body = X'{}' WHERE {}; ",
+                response.status.as_u16(),
+                hex(&response.encode_headers()),
+                hex(&response.body),
+                matches(claim),
+            ));
+        }
         // The empty transaction after the commit stands for the one sqlx
         // counts; sqlx's rollback of it is queued and goes out with the
         // pool's return ping, in the same round trip.
-        let sql = format!(
-            "UPDATE {table} SET status = {}, headers = X'{}', body = X'{}' WHERE {}; \
-             COMMIT; START TRANSACTION",
-            response.status.as_u16(),
-            hex(&response.encode_headers()),
-            hex(&response.body),
-            matches(claim),
-        );
+        sql.push_str("COMMIT; START TRANSACTION");
         sqlx::raw_sql(AssertSqlSafe(sql))
             .execute(&mut ***conn)
             .await?;

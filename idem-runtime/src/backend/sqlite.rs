@@ -182,7 +182,7 @@ impl Backend for Sqlite {
         response: Option<&StoredResponse>,
     ) -> Result<(), sqlx::Error> {
         if let (Some(claim), Some(response)) = (claim, response) {
-            sqlx::query(AssertSqlSafe(Sql::new(table).finish))
+            let stored = sqlx::query(AssertSqlSafe(Sql::new(table).finish))
                 .bind(i64::from(response.status.as_u16()))
                 .bind(response.encode_headers())
                 .bind(&response.body[..])
@@ -190,6 +190,20 @@ impl Backend for Sqlite {
                 .bind(claim.key.as_bytes())
                 .execute(&mut ***conn)
                 .await?;
+            // Some errors (`INSERT OR ROLLBACK`, a full disk) make SQLite
+            // roll the whole transaction back, and the connection then runs
+            // in autocommit: a handler that caught one and answered 2xx
+            // would have its client told of writes that were undone. The
+            // claim's unfinished row is then gone, and the `UPDATE` (which
+            // spares a finished row, another attempt's since) matches
+            // nothing: the request answers 503 instead.
+            if stored.rows_affected() != 1 {
+                return Err(sqlx::Error::Protocol(
+                    "the request's transaction had ended before its commit (rolled back by \
+                     SQLite): its claim's row was gone"
+                        .into(),
+                ));
+            }
         }
         // In process: a second statement costs no round trip, and sqlx's
         // own commit keeps its transaction depth right.
@@ -301,7 +315,7 @@ impl Sql {
             ),
             finish: format!(
                 "UPDATE {table} SET status = ?1, headers = ?2, body = ?3 \
-                 WHERE scope = ?4 AND \"key\" = ?5"
+                 WHERE scope = ?4 AND \"key\" = ?5 AND status IS NULL"
             ),
         }
     }

@@ -1,7 +1,7 @@
 //! MySQL/MariaDB, at `IDEM_TEST_MYSQL_URL` (default the local MariaDB).
 
 use sqlx::mysql::MySqlPoolOptions;
-use sqlx::{MySql, Pool};
+use sqlx::{Connection, Executor, MySql, MySqlConnection, Pool};
 use tokio::sync::OnceCell;
 
 use super::super::app::{self, AppState, TestDb};
@@ -30,6 +30,42 @@ impl TestDb for MySql {
     const TOUCH_EFFECT: &'static str = "UPDATE idem_service_effects SET note = note WHERE id = ?";
 
     crate::test_db_queries!("?");
+
+    async fn end_by_error(conn: &mut sqlx::MySqlConnection, id: i64) -> sqlx::Error {
+        // InnoDB ends a whole transaction only as a deadlock's victim. Another
+        // session takes a row of its own, then waits for this transaction's
+        // effect, while this one waits for that row. The other session has
+        // written more, so InnoDB picks this transaction to roll back.
+        let mut other = MySqlConnection::connect(&url()).await.unwrap();
+        other.execute("START TRANSACTION").await.unwrap();
+        let mut theirs = 0;
+        for _ in 0..20 {
+            theirs = sqlx::query_scalar(Self::INSERT_EFFECT)
+                .bind(&b"deadlock filler"[..])
+                .bind("")
+                .bind("")
+                .bind("")
+                .fetch_one(&mut other)
+                .await
+                .unwrap();
+        }
+        let waiter = tokio::spawn(async move {
+            let touched = sqlx::query(Self::TOUCH_EFFECT)
+                .bind(id)
+                .execute(&mut other)
+                .await;
+            other.execute("ROLLBACK").await.unwrap();
+            touched
+        });
+        let error = sqlx::query(Self::TOUCH_EFFECT)
+            .bind(theirs)
+            .execute(conn)
+            .await
+            .expect_err("this transaction is the deadlock's victim");
+        let touched = waiter.await.unwrap().expect("the other session goes on");
+        assert_eq!(touched.rows_affected(), 0, "the effect was rolled back");
+        error
+    }
 
     async fn connect() -> Pool<Self> {
         let options = MySqlPoolOptions::new().max_connections(40);

@@ -47,6 +47,19 @@ impl TestDb for Postgres {
 
     crate::test_db_queries!("$1");
 
+    async fn end_by_error(conn: &mut sqlx::PgConnection, id: i64) -> sqlx::Error {
+        // A unique violation (the effect again, under its own id) fails the
+        // transaction: PostgreSQL then answers `COMMIT` with a rollback.
+        sqlx::query(
+            "INSERT INTO idem_service_effects (id, scope, key, note, nonce) \
+             SELECT id, scope, key, note, nonce FROM idem_service_effects WHERE id = $1",
+        )
+        .bind(id)
+        .execute(conn)
+        .await
+        .expect_err("the effect's id is taken")
+    }
+
     async fn connect() -> Pool<Self> {
         pool(40).await
     }

@@ -65,6 +65,18 @@ impl TestDb for Sqlite {
 
     crate::test_db_queries!("$1");
 
+    async fn end_by_error(conn: &mut sqlx::SqliteConnection, id: i64) -> sqlx::Error {
+        // The conflict algorithm `ROLLBACK` ends the whole transaction.
+        sqlx::query(
+            "INSERT OR ROLLBACK INTO idem_service_effects (id, scope, \"key\", note, nonce) \
+             SELECT id, scope, \"key\", note, nonce FROM idem_service_effects WHERE id = $1",
+        )
+        .bind(id)
+        .execute(conn)
+        .await
+        .expect_err("the effect's id is taken")
+    }
+
     async fn connect() -> Pool<Self> {
         let pool = pool(file_options(shared_file()).busy_timeout(SHARED_BUSY_TIMEOUT)).await;
         app::prepare_once(&READY, &pool, EFFECTS_DDL).await;

@@ -144,7 +144,7 @@ impl Backend for Postgres {
         response: Option<&StoredResponse>,
     ) -> Result<(), sqlx::Error> {
         let (Some(claim), Some(response)) = (claim, response) else {
-            return PgTransactionManager::commit(conn).await;
+            return commit_unless_failed(conn).await;
         };
         let mut row = ClaimRow::new(table, claim);
         row.prepared = !conn.inlined;
@@ -188,6 +188,24 @@ impl Backend for Postgres {
             .await?
             .rows_affected())
     }
+}
+
+/// Commits a transaction without a stored response (a request without a
+/// key), unless a statement in it failed.
+///
+/// PostgreSQL answers `COMMIT` in a failed transaction by rolling it back,
+/// without an error: a handler that caught a failed statement's error and
+/// answered 2xx would have its client told of writes that were undone (as
+/// sqlx's own `commit()` would). The `SELECT` ahead of the `COMMIT` fails in
+/// a failed transaction, so the request answers 503 instead, in the same
+/// round trip. As in the keyed finish, the text then opens the empty
+/// transaction whose rollback sqlx queues.
+async fn commit_unless_failed(conn: &mut OpenTx<Postgres>) -> Result<(), sqlx::Error> {
+    sqlx::raw_sql("SELECT 1; COMMIT; BEGIN")
+        .execute(&mut ***conn)
+        .await?;
+    PgTransactionManager::start_rollback(conn);
+    Ok(())
 }
 
 /// A claim on PostgreSQL: the row's statements, kept across attempts
