@@ -2,6 +2,7 @@
 
 use http::{HeaderMap, Method, header::CONTENT_TYPE};
 use serde_json::Value;
+use serde_json::value::RawValue;
 use sha2::{Digest, Sha256};
 
 /// SHA-256 over the method, path, query and body of a request.
@@ -12,7 +13,11 @@ use sha2::{Digest, Sha256};
 /// moving bytes between the path and the query yields another fingerprint.
 ///
 /// JSON numbers are compared as RFC 8785 compares them, as IEEE-754 doubles:
-/// `1.0` and `1` are the same value.
+/// `1.0` and `1` are the same value. Integers beyond 2^53, which doubles
+/// cannot all tell apart, are compared by their digits instead (up to 16
+/// levels deep for those beyond 64 bits; deeper, such a body is hashed
+/// byte for byte), so two account numbers or `u128` amounts never share a
+/// fingerprint.
 ///
 /// ```
 /// # use idem_runtime as idem;
@@ -101,15 +106,46 @@ pub fn canonical_json(headers: &HeaderMap, body: &[u8]) -> Option<Vec<u8>> {
 /// holds them equal), which buffers every member and parses every name
 /// again to sort them: about 10k more instructions for a small body, and
 /// 4.1 against 3.3 ms for 256 KiB (most of what is left is the parse).
+///
+/// An integer beyond 64 bits, which serde_json reads as a double (losing
+/// digits), sends the body down a slower path that keeps its digits (see
+/// [`write_number`]).
 pub fn canonicalize(body: &[u8]) -> Option<Vec<u8>> {
     let value: Value = serde_json::from_slice(body).ok()?;
     let mut out = Vec::with_capacity(body.len());
-    write_canonical(&value, &mut out)?;
-    Some(out)
+    match write_canonical(&value, &mut out) {
+        Ok(()) => Some(out),
+        Err(Unwritten::Inexact) => {
+            out.clear();
+            let raw: &RawValue = serde_json::from_slice(body).ok()?;
+            write_exact(raw, &mut out, 0)?;
+            Some(out)
+        }
+        Err(Unwritten::NotJson) => None,
+    }
+}
+
+/// Why [`write_canonical`] stopped.
+enum Unwritten {
+    /// A number JSON cannot hold (only reachable with serde_json's
+    /// `arbitrary_precision`): the body is hashed verbatim.
+    NotJson,
+    /// A double at least 2^63 in magnitude, which may have been an integer
+    /// too long for serde_json to keep: [`write_exact`] reads it again.
+    Inexact,
 }
 
 /// The largest magnitude up to which every integer is exact as a double.
 const EXACT_INTEGERS: u64 = 1 << 53;
+
+/// From this magnitude on, serde_json holds an integer as a double.
+const BEYOND_64_BITS: f64 = 9_223_372_036_854_775_808.0; // 2^63
+
+/// How deep [`write_exact`] reads: each level parses its value's text
+/// again, so the work grows with depth. Deeper bodies with an integer
+/// beyond 64 bits are hashed verbatim instead (safe: another spelling of
+/// them is another request, answered 422, never a wrong replay).
+const EXACT_DEPTH: usize = 16;
 
 /// Appends a number as RFC 8785 writes it (the shortest form that reads
 /// back as the same double), except an integer beyond 2^53 that serde_json
@@ -117,7 +153,12 @@ const EXACT_INTEGERS: u64 = 1 << 53;
 /// 9007199254740992 are one number, but a handler reading a `u64` sees two
 /// (an account number, say), so they must not share a fingerprint. Where
 /// the double is exact, its shortest form is these same digits.
-fn write_number(number: &serde_json::Number, out: &mut Vec<u8>) -> Option<()> {
+///
+/// Integers beyond 64 bits (a `u128` amount in wei, say) keep their digits
+/// too, but serde_json holds them as doubles: a double of 2^63 or more
+/// stops the writer ([`Unwritten::Inexact`]), and the body is written again
+/// by [`write_exact`], from its text.
+fn write_number(number: &serde_json::Number, out: &mut Vec<u8>) -> Result<(), Unwritten> {
     if let Some(int) = number.as_u64().filter(|&int| int > EXACT_INTEGERS) {
         out.extend_from_slice(int.to_string().as_bytes());
     } else if let Some(int) = number
@@ -126,15 +167,20 @@ fn write_number(number: &serde_json::Number, out: &mut Vec<u8>) -> Option<()> {
     {
         out.extend_from_slice(int.to_string().as_bytes());
     } else {
-        let double = number.as_f64().filter(|double| double.is_finite())?;
+        let double = number
+            .as_f64()
+            .filter(|double| double.is_finite())
+            .ok_or(Unwritten::NotJson)?;
+        if double.abs() >= BEYOND_64_BITS {
+            return Err(Unwritten::Inexact);
+        }
         out.extend_from_slice(ryu_js::Buffer::new().format_finite(double).as_bytes());
     }
-    Some(())
+    Ok(())
 }
 
-/// Appends `value` in canonical form; `None` for a number JSON cannot
-/// hold (only reachable with serde_json's `arbitrary_precision`).
-fn write_canonical(value: &Value, out: &mut Vec<u8>) -> Option<()> {
+/// Appends `value` in canonical form.
+fn write_canonical(value: &Value, out: &mut Vec<u8>) -> Result<(), Unwritten> {
     match value {
         Value::Null => out.extend_from_slice(b"null"),
         Value::Bool(true) => out.extend_from_slice(b"true"),
@@ -169,13 +215,13 @@ fn write_canonical(value: &Value, out: &mut Vec<u8>) -> Option<()> {
             out.push(b'}');
         }
     }
-    Some(())
+    Ok(())
 }
 
 fn write_members<'v>(
     members: impl Iterator<Item = (&'v String, &'v Value)>,
     out: &mut Vec<u8>,
-) -> Option<()> {
+) -> Result<(), Unwritten> {
     for (index, (name, value)) in members.enumerate() {
         if index > 0 {
             out.push(b',');
@@ -183,6 +229,69 @@ fn write_members<'v>(
         write_string(name, out);
         out.push(b':');
         write_canonical(value, out)?;
+    }
+    Ok(())
+}
+
+/// [`write_canonical`] from the text of a value, for a body with a number
+/// serde_json cannot hold exactly: containers are parsed a level at a
+/// time, down to each number's own text. The bytes are those
+/// `write_canonical` writes wherever it is exact; an integer beyond 64
+/// bits is written as its own digits. `None` past [`EXACT_DEPTH`].
+fn write_exact(raw: &RawValue, out: &mut Vec<u8>, depth: usize) -> Option<()> {
+    fn parse<'a, T: serde::Deserialize<'a>>(text: &'a str) -> Option<T> {
+        serde_json::from_str(text).ok()
+    }
+    let text = raw.get();
+    match text.as_bytes().first()? {
+        b'{' if depth < EXACT_DEPTH => {
+            // serde_json's own map keeps the last of duplicate names, as
+            // `Value` does.
+            let members: std::collections::BTreeMap<String, &RawValue> = parse(text)?;
+            let mut sorted: Vec<_> = members.into_iter().collect();
+            sorted.sort_unstable_by(|(a, _), (b, _)| utf16_order(a, b));
+            out.push(b'{');
+            for (index, (name, value)) in sorted.into_iter().enumerate() {
+                if index > 0 {
+                    out.push(b',');
+                }
+                write_string(&name, out);
+                out.push(b':');
+                write_exact(value, out, depth + 1)?;
+            }
+            out.push(b'}');
+        }
+        b'[' if depth < EXACT_DEPTH => {
+            let items: Vec<&RawValue> = parse(text)?;
+            out.push(b'[');
+            for (index, item) in items.into_iter().enumerate() {
+                if index > 0 {
+                    out.push(b',');
+                }
+                write_exact(item, out, depth + 1)?;
+            }
+            out.push(b']');
+        }
+        b'{' | b'[' => return None,
+        b'"' => write_string(&parse::<String>(text)?, out),
+        b'-' | b'0'..=b'9' => {
+            let number: serde_json::Number = parse(text)?;
+            match write_number(&number, out) {
+                Ok(()) => {}
+                // JSON's integers have neither a leading zero nor a `+`:
+                // their text is their canonical form.
+                Err(Unwritten::Inexact) if text.bytes().skip(1).all(|b| b.is_ascii_digit()) => {
+                    out.extend_from_slice(text.as_bytes());
+                }
+                Err(Unwritten::Inexact) => {
+                    let double = number.as_f64()?;
+                    out.extend_from_slice(ryu_js::Buffer::new().format_finite(double).as_bytes());
+                }
+                Err(Unwritten::NotJson) => return None,
+            }
+        }
+        // `null`, `true`, `false`: their text is their canonical form.
+        _ => out.extend_from_slice(text.as_bytes()),
     }
     Some(())
 }
@@ -367,6 +476,64 @@ mod tests {
             canonical(b"[9007199254740992, 1e3]"),
             "[9007199254740992,1000]"
         );
+    }
+
+    /// Beyond 64 bits serde_json holds an integer as a double, so such a
+    /// body is written again from its text: `u128` amounts that differ in
+    /// their last digit are two requests, and the rest of the body is
+    /// canonical as ever.
+    #[test]
+    fn integers_beyond_64_bits_keep_their_digits() {
+        assert_ne!(
+            post("/c", None, &json(), br#"{"wei":20000000000000000001}"#),
+            post("/c", None, &json(), br#"{"wei":20000000000000000002}"#)
+        );
+        assert_ne!(
+            post("/c", None, &json(), br#"[-9223372036854775809]"#),
+            post("/c", None, &json(), br#"[-9223372036854775810]"#)
+        );
+        assert_eq!(
+            post(
+                "/c",
+                None,
+                &json(),
+                br#"{"b":[1, 20000000000000000001],"a":"x"}"#
+            ),
+            post(
+                "/c",
+                None,
+                &json(),
+                b"{ \"a\": \"x\",\n \"b\": [1,20000000000000000001] }"
+            )
+        );
+        let canonical = |body: &[u8]| String::from_utf8(canonicalize(body).unwrap()).unwrap();
+        // The slow path writes what the fast one writes, wherever that
+        // is exact: names in UTF-16 order, escapes, doubles, literals.
+        let rest = r#""\u00e9\n", 1.5, -0.0, 1e3, true, null, 9007199254740993, {"\ud800\udc00": 1, "\uffff": 2}"#;
+        let fast = canonical(format!("[{rest}]").as_bytes());
+        let slow =
+            canonical(format!("[{rest}, 340282366920938463463374607431768211455]").as_bytes());
+        assert_eq!(
+            slow,
+            format!(
+                "{},340282366920938463463374607431768211455]",
+                &fast[..fast.len() - 1]
+            )
+        );
+        // A double that large is a double, however it is spelt.
+        assert_eq!(
+            canonical(b"[1e20, 1.5e300]"),
+            "[100000000000000000000,1.5e+300]"
+        );
+        assert_eq!(
+            canonical(b"[100000000000000000000]"),
+            "[100000000000000000000]"
+        );
+        // Too deep to read again level by level: hashed verbatim.
+        let deep = format!("{}20000000000000000001{}", "[".repeat(20), "]".repeat(20));
+        assert_eq!(canonicalize(deep.as_bytes()), None);
+        let shallow = format!("{}20000000000000000001{}", "[".repeat(16), "]".repeat(16));
+        assert_eq!(canonical(shallow.as_bytes()), shallow);
     }
 
     #[test]
