@@ -243,7 +243,91 @@ fn is_table_name(name: &str) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::is_table_name;
+    use std::time::Duration;
+
+    use http::HeaderName;
+
+    use super::{Idem, is_table_name};
+    use crate::Error;
+
+    fn idem() -> Idem<sqlx::Postgres> {
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .connect_lazy("postgres://127.0.0.1:1/none")
+            .unwrap();
+        Idem::new(pool)
+    }
+
+    /// Added headers join the defaults once each; a header that describes
+    /// one connection or one client is refused, and nothing is added.
+    #[tokio::test]
+    async fn replay_headers_add_to_the_defaults_and_refuse_forbidden_ones() {
+        let cost = HeaderName::from_static("x-request-cost");
+        let idem = idem().replay_headers([cost.clone(), cost.clone()]).unwrap();
+        let names = idem.replay_header_names();
+        assert_eq!(names.iter().filter(|name| **name == cost).count(), 1);
+        assert!(names.contains(&http::header::LOCATION), "{names:?}");
+        for forbidden in [
+            "set-cookie",
+            "content-length",
+            "connection",
+            "transfer-encoding",
+        ] {
+            let refused = idem.clone().replay_headers([
+                HeaderName::from_static("x-other"),
+                HeaderName::from_static(forbidden),
+            ]);
+            assert!(
+                matches!(&refused, Err(Error::ForbiddenReplayHeader(name)) if name == forbidden),
+                "{forbidden}: {refused:?}"
+            );
+        }
+        assert!(
+            !idem
+                .replay_header_names()
+                .contains(&HeaderName::from_static("x-other"))
+        );
+    }
+
+    /// The sweeper's first tick comes at once and deletes every expired
+    /// key, 1,000 at a time, however many there are, and nothing else.
+    #[cfg(feature = "sqlite")]
+    #[tokio::test]
+    async fn the_sweeper_deletes_every_expired_key_in_batches() {
+        let pool = sqlx::sqlite::SqlitePoolOptions::new()
+            .max_connections(1)
+            .connect("sqlite::memory:")
+            .await
+            .unwrap();
+        let idem = Idem::new(pool.clone());
+        idem.migrate().await.unwrap();
+        sqlx::raw_sql(
+            "WITH RECURSIVE n(i) AS (SELECT 0 UNION ALL SELECT i + 1 FROM n WHERE i < 2502) \
+             INSERT INTO idem_keys (scope, \"key\", fingerprint, created_at, expires_at) \
+             SELECT 's', CAST(i AS BLOB), x'00', 0, CASE WHEN i < 2500 THEN 1 ELSE 9e15 END FROM n",
+        )
+        .execute(&pool)
+        .await
+        .unwrap();
+        let sweeper = idem.spawn_sweeper(Duration::from_secs(3600));
+        let count = || async {
+            sqlx::query_scalar::<_, i64>("SELECT count(*) FROM idem_keys")
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        };
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while count().await > 3 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{} keys left",
+                count().await
+            );
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(count().await, 3, "the live keys stay");
+        assert!(!sweeper.is_finished(), "it keeps running");
+        sweeper.abort();
+    }
 
     #[test]
     fn table_names_are_plain_identifiers() {
