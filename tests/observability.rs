@@ -95,6 +95,18 @@ async fn scenario(mut after: impl FnMut(Expect)) -> Vec<String> {
         claim: None,
     });
 
+    // Refused by the body extractor (not JSON), after the key was read:
+    // still `rejected`, and no claim.
+    let key5 = key(5);
+    let not_json = send(client.post(&key5, "{not json")).await;
+    assert_eq!(not_json.status, 400, "{not_json:?}");
+    after(Expect {
+        outcome: "rejected",
+        scope: None,
+        key: None,
+        claim: None,
+    });
+
     let unkeyed = send(
         client
             .bare("/effects/optional")
@@ -253,7 +265,7 @@ fn every_outcome_has_its_span_and_no_raw_identifier_is_recorded() {
         );
         checked += 1;
     });
-    assert_eq!(checked, 10);
+    assert_eq!(checked, 11);
 
     // Nothing recorded anywhere holds a raw scope or key; idem's own
     // records do not hold their hex form either.
@@ -267,7 +279,7 @@ fn every_outcome_has_its_span_and_no_raw_identifier_is_recorded() {
                     == Some("idempotent request finished")
         })
         .count();
-    assert_eq!(finished_events, 10, "one closing event per request");
+    assert_eq!(finished_events, 11, "one closing event per request");
     let records = captured.spans.iter().map(|s| ("span", &s.fields)).chain(
         captured
             .events
@@ -355,7 +367,7 @@ fn every_outcome_is_counted_and_every_claim_timed() {
             steps += 1;
         });
     });
-    assert_eq!(steps, 10);
+    assert_eq!(steps, 11);
     // The held request's claim was timed before the duplicate's, so the
     // samples are compared in total.
     for outcome in ["claimed", "finished", "in_use", "error"] {

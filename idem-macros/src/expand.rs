@@ -159,7 +159,12 @@ fn finish(item: &ItemFn, handler: &Handler, krate: &TokenStream) -> TokenStream 
         );
         #run(__idem_store, __idem_prepared, __idem_scope, move |__idem_tx| async move {
             let __idem_output = (Self::__idem_handler(#(#call_args),*).await,);
-            #into_response
+            let __idem_failed = {
+                #[allow(unused_imports)]
+                use #private::{NotResult as _, ResultErr as _};
+                (&#private::ErrProbe(&__idem_output.0)).__idem_is_err()
+            };
+            #private::Answer::new(#into_response, __idem_failed)
         })
         .await
     }
@@ -341,7 +346,9 @@ impl Body {
                 let #local =
                     match <__IdemS as #trait_<#ty #via>>::extract(__idem_request, &__idem_state).await {
                         ::core::result::Result::Ok(value) => value,
-                        ::core::result::Result::Err(rejection) => return rejection,
+                        ::core::result::Result::Err(rejection) => {
+                            return __idem_prepared.rejected(rejection);
+                        }
                     };
             },
         }

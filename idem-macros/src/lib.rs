@@ -16,6 +16,12 @@ use proc_macro::TokenStream;
 ///
 /// See the `idem` crate for the arguments and the full contract.
 ///
+/// A handler declared to return a `Result` (under any alias) rolls its
+/// transaction back on `Err`, whatever the error's status; any answer
+/// rolls back on a transient status (5xx, 408, 429). The return type must
+/// name the `Result` for that: behind `-> impl IntoResponse` only the
+/// status is seen.
+///
 /// The handler's name becomes a unit struct (the value `post(name)`
 /// routes) in the function's module. Inside the handler, parameters and
 /// locals may still be named like it: there, the name is a plain function,

@@ -19,7 +19,7 @@ mod response;
 mod scope;
 mod tx;
 
-pub use backend::{Backend, Claim, ClaimOutcome, OpenTx};
+pub use backend::{Backend, Claim, ClaimOutcome, FinishError, OpenTx};
 pub use error::Error;
 pub use fingerprint::{Fingerprint, canonicalize};
 pub use idem::{DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_TABLE, Idem};
@@ -36,13 +36,43 @@ pub use tx::Tx;
 /// What `#[idempotent]` expands to. Not a public API: it changes without notice.
 #[doc(hidden)]
 pub mod __private {
-    pub use crate::protocol::{Config, KeyMode, Prepared, prepare, run};
+    pub use crate::protocol::{Answer, Config, KeyMode, Prepared, prepare, run};
     pub use axum::extract::{FromRef, FromRequest, FromRequestParts, Request};
     pub use axum::handler::Handler;
     pub use axum::response::{IntoResponse, Response};
 
     /// The future a generated handler returns.
     pub type BoxFuture = std::pin::Pin<Box<dyn std::future::Future<Output = Response> + Send>>;
+
+    /// A reference to a handler's output, for telling an `Err` apart by
+    /// autoref specialisation: `(&ErrProbe(&output)).__idem_is_err()` finds
+    /// [`ResultErr`] for a `Result` (whatever alias names it), and
+    /// [`NotResult`], one reference further, for any other type. Neither
+    /// needs `IntoResponse`, so a type that is not one is still reported by
+    /// the conversion, on the return type.
+    pub struct ErrProbe<'a, T>(pub &'a T);
+
+    /// [`ErrProbe`] of a `Result`.
+    pub trait ResultErr {
+        /// Whether the handler returned `Err`.
+        fn __idem_is_err(&self) -> bool;
+    }
+
+    impl<T, E> ResultErr for ErrProbe<'_, Result<T, E>> {
+        fn __idem_is_err(&self) -> bool {
+            self.0.is_err()
+        }
+    }
+
+    /// [`ErrProbe`] of anything else: never an error.
+    pub trait NotResult {
+        /// Always `false`.
+        fn __idem_is_err(&self) -> bool {
+            false
+        }
+    }
+
+    impl<T> NotResult for &ErrProbe<'_, T> {}
 
     /// Splits a request for the parts extractors.
     pub fn into_parts(request: Request) -> (http::request::Parts, axum::body::Body) {

@@ -29,6 +29,10 @@ pub enum Problem {
     StoreUnavailable,
     /// 500: the handler panicked; nothing was committed.
     HandlerPanicked,
+    /// 500: the handler answered after a database error had failed its
+    /// transaction (one it caught rather than returned); nothing was
+    /// committed.
+    TransactionFailed,
     /// 500: the response could not be stored, so the work was rolled back.
     ResponseNotStored,
 }
@@ -48,7 +52,9 @@ impl Problem {
             Self::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
             Self::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
-            Self::HandlerPanicked | Self::ResponseNotStored => StatusCode::INTERNAL_SERVER_ERROR,
+            Self::HandlerPanicked | Self::TransactionFailed | Self::ResponseNotStored => {
+                StatusCode::INTERNAL_SERVER_ERROR
+            }
         }
     }
 
@@ -63,7 +69,7 @@ impl Problem {
             Self::BodyUnreadable => "request_body_unreadable",
             Self::BodyTimeout => "request_body_timeout",
             Self::StoreUnavailable => "idempotency_store_unavailable",
-            Self::HandlerPanicked => "internal_error",
+            Self::HandlerPanicked | Self::TransactionFailed => "internal_error",
             Self::ResponseNotStored => "idempotency_response_not_stored",
         }
     }
@@ -78,7 +84,7 @@ impl Problem {
             Self::BodyUnreadable => "Request body could not be read",
             Self::BodyTimeout => "Request body too slow",
             Self::StoreUnavailable => "Idempotency key store unavailable",
-            Self::HandlerPanicked => "Internal server error",
+            Self::HandlerPanicked | Self::TransactionFailed => "Internal server error",
             Self::ResponseNotStored => "Response could not be stored",
         }
     }
@@ -92,8 +98,8 @@ impl Problem {
             Self::BodyTooLarge => "The request body is larger than this endpoint accepts.".into(),
             Self::BodyUnreadable => "The request body ended before it was complete.".into(),
             Self::BodyTimeout => "The request body did not arrive in time. Nothing was done; retrying is safe.".into(),
-            Self::StoreUnavailable => "Nothing was done. Retry with the same key after the time given in Retry-After.".into(),
-            Self::HandlerPanicked => "Nothing was done. Retrying with the same key is safe.".into(),
+            Self::StoreUnavailable => "Retry with the same key after the time given in Retry-After: the request either did nothing, or its answer will be replayed.".into(),
+            Self::HandlerPanicked | Self::TransactionFailed => "Nothing was done. Retrying with the same key is safe.".into(),
             Self::ResponseNotStored => "Nothing was done: the response is larger than can be stored for replay.".into(),
         }
     }

@@ -20,7 +20,7 @@ use http_body_util::BodyExt;
 use tracing::{Instrument, Span};
 
 use crate::Idem;
-use crate::backend::{Backend, Claim, ClaimOutcome, OpenTx, abandon};
+use crate::backend::{Backend, Claim, ClaimOutcome, FinishError, OpenTx, abandon};
 use crate::fingerprint::Fingerprint;
 use crate::key::{IdempotencyKey, parse_key};
 use crate::observe::{self, Outcome};
@@ -62,6 +62,16 @@ pub struct Prepared {
     key: Option<(String, Fingerprint)>,
     config: Config,
     span: Span,
+}
+
+impl Prepared {
+    /// The body extractor's rejection, answered as is: the request ends as
+    /// `rejected` (its span and `idem_requests_total` say so), having
+    /// claimed nothing.
+    pub fn rejected(&self, rejection: Response) -> Response {
+        observe::finish(&self.span, Outcome::Rejected);
+        rejection
+    }
 }
 
 /// Validates the key, buffers the body once (honouring `DefaultBodyLimit`
@@ -140,9 +150,32 @@ fn is_length_limit(error: &axum::Error) -> bool {
     false
 }
 
+/// What a handler answered, as the code `#[idempotent]` generates hands it
+/// over: the response, and whether the handler returned `Err`.
+#[derive(Debug)]
+pub struct Answer {
+    response: Response,
+    failed: bool,
+}
+
+impl Answer {
+    /// The handler's response; `failed` when it returned `Err`, whatever the
+    /// error's status: its transaction then rolls back, and nothing is
+    /// stored, as when a plain sqlx handler's `?` drops its `Transaction`.
+    pub fn new(response: Response, failed: bool) -> Self {
+        Self { response, failed }
+    }
+
+    /// Whether the transaction may commit with this answer: not after an
+    /// `Err`, nor with a transient status (5xx, 408, 429), which roll back.
+    fn commits(&self) -> bool {
+        !self.failed && is_storable(self.response.status())
+    }
+}
+
 /// Claims the key in `scope`, runs the handler once, stores its response in
 /// the handler's own commit, or answers from the store without running it.
-pub async fn run<DB, H, Fut, R>(
+pub async fn run<DB, H, Fut>(
     idem: Idem<DB>,
     prepared: Prepared,
     scope: Cow<'_, str>,
@@ -151,8 +184,7 @@ pub async fn run<DB, H, Fut, R>(
 where
     DB: Backend,
     H: FnOnce(Tx<DB>) -> Fut,
-    Fut: Future<Output = R> + Send,
-    R: IntoResponse,
+    Fut: Future<Output = Answer> + Send,
 {
     let span = prepared.span.clone();
     // Hashing costs nothing worth it when no subscriber wants the span.
@@ -186,7 +218,7 @@ where
     response
 }
 
-async fn run_keyed<DB, H, Fut, R>(
+async fn run_keyed<DB, H, Fut>(
     idem: &Idem<DB>,
     claim: &Claim<'_>,
     handler: H,
@@ -194,8 +226,7 @@ async fn run_keyed<DB, H, Fut, R>(
 where
     DB: Backend,
     H: FnOnce(Tx<DB>) -> Fut,
-    Fut: Future<Output = R> + Send,
-    R: IntoResponse,
+    Fut: Future<Output = Answer> + Send,
 {
     let started = std::time::Instant::now();
     let claimed = claim_or_read(idem, claim).await;
@@ -230,14 +261,14 @@ where
     };
     let key = IdempotencyKey::new(claim.scope.to_owned(), claim.key.to_owned());
     let (response, mut conn) = match execute(conn, Some(key), handler).await {
-        Ok(done) => done,
+        Ok((answer, conn)) if answer.commits() => (answer.response, conn),
+        Ok((answer, conn)) => {
+            abandon(conn).await;
+            return (Outcome::RolledBack, answer.response);
+        }
         Err(response) => return (Outcome::RolledBack, response),
     };
-    if !is_storable(response.status()) {
-        abandon(conn).await;
-        return (Outcome::RolledBack, response);
-    }
-    let (stored, headers) = match StoredResponse::capture(
+    let (stored, parts) = match StoredResponse::capture(
         response,
         idem.replay_header_names(),
         idem.response_cap(),
@@ -268,9 +299,9 @@ where
         Ok(()) => {
             conn.release();
             idem.finished_keys().remember(claim.scope, claim.key);
-            (Outcome::Claimed, stored.into_original(headers))
+            (Outcome::Claimed, stored.into_original(parts))
         }
-        Err(error) => (Outcome::StoreUnavailable, commit_failed(conn, error).await),
+        Err(error) => commit_failed(conn, error).await,
     }
 }
 
@@ -307,12 +338,11 @@ async fn claim_or_read<DB: Backend>(
 
 /// A request without a key on a `key = "optional"` handler: one plain
 /// transaction, committed on a storable answer, nothing remembered.
-async fn run_without_key<DB, H, Fut, R>(idem: &Idem<DB>, handler: H) -> (Outcome, Response)
+async fn run_without_key<DB, H, Fut>(idem: &Idem<DB>, handler: H) -> (Outcome, Response)
 where
     DB: Backend,
     H: FnOnce(Tx<DB>) -> Fut,
-    Fut: Future<Output = R> + Send,
-    R: IntoResponse,
+    Fut: Future<Output = Answer> + Send,
 {
     let conn = match DB::begin(idem.pool()).await {
         Ok(conn) => conn,
@@ -325,40 +355,39 @@ where
         }
     };
     let (response, mut conn) = match execute(conn, None, handler).await {
-        Ok(done) => done,
+        Ok((answer, conn)) if answer.commits() => (answer.response, conn),
+        Ok((answer, conn)) => {
+            abandon(conn).await;
+            return (Outcome::RolledBack, answer.response);
+        }
         Err(response) => return (Outcome::RolledBack, response),
     };
-    if !is_storable(response.status()) {
-        abandon(conn).await;
-        return (Outcome::RolledBack, response);
-    }
     match DB::finish(&mut conn, idem.table_name(), None, None).await {
         Ok(()) => {
             conn.release();
             (Outcome::Unkeyed, response)
         }
-        Err(error) => (Outcome::StoreUnavailable, commit_failed(conn, error).await),
+        Err(error) => commit_failed(conn, error).await,
     }
 }
 
 /// Runs the handler on the claimed transaction and takes the connection
 /// back. A panic, or a `Tx` that outlives its handler, rolls back.
-async fn execute<DB, H, Fut, R>(
+async fn execute<DB, H, Fut>(
     conn: OpenTx<DB>,
     key: Option<IdempotencyKey>,
     handler: H,
-) -> Result<(Response, OpenTx<DB>), Response>
+) -> Result<(Answer, OpenTx<DB>), Response>
 where
     DB: Backend,
     H: FnOnce(Tx<DB>) -> Fut,
-    Fut: Future<Output = R> + Send,
-    R: IntoResponse,
+    Fut: Future<Output = Answer> + Send,
 {
     let (tx, mut back) = Tx::new(conn, key);
     let outcome = AssertUnwindSafe(handler(tx)).catch_unwind().await;
     let conn = back.try_recv();
     let response = match outcome {
-        Ok(response) => response.into_response(),
+        Ok(answer) => answer,
         Err(_) => {
             if let Ok(conn) = conn {
                 abandon(conn).await;
@@ -382,10 +411,28 @@ where
 
 /// The commit failed, so the client must not be told the work succeeded.
 /// If the commit did land, a retry replays it; if not, a retry redoes it.
-async fn commit_failed<DB: Backend>(conn: OpenTx<DB>, error: sqlx::Error) -> Response {
-    tracing::warn!(error = %error, "storing the idempotent response failed; rolled back");
+async fn commit_failed<DB: Backend>(conn: OpenTx<DB>, error: FinishError) -> (Outcome, Response) {
     abandon(conn).await;
-    Problem::StoreUnavailable.into_response()
+    match error {
+        FinishError::Ended(error) => {
+            tracing::error!(
+                error = %error,
+                "the handler's transaction had already failed when it answered \
+                 (a database error the handler did not return?); rolled back"
+            );
+            (
+                Outcome::RolledBack,
+                Problem::TransactionFailed.into_response(),
+            )
+        }
+        FinishError::Store(error) => {
+            tracing::warn!(error = %error, "committing the handler's transaction failed");
+            (
+                Outcome::StoreUnavailable,
+                Problem::StoreUnavailable.into_response(),
+            )
+        }
+    }
 }
 
 #[cfg(test)]
@@ -473,7 +520,9 @@ mod tests {
                 wait: Duration::ZERO,
             };
             let acquire = std::mem::size_of_val(&idem.pool().acquire());
-            let run = std::mem::size_of_val(&run_keyed(idem, &claim, |_tx| async { "" }));
+            let answer = || Answer::new(Response::default(), false);
+            let run =
+                std::mem::size_of_val(&run_keyed(idem, &claim, |_tx| async move { answer() }));
             (run, acquire)
         }
         let mut sizes = vec![("postgres", size(&idem()))];

@@ -3,7 +3,7 @@
 use axum::body::Body;
 use axum::response::Response;
 use bytes::Bytes;
-use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
+use http::{HeaderName, HeaderValue, StatusCode, header};
 use http_body_util::{BodyExt, Limited};
 
 /// Header added to every replayed response.
@@ -76,13 +76,14 @@ pub enum CaptureError {
 impl StoredResponse {
     /// Buffers a handler's response, keeping at most `limit` body bytes.
     ///
-    /// Returns the stored form and the full header map of the original, so
-    /// the first client gets exactly what the handler produced.
+    /// Returns the stored form and the original's parts (every header, its
+    /// extensions), so the first client, and the middleware on the way to
+    /// it, get exactly what the handler produced.
     pub async fn capture(
         response: Response,
         allow: &[HeaderName],
         limit: usize,
-    ) -> Result<(Self, HeaderMap), CaptureError> {
+    ) -> Result<(Self, http::response::Parts), CaptureError> {
         let (parts, body) = response.into_parts();
         let body = match Limited::new(body, limit).collect().await {
             Ok(collected) => collected.to_bytes(),
@@ -104,7 +105,7 @@ impl StoredResponse {
             headers,
             body,
         };
-        Ok((stored, parts.headers))
+        Ok((stored, parts))
     }
 
     /// The response for a retry: the stored one plus `Idempotent-Replayed: true`.
@@ -119,13 +120,10 @@ impl StoredResponse {
         response
     }
 
-    /// The response for the first attempt: the body just captured, with
-    /// every header the handler set.
-    pub(crate) fn into_original(self, headers: HeaderMap) -> Response {
-        let mut response = Response::new(Body::from(self.body));
-        *response.status_mut() = self.status;
-        *response.headers_mut() = headers;
-        response
+    /// The response for the first attempt: the body just captured, in the
+    /// handler's own parts (status, every header, extensions).
+    pub(crate) fn into_original(self, parts: http::response::Parts) -> Response {
+        Response::from_parts(parts, Body::from(self.body))
     }
 
     /// Encodes the headers for storage: per header, a big-endian u16 name
@@ -200,7 +198,7 @@ mod tests {
         let (stored, all) = StoredResponse::capture(original, DEFAULT_REPLAY_HEADERS, 1024)
             .await
             .unwrap();
-        assert!(all.contains_key(header::SET_COOKIE));
+        assert!(all.headers.contains_key(header::SET_COOKIE));
         assert_eq!(stored.status, StatusCode::CREATED);
         assert!(stored.headers.iter().all(|(n, _)| n != header::SET_COOKIE));
         let decoded =
@@ -213,6 +211,30 @@ mod tests {
         assert!(!replay.headers().contains_key(header::SET_COOKIE));
         let body = replay.into_body().collect().await.unwrap().to_bytes();
         assert_eq!(&body[..], b"{\"id\":7}");
+    }
+
+    /// The first attempt's answer is the handler's own, bar the buffered
+    /// body: what it put in the extensions still reaches the middleware
+    /// (an error kept there for a logging layer, say).
+    #[tokio::test]
+    async fn the_first_answer_keeps_the_handlers_parts() {
+        #[derive(Clone, Debug, PartialEq)]
+        struct Logged(&'static str);
+        let mut original = (StatusCode::CONFLICT, "{}").into_response();
+        original.extensions_mut().insert(Logged("card declined"));
+        *original.version_mut() = http::Version::HTTP_2;
+        let (stored, parts) = StoredResponse::capture(original, DEFAULT_REPLAY_HEADERS, 1024)
+            .await
+            .unwrap();
+        let first = stored.into_original(parts);
+        assert_eq!(first.status(), StatusCode::CONFLICT);
+        assert_eq!(first.version(), http::Version::HTTP_2);
+        assert_eq!(
+            first.extensions().get::<Logged>(),
+            Some(&Logged("card declined"))
+        );
+        let body = first.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(&body[..], b"{}");
     }
 
     #[tokio::test]

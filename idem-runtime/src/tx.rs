@@ -25,8 +25,10 @@ use crate::key::IdempotencyKey;
 /// ```
 ///
 /// There is no `commit()` or `rollback()`: the wrapper commits when the
-/// handler's response is storable (below 500, not 408/429) and rolls back
-/// otherwise, on error and on panic.
+/// handler answers `Ok` (or a plain response) with a storable status (below
+/// 500, not 408/429), and rolls back otherwise: on any `Err`, whatever its
+/// status (as a plain sqlx handler's `?` drops its transaction), and on
+/// panic. A nested `sqlx::Connection::begin(&mut *tx)` is a savepoint.
 pub struct Tx<DB: Database> {
     conn: Option<OpenTx<DB>>,
     key: Option<IdempotencyKey>,

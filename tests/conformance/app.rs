@@ -73,6 +73,34 @@ pub trait TestDb: idem::Backend + Sized {
         pool: &sqlx::Pool<Self>,
         scope: &str,
     ) -> impl std::future::Future<Output = i64> + Send;
+    /// Claims of `(scope, key)` (default table) waiting for a lock, as the
+    /// database shows them: only requests of that scope and key can be
+    /// counted, so other tests' waits on the same server never are. `None`
+    /// where such a wait is not the database's to show (SQLite: a duplicate
+    /// waits in-process, in the store's single flight).
+    ///
+    /// MariaDB answers this and [`lock_waiters`](Self::lock_waiters) from a
+    /// cache of InnoDB's lock tables, refreshed only by a read coming more
+    /// than 100 ms after the previous one (anyone's): a caller polling
+    /// faster sees the first answer forever. Space reads out (the suite's
+    /// `spaced` does, process-wide).
+    fn claim_waiters(
+        pool: &sqlx::Pool<Self>,
+        scope: &str,
+        key: &str,
+    ) -> impl std::future::Future<Output = Option<i64>> + Send;
+    /// Sessions waiting for a lock that the transaction open on `holder`
+    /// holds (asked on `holder` itself, which names it). `None` where the
+    /// database cannot tell (SQLite: its one write lock is waited for in
+    /// each connection's busy handler, invisible to the others).
+    fn lock_waiters(
+        holder: &mut Self::Connection,
+    ) -> impl std::future::Future<Output = Option<i64>> + Send;
+    /// Whether `conn` is inside a transaction, as the database (not sqlx's
+    /// count) sees it.
+    fn in_transaction(
+        conn: &mut Self::Connection,
+    ) -> impl std::future::Future<Output = bool> + Send;
 }
 
 /// The `TestDb` methods every engine writes alike, but for its
@@ -287,18 +315,29 @@ pub struct Effect {
     pub nonce: String,
 }
 
-/// A statement of the handler failed: 500, with the error.
-pub struct HandlerError(pub sqlx::Error);
+/// The handler's `Err`.
+pub enum HandlerError {
+    /// A statement failed: 500, with the error.
+    Database(sqlx::Error),
+    /// The handler refused the request, after writing, with this status
+    /// (`error:<status>` mode): an `Err` rolls back whatever its status.
+    Refused(StatusCode),
+}
 
 impl From<sqlx::Error> for HandlerError {
     fn from(error: sqlx::Error) -> Self {
-        Self(error)
+        Self::Database(error)
     }
 }
 
 impl IntoResponse for HandlerError {
     fn into_response(self) -> Response {
-        (StatusCode::INTERNAL_SERVER_ERROR, format!("{}\n", self.0)).into_response()
+        match self {
+            Self::Database(error) => {
+                (StatusCode::INTERNAL_SERVER_ERROR, format!("{error}\n")).into_response()
+            }
+            Self::Refused(status) => (status, "refused\n").into_response(),
+        }
     }
 }
 
@@ -521,6 +560,10 @@ macro_rules! define_app {
                     // ended its transaction, and answers 201 anyway.
                     "end-by-error" => {
                         let _swallowed = <$db as TestDb>::end_by_error(&mut **tx, id).await;
+                    }
+                    m if m.starts_with("error:") => {
+                        let status = StatusCode::from_u16(m[6..].parse().unwrap()).unwrap();
+                        return Err(HandlerError::Refused(status));
                     }
                     m if m.starts_with("status:") => {
                         let status = StatusCode::from_u16(m[7..].parse().unwrap()).unwrap();

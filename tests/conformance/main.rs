@@ -61,6 +61,7 @@ macro_rules! all_engines {
                 nested_transactions_are_savepoints,
                 connections_come_back_outside_any_transaction,
                 ended_transactions_are_not_successes,
+                handler_errors_roll_back,
             );
         )*
 

@@ -1,6 +1,8 @@
 //! The contract, written once: every test is generic over the engine and
 //! talks to a real server over HTTP on loopback.
 
+use std::time::{Duration, Instant};
+
 use futures::future::join_all;
 use reqwest::{Method, StatusCode};
 
@@ -13,7 +15,7 @@ pub use crate::expiry::{
 };
 pub use crate::transactions::{
     connections_come_back_outside_any_transaction, ended_transactions_are_not_successes,
-    nested_transactions_are_savepoints,
+    handler_errors_roll_back, nested_transactions_are_savepoints,
 };
 
 pub const BODY: &str = r#"{"note":"charge 1250 eur"}"#;
@@ -115,6 +117,22 @@ pub async fn in_flight_duplicates_get_409_or_wait<DB: TestDb>() {
         )
         .await;
     let waiter = tokio::spawn(send(client.post("/effects/wait", "w2", BODY)));
+    // The first attempt goes on only once its duplicate is seen waiting in
+    // its claim, for the first attempt's key: its answer then comes after
+    // the wait, and must be the first attempt's.
+    let pool = server.state.idem.pool();
+    let seen = one_waiter("the duplicate's claim of w2", async || {
+        DB::claim_waiters(pool, &caller, "w2").await
+    })
+    .await;
+    // SQLite shows no such wait: there a duplicate waits in-process (the
+    // store's single flight) and the release may come before it claims, so
+    // on SQLite this part shows only that it replays, not that it waited.
+    assert!(
+        seen || DB::ENGINE == "sqlite",
+        "{}: no wait to see",
+        DB::ENGINE
+    );
     hold_w.release.notify_one();
     let waited = waiter.await.unwrap();
     let original_w = waiting_first.await.unwrap();
@@ -128,6 +146,41 @@ pub async fn in_flight_duplicates_get_409_or_wait<DB: TestDb>() {
         release_and_replay(&hold, first, &client).await;
     }
     assert_eq!(server.effects(&caller).await, 3, "k, w and w2 once each");
+}
+
+/// Polls `waiters` (a `TestDb` count of lock waiters) until it counts one,
+/// within a deadline; `false` at once if the engine cannot show the wait
+/// (`None`). More than one is a failure: the counts are of one request.
+async fn one_waiter(what: &str, mut waiters: impl AsyncFnMut() -> Option<i64>) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        match spaced(&mut waiters).await {
+            None => return false,
+            Some(0) => {}
+            Some(1) => return true,
+            Some(n) => panic!("{what}: {n} waiters, expected one"),
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{what}: never seen waiting for a lock"
+        );
+    }
+}
+
+/// Runs one count of lock waiters, at least 150 ms after the previous one
+/// in this process: MariaDB's information schema refreshes its copy of
+/// InnoDB's lock tables only for a read more than 100 ms after the last
+/// (see `TestDb::claim_waiters`), so faster polls, or two tests' polls
+/// interleaved, would read a stale copy forever.
+async fn spaced(waiters: &mut impl AsyncFnMut() -> Option<i64>) -> Option<i64> {
+    static LAST: tokio::sync::Mutex<Option<Instant>> = tokio::sync::Mutex::const_new(None);
+    let mut last = LAST.lock().await;
+    if let Some(last) = *last {
+        tokio::time::sleep_until((last + Duration::from_millis(150)).into()).await;
+    }
+    let count = waiters().await;
+    *last = Some(Instant::now());
+    count
 }
 
 /// Lets a held first attempt of `k` finish; a retry then replays it.
@@ -363,11 +416,17 @@ pub async fn killed_server_leaves_nothing_behind<DB: TestDb>() {
         0,
         "the write died with its transaction"
     );
+    assert_eq!(
+        server.keys(&caller).await,
+        0,
+        "the claim died with it: no memory without its effect"
+    );
     // `wait` lets the retry queue behind the dead transaction until the
     // database notices the closed connection and rolls it back.
     let retry = send(server.client(&caller).post("/effects/wait", "k", BODY)).await;
     assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
     assert_eq!(server.effects(&caller).await, 1);
+    assert_eq!(server.keys(&caller).await, 1);
     let again = send(server.client(&caller).post("/effects/wait", "k", BODY)).await;
     assert!(again.replayed());
     assert_eq!(server.effects(&caller).await, 1);
@@ -549,12 +608,29 @@ pub async fn cancelled_requests_roll_back<DB: TestDb>() {
     assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
     assert!(!retry.replayed());
     // Every pooled connection is usable and outside any transaction: many
-    // requests in a row each commit exactly their own effect.
+    // requests in a row each commit exactly their own effect, and the
+    // database finds each connection of the pool outside a transaction.
     for i in 0..20 {
         let answer = send(client.post("/effects", &format!("after-{i}"), BODY)).await;
         assert_eq!(answer.status, StatusCode::CREATED);
     }
     assert_eq!(server.effects(&caller).await, 21);
+    let pool = server.state.idem.pool();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while pool.num_idle() < pool.size() as usize {
+        assert!(Instant::now() < deadline, "a connection never came back");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let mut connections = Vec::new();
+    for _ in 0..pool.size() {
+        connections.push(pool.acquire().await.unwrap());
+    }
+    for conn in &mut connections {
+        assert!(
+            !DB::in_transaction(&mut **conn).await,
+            "a connection came back inside a transaction"
+        );
+    }
 }
 
 /// The claim's short lock timeout covers the claim only: the handler's own
@@ -565,14 +641,29 @@ pub async fn handler_statements_may_wait_on_locks<DB: TestDb>() {
     let client = server.client(&caller);
     let target = send(client.post("/effects", "target", BODY)).await;
     let id = serde_json::from_slice::<Effect>(&target.body).unwrap().id;
-    let holder = DB::lock_effect(server.state.idem.pool(), id).await;
+    let mut holder = DB::lock_effect(server.state.idem.pool(), id).await;
     let waiting = tokio::spawn(send(
         client
             .post("/effects", "k", BODY)
             .header("x-test-mode", format!("touch:{id}")),
     ));
-    // Holding the lock far longer than the claim's 1 ms timeout is the point.
-    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    // Only this test's handler can wait for `holder`: the row is this
+    // test's. Seen waiting, it must still wait well past the claim's 1 ms
+    // lock timeout (the hold's length is the point, not a synchronisation).
+    let mut waits = async || DB::lock_waiters(&mut *holder).await;
+    if one_waiter("the handler's UPDATE", &mut waits).await {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(
+            spaced(&mut waits).await,
+            Some(1),
+            "the handler's UPDATE gave up"
+        );
+    } else {
+        // SQLite shows no wait: its one write lock makes the claim's own
+        // `BEGIN IMMEDIATE` wait for `holder` (under the busy timeout, not
+        // the claim's), so there the handler's statements never wait.
+        assert_eq!(DB::ENGINE, "sqlite", "no wait to see");
+    }
     holder.commit().await.unwrap();
     let answer = waiting.await.unwrap();
     assert_eq!(answer.status, StatusCode::CREATED, "{answer:?}");

@@ -106,6 +106,13 @@ pub async fn connections_come_back_outside_any_transaction<DB: TestDb>() {
             !conn.is_in_transaction(),
             "a connection came back inside a transaction"
         );
+        // sqlx's count can be wrong the other way, and a plain `BEGIN`
+        // inside a transaction only warns (PostgreSQL) or commits it
+        // (MySQL): ask the database.
+        assert!(
+            !DB::in_transaction(&mut **conn).await,
+            "a connection came back inside a transaction, unknown to sqlx"
+        );
         let plain = conn.begin().await.expect("a plain BEGIN");
         plain.commit().await.expect("its COMMIT");
     }
@@ -115,9 +122,10 @@ pub async fn connections_come_back_outside_any_transaction<DB: TestDb>() {
 /// ended its transaction (PostgreSQL's failed transaction, InnoDB's
 /// deadlock victim, SQLite's `INSERT OR ROLLBACK`), and answers 201 anyway,
 /// is not reported as a success: its effect is gone, so its client is told
-/// 503 and a retry runs it again. With a key (on MySQL, the finish must not
-/// commit in autocommit) and without one (PostgreSQL answers `COMMIT` in a
-/// failed transaction with a silent rollback).
+/// 500 (the handler's fault, not the store's) and a retry runs it again.
+/// With a key (on MySQL, the finish must not commit in autocommit) and
+/// without one (PostgreSQL answers `COMMIT` in a failed transaction with a
+/// silent rollback).
 pub async fn ended_transactions_are_not_successes<DB: TestDb>() {
     let server = start::<DB>().await;
     let caller = unique("ended");
@@ -134,11 +142,10 @@ pub async fn ended_transactions_are_not_successes<DB: TestDb>() {
         let answer = send(request).await;
         assert_eq!(
             answer.status,
-            StatusCode::SERVICE_UNAVAILABLE,
+            StatusCode::INTERNAL_SERVER_ERROR,
             "{what}: {answer:?}"
         );
-        assert_eq!(answer.problem_code(), "idempotency_store_unavailable");
-        assert!(answer.header("retry-after").is_some(), "{what}: {answer:?}");
+        assert_eq!(answer.problem_code(), "internal_error", "{what}");
         assert_eq!(server.effects(&caller).await, 0, "{what}");
     }
     assert_eq!(server.keys(&caller).await, 0, "no response was stored");
@@ -148,4 +155,55 @@ pub async fn ended_transactions_are_not_successes<DB: TestDb>() {
     assert!(!retry.replayed(), "{retry:?}");
     assert_eq!(server.effects(&caller).await, 1);
     assert!(send(client.post("/effects", "k", BODY)).await.replayed());
+}
+
+/// A handler that returns `Err` after writing rolls back whatever the
+/// error's status, as a plain sqlx handler's `?` drops its transaction: a
+/// 402 `Err` leaves no effect and stores nothing, so a retry runs again,
+/// while the same 402 as `Ok` is stored with its effect.
+pub async fn handler_errors_roll_back<DB: TestDb>() {
+    let server = start::<DB>().await;
+    let caller = unique("errors");
+    let client = server.client(&caller);
+    let mode = |key: &str, mode: &str| {
+        client
+            .post("/effects", key, BODY)
+            .header("x-test-mode", mode.to_owned())
+    };
+    for status in [402, 404, 409, 200, 201] {
+        let key = format!("err{status}");
+        let failed = send(mode(&key, &format!("error:{status}"))).await;
+        assert_eq!(failed.status.as_u16(), status, "{failed:?}");
+        assert_eq!(failed.body, &b"refused\n"[..]);
+        assert_eq!(
+            server.effects(&caller).await,
+            0,
+            "Err({status}) kept its write"
+        );
+        assert_eq!(server.keys(&caller).await, 0, "Err({status}) was stored");
+    }
+    let retry = send(client.post("/effects", "err402", BODY)).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
+    assert!(!retry.replayed());
+    assert_eq!(server.effects(&caller).await, 1);
+
+    // Without a key too.
+    let keyless = client
+        .request(Method::POST, "/effects/optional")
+        .header("content-type", "application/json")
+        .header("x-test-mode", "error:402")
+        .body(BODY);
+    assert_eq!(send(keyless).await.status.as_u16(), 402);
+    assert_eq!(
+        server.effects(&caller).await,
+        1,
+        "a keyless Err kept its write"
+    );
+
+    let refused = send(mode("ok402", "status:402")).await;
+    assert_eq!(refused.status.as_u16(), 402);
+    assert_eq!(server.effects(&caller).await, 2, "Ok(402) commits");
+    let again = send(client.post("/effects", "ok402", BODY)).await;
+    assert!(again.replayed(), "Ok(402) is stored: {again:?}");
+    assert_eq!(again.body, refused.body);
 }

@@ -55,6 +55,43 @@ pub enum ClaimOutcome<DB: Database> {
     InUse,
 }
 
+/// Why [`Backend::finish`] did not commit.
+#[derive(Debug)]
+pub enum FinishError {
+    /// The request's transaction had already failed or ended before the
+    /// finish: a statement of the handler's failed (PostgreSQL then refuses
+    /// every statement until the rollback; InnoDB and SQLite roll some
+    /// failures back whole), and the handler answered as if it had not.
+    /// Nothing of the transaction commits.
+    Ended(sqlx::Error),
+    /// The store failed the finish: a lost connection, a refused commit.
+    /// The commit may have landed, in which case a retry replays it.
+    Store(sqlx::Error),
+}
+
+impl From<sqlx::Error> for FinishError {
+    fn from(error: sqlx::Error) -> Self {
+        Self::Store(error)
+    }
+}
+
+impl std::fmt::Display for FinishError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Ended(error) => write!(f, "the transaction had already failed: {error}"),
+            Self::Store(error) => error.fmt(f),
+        }
+    }
+}
+
+impl std::error::Error for FinishError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::Ended(error) | Self::Store(error) => Some(error),
+        }
+    }
+}
+
 mod sealed {
     pub trait Sealed {}
 }
@@ -95,14 +132,15 @@ pub trait Backend: Database + sealed::Sealed {
     fn begin(pool: &Pool<Self>) -> impl Future<Output = Result<OpenTx<Self>, sqlx::Error>> + Send;
 
     /// Stores the response on the claimed row and commits, in as few round
-    /// trips as the engine allows. `None` commits without storing.
+    /// trips as the engine allows. `None` commits without storing. Neither
+    /// commits a transaction that has already failed or ended.
     #[doc(hidden)]
     fn finish(
         conn: &mut OpenTx<Self>,
         table: &str,
         claim: Option<&Claim<'_>>,
         response: Option<&StoredResponse>,
-    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+    ) -> impl Future<Output = Result<(), FinishError>> + Send;
 
     /// Rolls the open transaction back.
     #[doc(hidden)]

@@ -47,7 +47,7 @@ use sqlx::pool::PoolConnection;
 use sqlx::{AssertSqlSafe, MySql, Pool, Row, SqlSafeStr};
 use sqlx_core::transaction::TransactionManager;
 
-use super::{Backend, Claim, ClaimOutcome, Failure, OpenTx, abandon, finished, hex};
+use super::{Backend, Claim, ClaimOutcome, Failure, FinishError, OpenTx, abandon, finished, hex};
 use crate::Error;
 use crate::response::StoredResponse;
 
@@ -55,6 +55,8 @@ impl super::sealed::Sealed for MySql {}
 
 const ER_LOCK_WAIT_TIMEOUT: u16 = 1205;
 const ER_LOCK_DEADLOCK: u16 = 1213;
+/// A savepoint that does not exist: the finish's, outside a transaction.
+const ER_SP_DOES_NOT_EXIST: u16 = 1305;
 /// MariaDB: `max_statement_time` interrupted the statement.
 const ER_STATEMENT_TIMEOUT: u16 = 1969;
 
@@ -132,7 +134,7 @@ impl Backend for MySql {
         table: &str,
         claim: Option<&Claim<'_>>,
         response: Option<&StoredResponse>,
-    ) -> Result<(), sqlx::Error> {
+    ) -> Result<(), FinishError> {
         // InnoDB rolls a whole transaction back on a deadlock, and the
         // session then runs in autocommit: a handler that caught that error
         // and answered 2xx would have its client told of writes that were
@@ -155,9 +157,16 @@ impl Backend for MySql {
         // counts; sqlx's rollback of it is queued and goes out with the
         // pool's return ping, in the same round trip.
         sql.push_str("COMMIT; START TRANSACTION");
-        sqlx::raw_sql(AssertSqlSafe(sql))
+        if let Err(error) = sqlx::raw_sql(AssertSqlSafe(sql))
             .execute(&mut ***conn)
-            .await?;
+            .await
+        {
+            return Err(if number(&error) == Some(ER_SP_DOES_NOT_EXIST) {
+                FinishError::Ended(error)
+            } else {
+                FinishError::Store(error)
+            });
+        }
         MySqlTransactionManager::start_rollback(conn);
         Ok(())
     }

@@ -52,7 +52,7 @@ use sqlx_core::transaction::TransactionManager;
 use tokio::time::Instant;
 
 use super::single_flight::{self, Slot};
-use super::{Backend, Claim, ClaimOutcome, OpenTx, abandon, finished};
+use super::{Backend, Claim, ClaimOutcome, FinishError, OpenTx, abandon, finished};
 use crate::Error;
 use crate::response::StoredResponse;
 
@@ -180,7 +180,7 @@ impl Backend for Sqlite {
         table: &str,
         claim: Option<&Claim<'_>>,
         response: Option<&StoredResponse>,
-    ) -> Result<(), sqlx::Error> {
+    ) -> Result<(), FinishError> {
         if let (Some(claim), Some(response)) = (claim, response) {
             let stored = sqlx::query(AssertSqlSafe(Sql::new(table).finish))
                 .bind(i64::from(response.status.as_u16()))
@@ -198,16 +198,22 @@ impl Backend for Sqlite {
             // spares a finished row, another attempt's since) matches
             // nothing: the request answers 503 instead.
             if stored.rows_affected() != 1 {
-                return Err(sqlx::Error::Protocol(
-                    "the request's transaction had ended before its commit (rolled back by \
-                     SQLite): its claim's row was gone"
-                        .into(),
-                ));
+                return Err(FinishError::Ended(sqlx::Error::Protocol(
+                    "SQLite had rolled the transaction back: the claim's row was gone".into(),
+                )));
             }
         }
         // In process: a second statement costs no round trip, and sqlx's
-        // own commit keeps its transaction depth right.
-        SqliteTransactionManager::commit(conn).await
+        // own commit keeps its transaction depth right. Without a key, a
+        // transaction SQLite rolled back is told by the commit itself.
+        SqliteTransactionManager::commit(conn)
+            .await
+            .map_err(|error| match &error {
+                sqlx::Error::Database(db) if db.message().contains("no transaction is active") => {
+                    FinishError::Ended(error)
+                }
+                _ => FinishError::Store(error),
+            })
     }
 
     async fn rollback(conn: &mut sqlx::pool::PoolConnection<Self>) -> Result<(), sqlx::Error> {

@@ -31,6 +31,58 @@ impl TestDb for MySql {
 
     crate::test_db_queries!("?");
 
+    async fn claim_waiters(pool: &Pool<Self>, scope: &str, key: &str) -> Option<i64> {
+        // InnoDB names the record each waiter asks for: a claim of this
+        // (scope, key) waits for the key table's primary-key record
+        // (scope, key), which InnoDB writes as `0x<scope>, 0x<key>`. The
+        // scope is unique to one test. (MariaDB's tables; MySQL 8 moved
+        // them to `performance_schema.data_lock_waits`.) These tables are
+        // a cache that a read refreshes only 100 ms after the last read by
+        // anyone: see `TestDb::claim_waiters`.
+        let count = sqlx::query_scalar(
+            "SELECT count(DISTINCT w.requesting_trx_id) \
+             FROM information_schema.innodb_lock_waits w \
+             JOIN information_schema.innodb_locks l ON l.lock_id = w.requested_lock_id \
+             WHERE l.lock_table = CONCAT('`', DATABASE(), '`.`idem_keys`') \
+             AND l.lock_index = 'PRIMARY' \
+             AND l.lock_data = CONCAT('0x', HEX(?), ', 0x', HEX(?))",
+        )
+        .bind(scope.as_bytes())
+        .bind(key.as_bytes())
+        .fetch_one(pool)
+        .await
+        .unwrap();
+        Some(count)
+    }
+
+    async fn lock_waiters(holder: &mut MySqlConnection) -> Option<i64> {
+        // The transactions InnoDB lists as blocked by the one of this
+        // session (the information schema ignores the holder's snapshot; it
+        // has a cache of its own, as in `claim_waiters`).
+        let count = sqlx::query_scalar(
+            "SELECT count(DISTINCT w.requesting_trx_id) \
+             FROM information_schema.innodb_lock_waits w \
+             JOIN information_schema.innodb_trx b ON b.trx_id = w.blocking_trx_id \
+             WHERE b.trx_mysql_thread_id = CONNECTION_ID()",
+        )
+        .fetch_one(holder)
+        .await
+        .unwrap();
+        Some(count)
+    }
+
+    async fn in_transaction(conn: &mut MySqlConnection) -> bool {
+        // A `BEGIN` would not tell: inside a transaction it commits it.
+        // With autocommit off, every statement opens a transaction: as bad
+        // for the connection's next user.
+        let open: i64 =
+            sqlx::query_scalar("SELECT CAST(@@in_transaction OR NOT @@autocommit AS SIGNED)")
+                .fetch_one(conn)
+                .await
+                .unwrap();
+        open != 0
+    }
+
     async fn end_by_error(conn: &mut sqlx::MySqlConnection, id: i64) -> sqlx::Error {
         // InnoDB ends a whole transaction only as a deadlock's victim. Another
         // session takes a row of its own, then waits for this transaction's

@@ -47,6 +47,61 @@ impl TestDb for Postgres {
 
     crate::test_db_queries!("$1");
 
+    async fn claim_waiters(pool: &Pool<Self>, scope: &str, key: &str) -> Option<i64> {
+        // A waiting claim shows as a backend waiting on a `Lock`; which
+        // claim it is, only its statement says: the store inlines every
+        // value as hex (`E'\\x..'`, simple query protocol), and this scope
+        // is unique to one test. Were the values ever bound instead, no
+        // statement would match: the caller's bounded poll then fails
+        // loudly, it never passes by accident.
+        let count = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE datname = current_database() AND wait_event_type = 'Lock' \
+             AND strpos(lower(query), $1) > 0 AND strpos(lower(query), $2) > 0",
+        )
+        .bind(hex::encode(scope))
+        .bind(hex::encode(key))
+        .fetch_one(pool)
+        .await
+        .unwrap();
+        Some(count)
+    }
+
+    async fn lock_waiters(holder: &mut sqlx::PgConnection) -> Option<i64> {
+        // `pg_locks` and `pg_blocking_pids` read the lock manager live (unlike
+        // `pg_stat_activity`, which a transaction snapshots), so polling
+        // inside the holder's transaction sees each new waiter.
+        let count = sqlx::query_scalar(
+            "SELECT count(DISTINCT pid) FROM pg_locks \
+             WHERE NOT granted AND pg_backend_pid() = ANY (pg_blocking_pids(pid))",
+        )
+        .fetch_one(holder)
+        .await
+        .unwrap();
+        Some(count)
+    }
+
+    async fn in_transaction(conn: &mut sqlx::PgConnection) -> bool {
+        // Two statements share a transaction id exactly when one transaction
+        // holds both; outside one, each runs (and commits) in its own. A
+        // `BEGIN` would not tell: inside a transaction it only warns.
+        let mut ids = Vec::new();
+        for _ in 0..2 {
+            match sqlx::query_scalar::<_, String>("SELECT pg_current_xact_id()::text")
+                .fetch_one(&mut *conn)
+                .await
+            {
+                Ok(id) => ids.push(id),
+                // A failed transaction is still open: it refuses statements.
+                Err(sqlx::Error::Database(error)) if error.code().as_deref() == Some("25P02") => {
+                    return true;
+                }
+                Err(error) => panic!("pg_current_xact_id: {error}"),
+            }
+        }
+        ids[0] == ids[1]
+    }
+
     async fn end_by_error(conn: &mut sqlx::PgConnection, id: i64) -> sqlx::Error {
         // A unique violation (the effect again, under its own id) fails the
         // transaction: PostgreSQL then answers `COMMIT` with a rollback.

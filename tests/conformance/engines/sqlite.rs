@@ -65,6 +65,35 @@ impl TestDb for Sqlite {
 
     crate::test_db_queries!("$1");
 
+    async fn claim_waiters(_: &Pool<Self>, _: &str, _: &str) -> Option<i64> {
+        // A duplicate of a key in flight waits in-process (the store's single
+        // flight), without touching the database: nothing to see there.
+        None
+    }
+
+    async fn lock_waiters(_: &mut sqlx::SqliteConnection) -> Option<i64> {
+        // The one write lock is waited for in each connection's busy
+        // handler; no connection can see another's wait.
+        None
+    }
+
+    async fn in_transaction(conn: &mut sqlx::SqliteConnection) -> bool {
+        // SQLite refuses a `BEGIN` inside a transaction; outside one, the
+        // (deferred, lock-free) transaction it opens is rolled back at once.
+        match sqlx::raw_sql("BEGIN").execute(&mut *conn).await {
+            Ok(_) => {
+                sqlx::raw_sql("ROLLBACK").execute(conn).await.unwrap();
+                false
+            }
+            Err(sqlx::Error::Database(error))
+                if error.message().contains("within a transaction") =>
+            {
+                true
+            }
+            Err(error) => panic!("BEGIN: {error}"),
+        }
+    }
+
     async fn end_by_error(conn: &mut sqlx::SqliteConnection, id: i64) -> sqlx::Error {
         // The conflict algorithm `ROLLBACK` ends the whole transaction.
         sqlx::query(

@@ -19,7 +19,7 @@ use sqlx::{AssertSqlSafe, Pool, Postgres, Row, SqlSafeStr};
 use sqlx_core::transaction::TransactionManager;
 
 use self::statements::{ClaimRow, PEEK};
-use super::{Backend, Claim, ClaimOutcome, Failure, OpenTx};
+use super::{Backend, Claim, ClaimOutcome, Failure, FinishError, OpenTx};
 use crate::Error;
 use crate::fingerprint::Fingerprint;
 use crate::response::StoredResponse;
@@ -36,6 +36,8 @@ const DEADLOCK_DETECTED: &str = "40P01";
 /// `invalid_sql_statement_name`: `EXECUTE` of a statement this session has
 /// not prepared.
 const UNDEFINED_STATEMENT: &str = "26000";
+/// `in_failed_sql_transaction`: a statement after another failed.
+const IN_FAILED_TRANSACTION: &str = "25P02";
 /// `duplicate_prepared_statement`.
 const DUPLICATE_STATEMENT: &str = "42P05";
 
@@ -142,9 +144,9 @@ impl Backend for Postgres {
         table: &str,
         claim: Option<&Claim<'_>>,
         response: Option<&StoredResponse>,
-    ) -> Result<(), sqlx::Error> {
+    ) -> Result<(), FinishError> {
         let (Some(claim), Some(response)) = (claim, response) else {
-            return commit_unless_failed(conn).await;
+            return commit_unless_failed(conn).await.map_err(finish_error);
         };
         let mut row = ClaimRow::new(table, claim);
         row.prepared = !conn.inlined;
@@ -158,7 +160,7 @@ impl Backend for Postgres {
             // so the claim did not notice: a new connection prepares all.
             conn.close_on_drop();
         }
-        result?;
+        result.map_err(finish_error)?;
         // The commit landed, and the text opened an empty transaction in
         // its place: the one sqlx counts. sqlx's rollback of it is queued,
         // and sent with the ping the pool sends anyway when the connection
@@ -187,6 +189,17 @@ impl Backend for Postgres {
             .execute(pool)
             .await?
             .rows_affected())
+    }
+}
+
+/// A failed finish: `Ended` when its first statement met a failed
+/// transaction (a statement of the handler's failed, and the handler went
+/// on), whose `COMMIT` PostgreSQL would have answered with a rollback.
+fn finish_error(error: sqlx::Error) -> FinishError {
+    if has_code(&error, &[IN_FAILED_TRANSACTION]) {
+        FinishError::Ended(error)
+    } else {
+        FinishError::Store(error)
     }
 }
 
