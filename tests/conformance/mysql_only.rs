@@ -3,7 +3,8 @@
 
 use std::time::Duration;
 
-use idem::{Backend, Claim, ClaimOutcome, Fingerprint};
+use axum::http::StatusCode;
+use idem::{Backend, Claim, ClaimOutcome, Fingerprint, StoredResponse};
 use sqlx::mysql::MySqlPoolOptions;
 use sqlx::{Executor, MySql};
 
@@ -77,4 +78,53 @@ async fn the_claim_restores_the_sessions_lock_wait() {
 
     MySql::rollback(&mut held).await.unwrap();
     held.release();
+}
+
+/// A statement of the handler's that commits implicitly (DDL) ends the
+/// request's transaction by committing it, claim row and all: the finish
+/// then stores the response on that committed row, so the key replays
+/// instead of answering 409 until it expires.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_implicit_commit_still_stores_the_response() {
+    let pool = MySql::connect().await;
+    let scope = unique("implicit");
+    let claim = Claim {
+        scope: &scope,
+        key: "k",
+        fingerprint: Fingerprint::from_bytes(&[9; 32]).unwrap(),
+        ttl: Duration::from_secs(60),
+        wait: Duration::ZERO,
+    };
+    let ClaimOutcome::Claimed(mut held) = MySql::claim(&pool, "idem_keys", &claim).await.unwrap()
+    else {
+        panic!("a fresh key is claimed")
+    };
+    held.execute("CREATE TABLE IF NOT EXISTS idem_implicit_commit (id INT) ENGINE = InnoDB")
+        .await
+        .unwrap();
+    let in_transaction: u64 = sqlx::query_scalar("SELECT @@in_transaction")
+        .fetch_one(&mut **held)
+        .await
+        .unwrap();
+    assert_eq!(in_transaction, 0, "the DDL committed the transaction");
+    let response = StoredResponse {
+        status: StatusCode::CREATED,
+        headers: Vec::new(),
+        body: "{\"id\":1}".into(),
+    };
+    MySql::finish(&mut held, "idem_keys", Some(&claim), Some(&response))
+        .await
+        .expect("the response is stored on the committed claim");
+    held.release();
+
+    match MySql::claim(&pool, "idem_keys", &claim).await.unwrap() {
+        ClaimOutcome::Finished {
+            fingerprint,
+            response: stored,
+        } => {
+            assert_eq!(fingerprint, claim.fingerprint);
+            assert_eq!(stored, response);
+        }
+        other => panic!("the key must replay: {other:?}"),
+    }
 }

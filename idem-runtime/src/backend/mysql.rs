@@ -157,18 +157,45 @@ impl Backend for MySql {
         // counts; sqlx's rollback of it is queued and goes out with the
         // pool's return ping, in the same round trip.
         sql.push_str("COMMIT; START TRANSACTION");
-        if let Err(error) = sqlx::raw_sql(AssertSqlSafe(sql))
+        let error = match sqlx::raw_sql(AssertSqlSafe(sql))
             .execute(&mut ***conn)
             .await
         {
-            return Err(if number(&error) == Some(ER_SP_DOES_NOT_EXIST) {
-                FinishError::Ended(error)
-            } else {
-                FinishError::Store(error)
-            });
+            Ok(_) => {
+                MySqlTransactionManager::start_rollback(conn);
+                return Ok(());
+            }
+            Err(error) if number(&error) == Some(ER_SP_DOES_NOT_EXIST) => error,
+            Err(error) => return Err(FinishError::Store(error)),
+        };
+        // No transaction was open. A statement that commits implicitly
+        // (DDL, `LOCK TABLES`) ended it by committing: the claim's row is
+        // then committed, unfinished, with the effects, and storing the
+        // response on it (in autocommit, as the handler's later writes
+        // ran) keeps the key from answering 409 until it expires. Otherwise
+        // the server rolled it back, and there is nothing to store.
+        if let (Some(claim), Some(response)) = (claim, response) {
+            let stored = sqlx::raw_sql(AssertSqlSafe(format!(
+                "UPDATE {table} SET status = {}, headers = X'{}', body = X'{}' \
+                 WHERE {} AND status IS NULL AND fingerprint = X'{}'",
+                response.status.as_u16(),
+                hex(&response.encode_headers()),
+                hex(&response.body),
+                matches(claim),
+                hex(claim.fingerprint.as_bytes()),
+            )))
+            .execute(&mut ***conn)
+            .await?;
+            if stored.rows_affected() == 1 {
+                tracing::warn!(
+                    "a statement of the idempotent handler committed its transaction \
+                     implicitly (DDL?); its response was stored after it, not with it"
+                );
+                MySqlTransactionManager::start_rollback(conn);
+                return Ok(());
+            }
         }
-        MySqlTransactionManager::start_rollback(conn);
-        Ok(())
+        Err(FinishError::Ended(error))
     }
 
     async fn rollback(conn: &mut PoolConnection<Self>) -> Result<(), sqlx::Error> {
