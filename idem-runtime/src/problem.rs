@@ -99,7 +99,8 @@ impl Problem {
             Self::BodyUnreadable => "The request body ended before it was complete.".into(),
             Self::BodyTimeout => "The request body did not arrive in time. Nothing was done; retrying is safe.".into(),
             Self::StoreUnavailable => "Retry with the same key after the time given in Retry-After: the request either did nothing, or its answer will be replayed.".into(),
-            Self::HandlerPanicked | Self::TransactionFailed => "Nothing was done. Retrying with the same key is safe.".into(),
+            Self::HandlerPanicked => "Nothing was done. Retrying with the same key is safe.".into(),
+            Self::TransactionFailed => "A database error ended the request's transaction before it could commit; no answer was stored. Retrying with the same key is safe.".into(),
             Self::ResponseNotStored => "Nothing was done: the response is larger than can be stored for replay.".into(),
         }
     }

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use axum::http::StatusCode;
-use idem::{Backend, Claim, ClaimOutcome, Fingerprint, StoredResponse};
+use idem::{Backend, Claim, ClaimOutcome, Fingerprint, FinishError, StoredResponse};
 use sqlx::mysql::MySqlPoolOptions;
 use sqlx::{Executor, MySql};
 
@@ -127,4 +127,56 @@ async fn an_implicit_commit_still_stores_the_response() {
         }
         other => panic!("the key must replay: {other:?}"),
     }
+}
+
+/// In a session with `autocommit` off, the statement after a deadlock's
+/// rollback opens a new transaction, so the finish's open-transaction
+/// check passes: its `UPDATE` then misses the claim's row (rolled back),
+/// and the finish reports the transaction ended instead of a success. (A
+/// `ROLLBACK` leaves the session as InnoDB's deadlock rollback does.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_autocommit_a_rolled_back_claim_is_not_a_success() {
+    MySql::connect().await;
+    let pool = MySqlPoolOptions::new()
+        .max_connections(2)
+        .after_connect(|conn, _| {
+            Box::pin(async move {
+                conn.execute("SET SESSION autocommit = 0").await?;
+                Ok(())
+            })
+        })
+        .connect(&crate::engines::mysql::url())
+        .await
+        .unwrap();
+    let scope = unique("noautocommit");
+    let claim = Claim {
+        scope: &scope,
+        key: "k",
+        fingerprint: Fingerprint::from_bytes(&[5; 32]).unwrap(),
+        ttl: Duration::from_secs(60),
+        wait: Duration::ZERO,
+    };
+    let ClaimOutcome::Claimed(mut held) = MySql::claim(&pool, "idem_keys", &claim).await.unwrap()
+    else {
+        panic!("a fresh key is claimed")
+    };
+    held.execute("ROLLBACK").await.unwrap();
+    let response = StoredResponse {
+        status: StatusCode::CREATED,
+        headers: Vec::new(),
+        body: "{}".into(),
+    };
+    let finished = MySql::finish(&mut held, "idem_keys", Some(&claim), Some(&response)).await;
+    assert!(
+        matches!(finished, Err(FinishError::Ended(_))),
+        "{finished:?}"
+    );
+    MySql::rollback(&mut held).await.unwrap();
+    held.release();
+    let keys: i64 = sqlx::query_scalar("SELECT count(*) FROM idem_keys WHERE scope = ?")
+        .bind(scope.as_bytes())
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(keys, 0, "nothing was stored");
 }

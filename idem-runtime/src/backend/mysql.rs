@@ -144,14 +144,12 @@ impl Backend for MySql {
         // is still open: outside one, a savepoint ends with its own
         // statement and releasing it fails, which stops the batch there.
         let mut sql = String::from("SAVEPOINT idem_open; RELEASE SAVEPOINT idem_open; ");
-        if let (Some(claim), Some(response)) = (claim, response) {
-            sql.push_str(&format!(
-                "UPDATE {table} SET status = {}, headers = X'{}', body = X'{}' WHERE {}; ",
-                response.status.as_u16(),
-                hex(&response.encode_headers()),
-                hex(&response.body),
-                matches(claim),
-            ));
+        let store = claim
+            .zip(response)
+            .map(|(claim, response)| store(table, claim, response));
+        if let Some(store) = &store {
+            sql.push_str(store);
+            sql.push_str("; ");
         }
         // The empty transaction after the commit stands for the one sqlx
         // counts; sqlx's rollback of it is queued and goes out with the
@@ -161,6 +159,19 @@ impl Backend for MySql {
             .execute(&mut ***conn)
             .await
         {
+            // The `UPDATE` matched the claim's row (sqlx sets
+            // `CLIENT_FOUND_ROWS`: rows matched, not changed). It cannot
+            // miss it in the request's own transaction; it does in one a
+            // session with `autocommit` off opened after a deadlock's
+            // rollback, where the check above passes. The commit then
+            // carried only what the handler wrote after the error.
+            Ok(done) if store.is_some() && done.rows_affected() != 1 => {
+                return Err(FinishError::Ended(sqlx::Error::Protocol(
+                    "the claim's row was gone at the finish: the server had rolled the \
+                     transaction back"
+                        .into(),
+                )));
+            }
             Ok(_) => {
                 MySqlTransactionManager::start_rollback(conn);
                 return Ok(());
@@ -172,16 +183,12 @@ impl Backend for MySql {
         // (DDL, `LOCK TABLES`) ended it by committing: the claim's row is
         // then committed, unfinished, with the effects, and storing the
         // response on it (in autocommit, as the handler's later writes
-        // ran) keeps the key from answering 409 until it expires. Otherwise
-        // the server rolled it back, and there is nothing to store.
-        if let (Some(claim), Some(response)) = (claim, response) {
+        // ran) lets retries replay it, instead of claiming the row as
+        // theirs and running the handler again. Otherwise the server rolled
+        // the transaction back, and there is nothing to store.
+        if let (Some(store), Some(claim)) = (&store, claim) {
             let stored = sqlx::raw_sql(AssertSqlSafe(format!(
-                "UPDATE {table} SET status = {}, headers = X'{}', body = X'{}' \
-                 WHERE {} AND status IS NULL AND fingerprint = X'{}'",
-                response.status.as_u16(),
-                hex(&response.encode_headers()),
-                hex(&response.body),
-                matches(claim),
+                "{store} AND fingerprint = X'{}'",
                 hex(claim.fingerprint.as_bytes()),
             )))
             .execute(&mut ***conn)
@@ -329,6 +336,19 @@ fn claim_sql(table: &str, claim: &Claim<'_>) -> String {
         scope = hex(claim.scope.as_bytes()),
         key = hex(claim.key.as_bytes()),
         matches = matches(claim),
+    )
+}
+
+/// The finish's `UPDATE` of the claim's row, which spares a finished row
+/// (a concurrent retry's, claimed after this transaction was rolled back).
+fn store(table: &str, claim: &Claim<'_>, response: &StoredResponse) -> String {
+    format!(
+        "UPDATE {table} SET status = {}, headers = X'{}', body = X'{}' \
+         WHERE {} AND status IS NULL",
+        response.status.as_u16(),
+        hex(&response.encode_headers()),
+        hex(&response.body),
+        matches(claim),
     )
 }
 

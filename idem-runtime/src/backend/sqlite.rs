@@ -196,7 +196,7 @@ impl Backend for Sqlite {
             // would have its client told of writes that were undone. The
             // claim's unfinished row is then gone, and the `UPDATE` (which
             // spares a finished row, another attempt's since) matches
-            // nothing: the request answers 503 instead.
+            // nothing: the request answers 500 instead.
             if stored.rows_affected() != 1 {
                 return Err(FinishError::Ended(sqlx::Error::Protocol(
                     "SQLite had rolled the transaction back: the claim's row was gone".into(),

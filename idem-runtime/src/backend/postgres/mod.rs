@@ -210,7 +210,7 @@ fn finish_error(error: sqlx::Error) -> FinishError {
 /// without an error: a handler that caught a failed statement's error and
 /// answered 2xx would have its client told of writes that were undone (as
 /// sqlx's own `commit()` would). The `SELECT` ahead of the `COMMIT` fails in
-/// a failed transaction, so the request answers 503 instead, in the same
+/// a failed transaction, so the request answers 500 instead, in the same
 /// round trip. As in the keyed finish, the text then opens the empty
 /// transaction whose rollback sqlx queues.
 async fn commit_unless_failed(conn: &mut OpenTx<Postgres>) -> Result<(), sqlx::Error> {
