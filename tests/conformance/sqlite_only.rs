@@ -132,3 +132,42 @@ async fn shared_memory_database_keeps_the_contract() {
     );
     assert_eq!(server.keys(&caller).await, 3);
 }
+
+/// A claim that cannot get SQLite's write lock within the pool's
+/// `busy_timeout` answers 503 with `Retry-After`, never 409 (it cannot tell
+/// whose key holds the lock), and leaves nothing behind: once the lock is
+/// free, the same key runs as a first attempt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_write_lock_is_503_never_409() {
+    use sqlx::Connection;
+
+    let file = TempDatabase::new("busy");
+    let options = file_options(&file.0).busy_timeout(std::time::Duration::from_millis(200));
+    let server = start_with(open(options.clone()).await).await;
+    let caller = unique("busy");
+    let client = server.client(&caller);
+
+    // Another process's writer, as far as this pool can tell.
+    let mut writer = sqlx::SqliteConnection::connect_with(&options)
+        .await
+        .unwrap();
+    sqlx::raw_sql("BEGIN IMMEDIATE")
+        .execute(&mut writer)
+        .await
+        .unwrap();
+    let busy = send(client.post("/effects", "k", BODY)).await;
+    assert_eq!(busy.status, StatusCode::SERVICE_UNAVAILABLE, "{busy:?}");
+    assert_eq!(busy.problem_code(), "idempotency_store_unavailable");
+    assert!(busy.header("retry-after").is_some(), "{busy:?}");
+    sqlx::raw_sql("ROLLBACK")
+        .execute(&mut writer)
+        .await
+        .unwrap();
+
+    assert_eq!(server.effects(&caller).await, 0);
+    assert_eq!(server.keys(&caller).await, 0);
+    let first = send(client.post("/effects", "k", BODY)).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    assert!(!first.replayed());
+    assert_eq!(server.effects(&caller).await, 1);
+}
