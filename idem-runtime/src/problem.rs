@@ -29,9 +29,9 @@ pub enum Problem {
     StoreUnavailable,
     /// 500: the handler panicked; nothing was committed.
     HandlerPanicked,
-    /// 500: the handler answered after a database error had failed its
-    /// transaction (one it caught rather than returned); nothing was
-    /// committed.
+    /// 500: a database error failed the handler's transaction: one the
+    /// handler caught rather than returned, or a deferred constraint its
+    /// writes broke at the commit; nothing was committed.
     TransactionFailed,
     /// 500: the response could not be stored, so the work was rolled back.
     ResponseNotStored,
@@ -100,7 +100,7 @@ impl Problem {
             Self::BodyTimeout => "The request body did not arrive in time. Nothing was done; retrying is safe.".into(),
             Self::StoreUnavailable => "Retry with the same key after the time given in Retry-After: the request either did nothing, or its answer will be replayed.".into(),
             Self::HandlerPanicked => "Nothing was done. Retrying with the same key is safe.".into(),
-            Self::TransactionFailed => "A database error ended the request's transaction before it could commit; no answer was stored. Retrying with the same key is safe.".into(),
+            Self::TransactionFailed => "A database error failed the request's transaction: it did not commit, and no answer was stored. Retrying with the same key is safe.".into(),
             Self::ResponseNotStored => "Nothing was done: the response is larger than can be stored for replay.".into(),
         }
     }

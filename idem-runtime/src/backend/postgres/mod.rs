@@ -192,11 +192,19 @@ impl Backend for Postgres {
     }
 }
 
-/// A failed finish: `Ended` when its first statement met a failed
-/// transaction (a statement of the handler's failed, and the handler went
-/// on), whose `COMMIT` PostgreSQL would have answered with a rollback.
+/// A failed finish: `Ended` when the handler's own writes failed it, so a
+/// retry would fail alike: its first statement met a failed transaction
+/// (a statement of the handler's failed, and the handler went on), whose
+/// `COMMIT` PostgreSQL would have answered with a rollback; or the
+/// `COMMIT` found a deferred constraint violated (class 23: only the
+/// commit checks one here) and rolled back. Anything else (a lost
+/// connection, a serialization failure) is the store's.
 fn finish_error(error: sqlx::Error) -> FinishError {
-    if has_code(&error, &[IN_FAILED_TRANSACTION]) {
+    let integrity = matches!(
+        &error,
+        sqlx::Error::Database(db) if db.code().is_some_and(|code| code.starts_with("23"))
+    );
+    if integrity || has_code(&error, &[IN_FAILED_TRANSACTION]) {
         FinishError::Ended(error)
     } else {
         FinishError::Store(error)

@@ -402,3 +402,62 @@ async fn the_sweeper_spares_a_row_made_live_while_it_runs() {
     assert_eq!(swept, 1, "only the expired, unheld row goes");
     drop_table(&pool, &table).await;
 }
+
+/// A deferred constraint the handler's writes broke fails the `COMMIT`:
+/// the handler's doing, so the finish says `Ended` (500, a retry fails
+/// alike), not a store failure (503 and `Retry-After`); nothing commits.
+#[tokio::test]
+async fn a_deferred_constraint_broken_at_commit_ends_the_transaction() {
+    let pool = test_pool(2, |options| options).await;
+    let table = table(&pool, "deferred").await;
+    let parents = format!("{table}_parents");
+    let children = format!("{table}_children");
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "DROP TABLE IF EXISTS {children}, {parents};
+         CREATE TABLE {parents} (id int PRIMARY KEY);
+         CREATE TABLE {children} (parent int REFERENCES {parents}
+             DEFERRABLE INITIALLY DEFERRED)"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let claim = Claim {
+        scope: "s",
+        key: "k",
+        fingerprint: Fingerprint::from_bytes(&[3; 32]).unwrap(),
+        ttl: Duration::from_secs(60),
+        wait: Duration::ZERO,
+    };
+    let response = StoredResponse {
+        status: StatusCode::CREATED,
+        headers: Vec::new(),
+        body: "{}".into(),
+    };
+    let ClaimOutcome::Claimed(mut conn) = Postgres::claim(&pool, &table, &claim).await.unwrap()
+    else {
+        panic!("a fresh key is claimed")
+    };
+    sqlx::raw_sql(AssertSqlSafe(format!("INSERT INTO {children} VALUES (7)")))
+        .execute(&mut **conn)
+        .await
+        .expect("a deferred check waits for the commit");
+    let finished = Postgres::finish(&mut conn, &table, Some(&claim), Some(&response)).await;
+    assert!(
+        matches!(finished, Err(FinishError::Ended(_))),
+        "{finished:?}"
+    );
+    Postgres::rollback(&mut conn).await.unwrap();
+    conn.release();
+    let counts: (i64, i64) = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT (SELECT count(*) FROM {table}), (SELECT count(*) FROM {children})"
+    )))
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(counts, (0, 0), "nothing committed");
+    sqlx::raw_sql(AssertSqlSafe(format!("DROP TABLE {children}, {parents}")))
+        .execute(&pool)
+        .await
+        .unwrap();
+    drop_table(&pool, &table).await;
+}
