@@ -171,3 +171,57 @@ async fn a_busy_write_lock_is_503_never_409() {
     assert!(!first.replayed());
     assert_eq!(server.effects(&caller).await, 1);
 }
+
+/// A deferred foreign key the handler's writes broke fails SQLite's
+/// `COMMIT`: the handler's doing (a retry fails alike), so the finish says
+/// the transaction ended (500) rather than blaming the store, and nothing
+/// commits, neither the claim nor the write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deferred_foreign_key_broken_at_commit_ends_the_transaction() {
+    use idem::{Backend, Claim, ClaimOutcome, Fingerprint, FinishError, StoredResponse};
+    use sqlx::Sqlite;
+
+    let file = TempDatabase::new("deferred");
+    let pool = open(file_options(&file.0)).await;
+    sqlx::raw_sql(
+        "CREATE TABLE parents (id INTEGER PRIMARY KEY);
+         CREATE TABLE children (parent INTEGER REFERENCES parents (id)
+             DEFERRABLE INITIALLY DEFERRED);",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let claim = Claim {
+        scope: "s",
+        key: "k",
+        fingerprint: Fingerprint::from_bytes(&[4; 32]).unwrap(),
+        ttl: std::time::Duration::from_secs(60),
+        wait: std::time::Duration::ZERO,
+    };
+    let ClaimOutcome::Claimed(mut conn) = Sqlite::claim(&pool, "idem_keys", &claim).await.unwrap()
+    else {
+        panic!("a fresh key is claimed")
+    };
+    sqlx::raw_sql("INSERT INTO children VALUES (7)")
+        .execute(&mut **conn)
+        .await
+        .expect("a deferred check waits for the commit");
+    let response = StoredResponse {
+        status: StatusCode::CREATED,
+        headers: Vec::new(),
+        body: "{}".into(),
+    };
+    let finished = Sqlite::finish(&mut conn, "idem_keys", Some(&claim), Some(&response)).await;
+    assert!(
+        matches!(finished, Err(FinishError::Ended(_))),
+        "{finished:?}"
+    );
+    Sqlite::rollback(&mut conn).await.unwrap();
+    conn.release();
+    let counts: (i64, i64) =
+        sqlx::query_as("SELECT (SELECT count(*) FROM idem_keys), (SELECT count(*) FROM children)")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(counts, (0, 0), "nothing committed");
+}

@@ -205,11 +205,16 @@ impl Backend for Sqlite {
         }
         // In process: a second statement costs no round trip, and sqlx's
         // own commit keeps its transaction depth right. Without a key, a
-        // transaction SQLite rolled back is told by the commit itself.
+        // transaction SQLite rolled back is told by the commit itself; a
+        // deferred foreign key the handler's writes broke fails it too (and
+        // a retry would fail alike): both are the handler's, not the store's.
         SqliteTransactionManager::commit(conn)
             .await
             .map_err(|error| match &error {
-                sqlx::Error::Database(db) if db.message().contains("no transaction is active") => {
+                sqlx::Error::Database(db)
+                    if db.message().contains("no transaction is active")
+                        || db.kind() != sqlx::error::ErrorKind::Other =>
+                {
                     FinishError::Ended(error)
                 }
                 _ => FinishError::Store(error),
