@@ -315,6 +315,11 @@ pub struct Effect {
     pub nonce: String,
 }
 
+/// What the annotated handlers return: an alias, so the suite shows that
+/// an `Err` is told apart by its type, not by how the return type is
+/// spelt (`handler_errors_roll_back`).
+pub type HandlerResult = Result<Response, HandlerError>;
+
 /// The handler's `Err`.
 pub enum HandlerError {
     /// A statement failed: 500, with the error.
@@ -616,7 +621,7 @@ macro_rules! handler {
             State(holds): State<Holds>,
             mut tx: Tx<$db>,
             Json(req): Json<EffectRequest>,
-        ) -> Result<Response, HandlerError> {
+        ) -> app::HandlerResult {
             effect(&caller, &headers, &holds, &mut tx, req.note).await
         }
     };
