@@ -21,7 +21,12 @@ use crate::valid::{self, Handler, Param};
 pub fn expand(item: &ItemFn, args: &Args, handler: &Handler) -> TokenStream {
     let krate = krate(args);
     let private = quote!(#krate::__private);
-    let db = &handler.db;
+    let tx_ty = &handler.tx_ty;
+    // A bare `Tx` (an alias) names its database through the type itself.
+    let db = match &handler.db {
+        Some(db) => quote!(#db),
+        None => quote!(<#tx_ty as #private::TxDatabase>::Database),
+    };
 
     // The scope identifies the caller, so it comes from the request's
     // head, never from its body: it is always a parts extractor. Only a

@@ -35,8 +35,10 @@ pub struct Handler {
     pub tx_index: usize,
     /// The `Tx<...>` parameter's type, as written.
     pub tx_ty: Type,
-    /// The database type inside `Tx<...>`.
-    pub db: Type,
+    /// The database type inside `Tx<...>`; `None` for a bare `Tx` (an
+    /// alias such as `type Tx = idem::Tx<Postgres>`), whose database the
+    /// expansion reads off the type itself.
+    pub db: Option<Type>,
     /// Index into `extractors` of the scope parameter.
     pub scope_index: usize,
 }
@@ -130,7 +132,7 @@ fn check_qualifiers(sig: &Signature, errors: &mut Errors) {
 struct Params {
     extractors: Vec<Param>,
     /// Position, database type and written type of the single `Tx`.
-    tx: Option<(usize, Type, Type)>,
+    tx: Option<(usize, Option<Type>, Type)>,
     /// The names the `Tx` parameters are bound to.
     tx_names: Vec<String>,
 }
@@ -168,7 +170,8 @@ impl Params {
                     });
                     continue;
                 }
-                TxParam::Tx(db) => Some(db),
+                TxParam::Tx(db) => Some(Some(db)),
+                TxParam::Alias => Some(None),
                 TxParam::Malformed => None,
             };
             txs.push((index, db, &*typed.ty));
@@ -186,19 +189,20 @@ impl Params {
 }
 
 /// The single `Tx<DB>` among the parameters that look like one (with the
-/// database type each names, if it names one): a `Tx` without its database
-/// is reported on its token, and every `Tx` after the first, whatever its
-/// form, is a second transaction.
+/// database type each names, `Some(None)` for a bare `Tx`, `None` if it is
+/// malformed): a malformed `Tx` is reported on its token, and every `Tx`
+/// after the first, whatever its form, is a second transaction.
 fn the_one_tx(
     sig: &Signature,
-    txs: &[(usize, Option<&Type>, &Type)],
+    txs: &[(usize, Option<Option<&Type>>, &Type)],
     errors: &mut Errors,
-) -> Option<(usize, Type, Type)> {
+) -> Option<(usize, Option<Type>, Type)> {
     let Some(((index, db, ty), rest)) = txs.split_first() else {
         errors.push(syn::Error::new(
             sig.ident.span(),
             "`#[idempotent]` handlers take exactly one `Tx<DB>` parameter, the request's \
-             transaction; add one, e.g. `mut tx: idem::Tx<sqlx::Postgres>`",
+             transaction; add one, e.g. `mut tx: idem::Tx<sqlx::Postgres>` (an alias of it \
+             must be named `Tx`)",
         ));
         return None;
     };
@@ -215,7 +219,7 @@ fn the_one_tx(
         ));
     }
     match (db, rest) {
-        (Some(db), []) => Some((*index, (*db).clone(), (*ty).clone())),
+        (Some(db), []) => Some((*index, db.cloned(), (*ty).clone())),
         _ => None,
     }
 }
@@ -238,12 +242,15 @@ fn check_body_is_last(extractors: &[Param], errors: &mut Errors) {
 enum TxParam<'a> {
     /// `Tx<DB>`: the request's transaction over `DB`.
     Tx(&'a Type),
-    /// `Tx` without exactly one type argument.
+    /// A bare `Tx`: an alias naming its database, or `idem::Tx` without
+    /// one (which rustc then reports on the token).
+    Alias,
+    /// `Tx` with arguments other than one type.
     Malformed,
     No,
 }
 
-/// `Tx<DB>` (any path ending in `Tx`) yields `DB`.
+/// `Tx<DB>` (any path ending in `Tx`) yields `DB`; a bare `Tx` is an alias.
 fn tx_database(ty: &Type) -> TxParam<'_> {
     let Type::Path(path) = ty else {
         return TxParam::No;
@@ -254,8 +261,10 @@ fn tx_database(ty: &Type) -> TxParam<'_> {
     if last.ident != "Tx" {
         return TxParam::No;
     }
-    let PathArguments::AngleBracketed(args) = &last.arguments else {
-        return TxParam::Malformed;
+    let args = match &last.arguments {
+        PathArguments::None => return TxParam::Alias,
+        PathArguments::AngleBracketed(args) => args,
+        PathArguments::Parenthesized(_) => return TxParam::Malformed,
     };
     match args.args.iter().collect::<Vec<_>>().as_slice() {
         [GenericArgument::Type(db)] => TxParam::Tx(db),
@@ -414,8 +423,25 @@ mod tests {
         let handler = check(&item, &args, &mut errors).unwrap();
         assert_eq!(handler.extractors.len(), 3);
         assert_eq!((handler.tx_index, handler.scope_index), (1, 1));
-        assert_eq!(type_text(&handler.db), "Postgres");
+        assert_eq!(type_text(handler.db.as_ref().unwrap()), "Postgres");
         assert_eq!(type_text(&handler.tx_ty), "idem::Tx<Postgres>");
+    }
+
+    /// A bare `Tx` is an alias (`type Tx = idem::Tx<Postgres>;`): its
+    /// database is left for the expansion to read off the type.
+    #[test]
+    fn a_bare_tx_is_an_alias() {
+        let item: ItemFn = syn::parse2(quote! {
+            async fn create(account: Account, tx: crate::db::Tx, Json(b): Json<B>) {}
+        })
+        .unwrap();
+        let mut errors = Errors::default();
+        let args = attr::parse(quote!(scope = "account"), &mut errors);
+        let handler = check(&item, &args, &mut errors).unwrap();
+        assert!(errors.into_result().is_ok());
+        assert!(handler.db.is_none());
+        assert_eq!(type_text(&handler.tx_ty), "crate::db::Tx");
+        assert_eq!(handler.tx_index, 1);
     }
 
     #[test]
@@ -457,7 +483,6 @@ mod tests {
         let needs_db =
             "`Tx` takes the database as its one type argument, e.g. `Tx<sqlx::Postgres>`";
         for malformed in [
-            quote!(Tx),
             quote!(Tx<Pg, Pg>),
             quote!(idem::Tx<'a>),
             quote!(Tx<DB = Pg>),
@@ -478,7 +503,7 @@ mod tests {
                     async fn f(a: A, y: Tx, x: Tx<Pg>) {}
                 )
             ),
-            [needs_db, second]
+            [second]
         );
         assert_eq!(
             messages(

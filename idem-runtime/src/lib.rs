@@ -74,6 +74,22 @@ pub mod __private {
 
     impl<T> NotResult for &ErrProbe<'_, T> {}
 
+    /// The database of a `Tx` type, however it is named: a handler's bare
+    /// `Tx` (an alias such as `type Tx = idem::Tx<Postgres>;`) names its
+    /// database through this.
+    #[diagnostic::on_unimplemented(
+        message = "`{Self}` is not `idem::Tx<DB>`",
+        label = "the request's transaction must be `idem::Tx<DB>`, or an alias of it named `Tx`"
+    )]
+    pub trait TxDatabase {
+        /// The `DB` of `Tx<DB>`.
+        type Database: crate::Backend;
+    }
+
+    impl<DB: crate::Backend> TxDatabase for crate::Tx<DB> {
+        type Database = DB;
+    }
+
     /// Splits a request for the parts extractors.
     pub fn into_parts(request: Request) -> (http::request::Parts, axum::body::Body) {
         request.into_parts()
