@@ -1,9 +1,12 @@
 //! MySQL and MariaDB (InnoDB): the primary key is the claim.
 //!
-//! The claim is one multi-statement round trip: set the lock wait, `START
+//! The claim is one multi-statement round trip, run as sqlx's own `BEGIN`
+//! so that sqlx counts the transaction: set the lock wait, `START
 //! TRANSACTION`, `INSERT ... ON DUPLICATE KEY UPDATE`, restore the lock
-//! wait, read the row back with `SELECT ... FOR UPDATE`. Values are inlined
-//! as hex literals (`X'..'`) or integers we formatted, as on PostgreSQL.
+//! wait, read the row's status back with `SELECT ... FOR UPDATE`, and fail
+//! if it is set (another attempt finished the key), since sqlx hands back
+//! no results of a `BEGIN`. Values are inlined as hex literals (`X'..'`) or
+//! integers we formatted, as on PostgreSQL.
 //!
 //! InnoDB facts this relies on (checked on MariaDB 10.11):
 //!
@@ -47,7 +50,7 @@ use sqlx::pool::PoolConnection;
 use sqlx::{AssertSqlSafe, MySql, Pool, Row, SqlSafeStr};
 use sqlx_core::transaction::TransactionManager;
 
-use super::{Backend, Claim, ClaimOutcome, Failure, FinishError, OpenTx, abandon, finished, hex};
+use super::{Backend, Claim, ClaimOutcome, Failure, FinishError, OpenTx, finished, hex};
 use crate::Error;
 use crate::response::StoredResponse;
 
@@ -66,6 +69,11 @@ const MAX_SCOPE_BYTES: usize = 2048;
 
 /// The session variable holding the lock wait the claim replaced.
 const SAVED_LOCK_WAIT: &str = "@idem_saved_lock_wait";
+/// The claimed row's status, as the claim's locking read found it.
+const STATUS: &str = "@idem_claimed_status";
+/// `SELECT ... INTO` found more than one row: how the claim says the key
+/// is another attempt's.
+const ER_TOO_MANY_ROWS: u16 = 1172;
 
 impl Backend for MySql {
     async fn migrate(pool: &Pool<Self>, table: &str) -> Result<(), Error> {
@@ -100,8 +108,12 @@ impl Backend for MySql {
                 claim.scope.len()
             )));
         }
-        let sql = claim_sql(table, claim);
-        super::claim_with_retries(pool, MySqlClaim(sql)).await
+        let batch = claim_sql(table, claim);
+        let read = format!(
+            "ROLLBACK; SELECT status, fingerprint, headers, body FROM {table} WHERE {}",
+            matches(claim)
+        );
+        super::claim_with_retries(pool, MySqlClaim { batch, read }).await
     }
 
     async fn peek(
@@ -223,56 +235,64 @@ impl Backend for MySql {
     }
 }
 
-/// A claim on MySQL/MariaDB: its one multi-statement batch.
-struct MySqlClaim(String);
+/// A claim on MySQL/MariaDB: its one multi-statement batch, and the
+/// statement that reads a taken key's row.
+struct MySqlClaim {
+    batch: String,
+    read: String,
+}
 
 impl super::ClaimAttempt<MySql> for MySqlClaim {
+    /// The batch runs as sqlx's own `BEGIN` (its transaction manager's,
+    /// with the batch as the statement), so sqlx counts the transaction: a
+    /// handler's nested `begin()` on its `Tx` is then a savepoint, where on
+    /// MySQL a second `BEGIN` would commit the request's transaction
+    /// half-way. sqlx hands back no results of that statement, so the
+    /// batch answers by succeeding (the key is ours) or failing: on a key
+    /// another attempt finished, with "result consisted of more than one
+    /// row" (see [`claim_sql`]); the row is then read after a rollback, in
+    /// one more round trip.
     async fn attempt(
         &mut self,
         mut conn: OpenTx<MySql>,
         _: usize,
     ) -> Result<ClaimOutcome<MySql>, Failure> {
-        let rows = sqlx::raw_sql(AssertSqlSafe(self.0.as_str()))
+        let begun = MySqlTransactionManager::begin(
+            &mut conn,
+            Some(AssertSqlSafe(self.batch.clone()).into_sql_str()),
+        )
+        .await;
+        let error = match begun {
+            Ok(()) => return Ok(ClaimOutcome::Claimed(conn)),
+            Err(error) => error,
+        };
+        if number(&error) != Some(ER_TOO_MANY_ROWS) {
+            reset(conn).await;
+            return Err(failure(error));
+        }
+        // The batch stopped at its last statement, in the transaction it
+        // opened (sqlx did not count it), the lock wait already restored.
+        let rows = sqlx::raw_sql(AssertSqlSafe(self.read.as_str()))
             .fetch_all(&mut **conn)
             .await;
         let found = match rows {
-            Ok(rows) => match rows.first() {
-                Some(row) => read_row(row),
-                None => Err(sqlx::Error::RowNotFound),
-            },
-            Err(error) => {
-                reset(conn).await;
-                return Err(failure(error));
-            }
+            Ok(rows) => rows.first().map(read_row).transpose(),
+            Err(error) => Err(error),
         };
         match found {
-            Ok(None) => match counted(&mut conn).await {
-                Ok(()) => Ok(ClaimOutcome::Claimed(conn)),
-                Err(error) => {
-                    abandon(conn).await;
-                    Err(Failure::Fatal(error))
-                }
-            },
-            Ok(Some(finished)) => {
-                abandon(conn).await;
+            Ok(Some(Some(finished))) => {
+                conn.release();
                 Ok(finished)
             }
-            Err(error) => {
-                abandon(conn).await;
-                Err(Failure::Fatal(error))
+            // Gone (swept) or claimed anew once the lock was ours no more:
+            // the claim starts over.
+            Ok(_) => {
+                conn.release();
+                Err(Failure::Retry(sqlx::Error::RowNotFound))
             }
+            Err(error) => Err(Failure::Fatal(error)),
         }
     }
-}
-
-/// Has sqlx count the claim's transaction (its depth), so that a
-/// handler's nested `begin()` is a savepoint: on MySQL a second `BEGIN`
-/// would commit the request's transaction half-way. sqlx counts only a
-/// transaction its own `begin` opened, and hands back no results of that
-/// statement, while the claim needs its row: so this costs MySQL a round
-/// trip of its own (`DO 0`, inside the open transaction).
-async fn counted(conn: &mut OpenTx<MySql>) -> Result<(), sqlx::Error> {
-    MySqlTransactionManager::begin(conn, Some("DO 0".into_sql_str())).await
 }
 
 /// What a failed claim batch means: a lock wait that ran out is a 409, a
@@ -319,7 +339,7 @@ fn claim_sql(table: &str, claim: &Claim<'_>) -> String {
         String::new()
     };
     format!(
-        "SET {SAVED_LOCK_WAIT} = @@SESSION.innodb_lock_wait_timeout, \
+        "SET {SAVED_LOCK_WAIT} = @@SESSION.innodb_lock_wait_timeout, {STATUS} = NULL, \
              SESSION innodb_lock_wait_timeout = {lock_wait_secs}; \
          START TRANSACTION; \
          {bounded}INSERT INTO {table} (scope, `key`, fingerprint, created_at, expires_at) \
@@ -332,7 +352,9 @@ fn claim_sql(table: &str, claim: &Claim<'_>) -> String {
              created_at = IF({expired}, {now}, created_at), \
              expires_at = IF({expired}, {expires}, expires_at); \
          SET SESSION innodb_lock_wait_timeout = {SAVED_LOCK_WAIT}; \
-         SELECT status, fingerprint, headers, body FROM {table} WHERE {matches} FOR UPDATE",
+         SELECT status INTO {STATUS} FROM {table} WHERE {matches} FOR UPDATE; \
+         SELECT 1 INTO @idem_taken FROM (SELECT 1 AS o UNION ALL SELECT 2) AS taken \
+             WHERE o = 1 OR {STATUS} IS NOT NULL",
         scope = hex(claim.scope.as_bytes()),
         key = hex(claim.key.as_bytes()),
         matches = matches(claim),
