@@ -153,6 +153,15 @@ impl Params {
                 }
                 FnArg::Typed(typed) => typed,
             };
+            for attr in &typed.attrs {
+                if attr.path().is_ident("cfg") || attr.path().is_ident("cfg_attr") {
+                    errors.push(syn::Error::new_spanned(
+                        attr,
+                        "`#[idempotent]` does not support `#[cfg]` on a parameter: it extracts \
+                         every parameter it sees. Put the `#[cfg]` on whole handlers instead",
+                    ));
+                }
+            }
             if let Type::ImplTrait(impl_trait) = &*typed.ty {
                 errors.push(syn::Error::new_spanned(
                     impl_trait,
