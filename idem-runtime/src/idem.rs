@@ -271,6 +271,7 @@ mod tests {
             "content-length",
             "connection",
             "transfer-encoding",
+            "proxy-connection",
         ] {
             let refused = idem.clone().replay_headers([
                 HeaderName::from_static("x-other"),

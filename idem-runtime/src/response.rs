@@ -37,7 +37,10 @@ pub(crate) fn is_forbidden(name: &HeaderName) -> bool {
         header::TRANSFER_ENCODING,
         header::UPGRADE,
     ];
-    FORBIDDEN.contains(name) || name == "keep-alive" || name == "set-cookie2"
+    FORBIDDEN.contains(name)
+        || name == "keep-alive"
+        || name == "proxy-connection"
+        || name == "set-cookie2"
 }
 
 /// Whether a response may be stored: a transient answer (5xx, 408, 429)
