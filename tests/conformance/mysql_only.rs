@@ -132,8 +132,10 @@ async fn an_implicit_commit_still_stores_the_response() {
 /// In a session with `autocommit` off, the statement after a deadlock's
 /// rollback opens a new transaction, so the finish's open-transaction
 /// check passes: its `UPDATE` then misses the claim's row (rolled back),
-/// and the finish reports the transaction ended instead of a success. (A
-/// `ROLLBACK` leaves the session as InnoDB's deadlock rollback does.)
+/// and the finish reports the transaction ended instead of a success,
+/// before its `COMMIT`: what the handler wrote after the error is rolled
+/// back too. (A `ROLLBACK` leaves the session as InnoDB's deadlock rollback
+/// does.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_autocommit_a_rolled_back_claim_is_not_a_success() {
     MySql::connect().await;
@@ -161,6 +163,15 @@ async fn without_autocommit_a_rolled_back_claim_is_not_a_success() {
         panic!("a fresh key is claimed")
     };
     held.execute("ROLLBACK").await.unwrap();
+    // The handler goes on writing, in the transaction the session opened.
+    sqlx::query(<MySql as TestDb>::INSERT_EFFECT)
+        .bind(scope.as_bytes())
+        .bind("k")
+        .bind("after the error")
+        .bind("")
+        .fetch_one(&mut **held)
+        .await
+        .unwrap();
     let response = StoredResponse {
         status: StatusCode::CREATED,
         headers: Vec::new(),
@@ -179,6 +190,62 @@ async fn without_autocommit_a_rolled_back_claim_is_not_a_success() {
         .await
         .unwrap();
     assert_eq!(keys, 0, "nothing was stored");
+    assert_eq!(
+        MySql::count_effects(&pool, &scope).await,
+        0,
+        "the write after the error was committed"
+    );
+}
+
+/// A session's `sql_select_limit` cannot defeat the claim's check: with a
+/// limit of 1 (every two-row check would pass) or 0 (no status read), a
+/// fresh key is still claimed and a finished one still replayed, never
+/// claimed again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sessions_select_limit_cannot_defeat_the_claim() {
+    MySql::connect().await;
+    for limit in [1, 0] {
+        let pool = MySqlPoolOptions::new()
+            .max_connections(2)
+            .after_connect(move |conn, _| {
+                Box::pin(async move {
+                    let set = format!("SET SESSION sql_select_limit = {limit}");
+                    conn.execute(sqlx::AssertSqlSafe(set)).await?;
+                    Ok(())
+                })
+            })
+            .connect(&crate::engines::mysql::url())
+            .await
+            .unwrap();
+        let scope = unique("selectlimit");
+        let claim = Claim {
+            scope: &scope,
+            key: "k",
+            fingerprint: Fingerprint::from_bytes(&[6; 32]).unwrap(),
+            ttl: Duration::from_secs(60),
+            wait: Duration::ZERO,
+        };
+        let ClaimOutcome::Claimed(mut held) =
+            MySql::claim(&pool, "idem_keys", &claim).await.unwrap()
+        else {
+            panic!("limit {limit}: a fresh key is claimed")
+        };
+        let response = StoredResponse {
+            status: StatusCode::CREATED,
+            headers: Vec::new(),
+            body: "{\"id\":1}".into(),
+        };
+        MySql::finish(&mut held, "idem_keys", Some(&claim), Some(&response))
+            .await
+            .unwrap_or_else(|error| panic!("limit {limit}: {error}"));
+        held.release();
+        match MySql::claim(&pool, "idem_keys", &claim).await.unwrap() {
+            ClaimOutcome::Finished {
+                response: stored, ..
+            } => assert_eq!(stored, response, "limit {limit}"),
+            other => panic!("limit {limit}: a finished key must replay: {other:?}"),
+        }
+    }
 }
 
 /// A scope is at most 2,048 bytes in MySQL's key column: a longer one is a

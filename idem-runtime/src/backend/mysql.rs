@@ -72,8 +72,13 @@ const SAVED_LOCK_WAIT: &str = "@idem_saved_lock_wait";
 /// The claimed row's status, as the claim's locking read found it.
 const STATUS: &str = "@idem_claimed_status";
 /// `SELECT ... INTO` found more than one row: how the claim says the key
-/// is another attempt's.
+/// is another attempt's, and the finish that its `UPDATE` missed.
 const ER_TOO_MANY_ROWS: u16 = 1172;
+/// Two rows, of which a condition keeps one (`o = 1`) or both: selected
+/// `INTO` a variable, both fail the statement, and the batch stops there.
+/// The `LIMIT`s are explicit, so a session's `sql_select_limit` cannot cut
+/// them (a limit of 1 would pass every check, one of 0 read no status).
+const TWO_ROWS: &str = "(SELECT 1 AS o UNION ALL SELECT 2) AS two_rows";
 
 impl Backend for MySql {
     async fn migrate(pool: &Pool<Self>, table: &str) -> Result<(), Error> {
@@ -110,7 +115,8 @@ impl Backend for MySql {
         }
         let batch = claim_sql(table, claim);
         let read = format!(
-            "ROLLBACK; SELECT status, fingerprint, headers, body FROM {table} WHERE {}",
+            "SELECT status, fingerprint, headers, body FROM {table} \
+             WHERE {} AND expires_at > UTC_TIMESTAMP(6) LIMIT 1 FOR UPDATE; ROLLBACK",
             matches(claim)
         );
         super::claim_with_retries(pool, MySqlClaim { batch, read }).await
@@ -160,8 +166,22 @@ impl Backend for MySql {
             .zip(response)
             .map(|(claim, response)| store(table, claim, response));
         if let Some(store) = &store {
+            // The `UPDATE` must match the claim's row (sqlx sets
+            // `CLIENT_FOUND_ROWS`: rows matched, not changed). It cannot
+            // miss it in the request's own transaction; it does in one a
+            // session with `autocommit` off opened after a deadlock's
+            // rollback, where the check above passes: then the same two-row
+            // `SELECT ... INTO` as the claim's fails the batch before its
+            // `COMMIT`, which would carry what the handler wrote after the
+            // error.
             sql.push_str(store);
-            sql.push_str("; ");
+            // (`ROW_COUNT()` is read first: inside the `SELECT` it would be
+            // its derived table's.)
+            sql.push_str(&format!(
+                "; SET @idem_stored = ROW_COUNT(); \
+                 SELECT 1 INTO @idem_stored FROM {TWO_ROWS} WHERE o = 1 OR @idem_stored <> 1 \
+                 LIMIT 2; "
+            ));
         }
         // The empty transaction after the commit stands for the one sqlx
         // counts; sqlx's rollback of it is queued. Its MySQL driver sends
@@ -174,24 +194,16 @@ impl Backend for MySql {
             .execute(&mut ***conn)
             .await
         {
-            // The `UPDATE` matched the claim's row (sqlx sets
-            // `CLIENT_FOUND_ROWS`: rows matched, not changed). It cannot
-            // miss it in the request's own transaction; it does in one a
-            // session with `autocommit` off opened after a deadlock's
-            // rollback, where the check above passes. The commit then
-            // carried only what the handler wrote after the error.
-            Ok(done) if store.is_some() && done.rows_affected() != 1 => {
-                return Err(FinishError::Ended(sqlx::Error::Protocol(
-                    "the claim's row was gone at the finish: the server had rolled the \
-                     transaction back"
-                        .into(),
-                )));
-            }
             Ok(_) => {
                 MySqlTransactionManager::start_rollback(conn);
                 return Ok(());
             }
             Err(error) if number(&error) == Some(ER_SP_DOES_NOT_EXIST) => error,
+            // The `UPDATE` missed the claim's row: the transaction open now
+            // is not the request's. Rolled back by the caller.
+            Err(error) if number(&error) == Some(ER_TOO_MANY_ROWS) => {
+                return Err(FinishError::Ended(error));
+            }
             Err(error) => return Err(FinishError::Store(error)),
         };
         // No transaction was open. A statement that commits implicitly
@@ -253,8 +265,9 @@ impl super::ClaimAttempt<MySql> for MySqlClaim {
     /// half-way. sqlx hands back no results of that statement, so the
     /// batch answers by succeeding (the key is ours) or failing: on a key
     /// another attempt finished, with "result consisted of more than one
-    /// row" (see [`claim_sql`]); the row is then read after a rollback, in
-    /// one more round trip.
+    /// row" (see [`claim_sql`]); the row is then read, still locked (a
+    /// locking read sees the latest commit whatever the snapshot), and the
+    /// transaction rolled back, in one more round trip.
     async fn attempt(
         &mut self,
         mut conn: OpenTx<MySql>,
@@ -355,9 +368,9 @@ fn claim_sql(table: &str, claim: &Claim<'_>) -> String {
              created_at = IF({expired}, {now}, created_at), \
              expires_at = IF({expired}, {expires}, expires_at); \
          SET SESSION innodb_lock_wait_timeout = {SAVED_LOCK_WAIT}; \
-         SELECT status INTO {STATUS} FROM {table} WHERE {matches} FOR UPDATE; \
-         SELECT 1 INTO @idem_taken FROM (SELECT 1 AS o UNION ALL SELECT 2) AS taken \
-             WHERE o = 1 OR {STATUS} IS NOT NULL",
+         SELECT status INTO {STATUS} FROM {table} WHERE {matches} LIMIT 1 FOR UPDATE; \
+         SELECT 1 INTO @idem_taken FROM {TWO_ROWS} WHERE o = 1 OR {STATUS} IS NOT NULL \
+             LIMIT 2",
         scope = hex(claim.scope.as_bytes()),
         key = hex(claim.key.as_bytes()),
         matches = matches(claim),
