@@ -25,6 +25,8 @@ pub fn expand(item: &ItemFn, args: &Args, handler: &Handler) -> TokenStream {
     // A bare `Tx` (an alias) names its database through the type itself.
     let db = match &handler.db {
         Some(db) => quote!(#db),
+        // Left at the call site: spanned over the parameter, a bare
+        // `idem::Tx` (no database) would be reported twice on its token.
         None => quote!(<#tx_ty as #private::TxDatabase>::Database),
     };
 

@@ -206,7 +206,7 @@ fn the_one_tx(
     txs: &[(usize, Option<Option<&Type>>, &Type)],
     errors: &mut Errors,
 ) -> Option<(usize, Option<Type>, Type)> {
-    let Some(((index, db, ty), rest)) = txs.split_first() else {
+    if txs.is_empty() {
         errors.push(syn::Error::new(
             sig.ident.span(),
             "`#[idempotent]` handlers take exactly one `Tx<DB>` parameter, the request's \
@@ -214,21 +214,38 @@ fn the_one_tx(
              must be named `Tx`)",
         ));
         return None;
+    }
+    // The one that names its database is the transaction when only one
+    // does: a bare `Tx` beside it is the odd one (an own type named `Tx`,
+    // say), and is reported as such. Otherwise the first one is.
+    let explicit: Vec<usize> = (0..txs.len())
+        .filter(|&at| matches!(txs[at].1, Some(Some(_))))
+        .collect();
+    let chosen = match explicit.as_slice() {
+        [only] => *only,
+        _ => 0,
     };
+    let (index, db, ty) = &txs[chosen];
     if db.is_none() {
         errors.push(syn::Error::new_spanned(
             ty,
             "`Tx` takes the database as its one type argument, e.g. `Tx<sqlx::Postgres>`",
         ));
     }
-    for (_, _, ty) in rest {
-        errors.push(syn::Error::new_spanned(
-            ty,
-            "a second `Tx` parameter: `#[idempotent]` handlers run in exactly one transaction",
-        ));
+    for (at, (_, other_db, other)) in txs.iter().enumerate() {
+        if at == chosen {
+            continue;
+        }
+        let message = if explicit.len() == 1 && matches!(other_db, Some(None)) {
+            "a second `Tx` parameter: `#[idempotent]` handlers run in exactly one transaction, \
+             and read a bare `Tx` as an alias of `idem::Tx` (rename another type named `Tx`)"
+        } else {
+            "a second `Tx` parameter: `#[idempotent]` handlers run in exactly one transaction"
+        };
+        errors.push(syn::Error::new_spanned(other, message));
     }
-    match (db, rest) {
-        (Some(db), []) => Some((*index, db.cloned(), (*ty).clone())),
+    match (db, txs.len()) {
+        (Some(db), 1) => Some((*index, db.cloned(), (*ty).clone())),
         _ => None,
     }
 }
@@ -502,9 +519,11 @@ mod tests {
             );
             assert_eq!(found, [needs_db], "{malformed}");
         }
-        // A `Tx` of any form after the first is a second one.
-        let second =
-            "a second `Tx` parameter: `#[idempotent]` handlers run in exactly one transaction";
+        // Beside the one `Tx<DB>`, a bare `Tx` (before or after it) is the
+        // second one, and is told why.
+        let bare_second = "a second `Tx` parameter: `#[idempotent]` handlers run in exactly \
+                           one transaction, and read a bare `Tx` as an alias of `idem::Tx` \
+                           (rename another type named `Tx`)";
         assert_eq!(
             messages(
                 quote!(scope = "a"),
@@ -512,7 +531,7 @@ mod tests {
                     async fn f(a: A, y: Tx, x: Tx<Pg>) {}
                 )
             ),
-            [second]
+            [bare_second]
         );
         assert_eq!(
             messages(
@@ -521,7 +540,7 @@ mod tests {
                     async fn f(a: A, x: Tx<Pg>, y: Tx) {}
                 )
             ),
-            [second]
+            [bare_second]
         );
     }
 

@@ -78,8 +78,10 @@ pub mod __private {
     /// `Tx` (an alias such as `type Tx = idem::Tx<Postgres>;`) names its
     /// database through this.
     #[diagnostic::on_unimplemented(
-        message = "`{Self}` is not `idem::Tx<DB>`",
-        label = "the request's transaction must be `idem::Tx<DB>`, or an alias of it named `Tx`"
+        message = "`{Self}` is not `idem::Tx<DB>` over a database `idem` keeps keys in",
+        label = "the request's transaction must be `idem::Tx<DB>` (`DB` one of the enabled \
+                 engines: `sqlx::Postgres`, `sqlx::Sqlite`, `sqlx::MySql`), or an alias of it \
+                 named `Tx`"
     )]
     pub trait TxDatabase {
         /// The `DB` of `Tx<DB>`.
