@@ -3,6 +3,8 @@
 //! Depend on `idem`, which re-exports this attribute; the expansion names
 //! only `::idem::__private` paths (or the `crate = "..."` override).
 
+#![warn(missing_docs)]
+
 mod attr;
 mod duration;
 mod errors;

@@ -109,7 +109,7 @@ pub fn canonical_json(headers: &HeaderMap, body: &[u8]) -> Option<Vec<u8>> {
 ///
 /// An integer beyond 64 bits, which serde_json reads as a double (losing
 /// digits), sends the body down a slower path that keeps its digits (see
-/// [`write_number`]).
+/// `write_number`).
 pub fn canonicalize(body: &[u8]) -> Option<Vec<u8>> {
     let value: Value = serde_json::from_slice(body).ok()?;
     let mut out = Vec::with_capacity(body.len());
