@@ -225,3 +225,56 @@ async fn a_deferred_foreign_key_broken_at_commit_ends_the_transaction() {
             .unwrap();
     assert_eq!(counts, (0, 0), "nothing committed");
 }
+
+/// A handler that ends the request's transaction itself (a raw `COMMIT`
+/// through its `Tx`, a misuse) has committed the claim and its effects:
+/// the finish stores the response on that row in autocommit and reports
+/// success, so the key replays; the connection, whose sqlx count is now
+/// wrong, is closed rather than pooled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handlers_own_commit_still_stores_the_response() {
+    use idem::{Backend, Claim, ClaimOutcome, Fingerprint, StoredResponse};
+    use sqlx::Sqlite;
+
+    let file = TempDatabase::new("owncommit");
+    let pool = open(file_options(&file.0)).await;
+    let claim = Claim {
+        scope: "s",
+        key: "k",
+        fingerprint: Fingerprint::from_bytes(&[8; 32]).unwrap(),
+        ttl: std::time::Duration::from_secs(60),
+        wait: std::time::Duration::ZERO,
+    };
+    let ClaimOutcome::Claimed(mut conn) = Sqlite::claim(&pool, "idem_keys", &claim).await.unwrap()
+    else {
+        panic!("a fresh key is claimed")
+    };
+    sqlx::raw_sql("COMMIT").execute(&mut **conn).await.unwrap();
+    let response = StoredResponse {
+        status: StatusCode::CREATED,
+        headers: Vec::new(),
+        body: "{\"id\":1}".into(),
+    };
+    Sqlite::finish(&mut conn, "idem_keys", Some(&claim), Some(&response))
+        .await
+        .expect("the response is stored on the committed claim");
+    conn.release();
+    // Whatever the pool holds now, none of it is counted inside a
+    // transaction (the finished connection, so counted, was not pooled).
+    let mut held = Vec::new();
+    for _ in 0..pool.size() {
+        let mut pooled = pool.acquire().await.unwrap();
+        assert!(
+            !sqlx::Connection::is_in_transaction(&*pooled),
+            "a connection came back counted inside a transaction"
+        );
+        held.push(pooled);
+    }
+    drop(held);
+    match Sqlite::claim(&pool, "idem_keys", &claim).await.unwrap() {
+        ClaimOutcome::Finished {
+            response: stored, ..
+        } => assert_eq!(stored, response),
+        other => panic!("the key must replay: {other:?}"),
+    }
+}

@@ -208,17 +208,36 @@ impl Backend for Sqlite {
         // transaction SQLite rolled back is told by the commit itself; a
         // deferred foreign key the handler's writes broke fails it too (and
         // a retry would fail alike): both are the handler's, not the store's.
-        SqliteTransactionManager::commit(conn)
-            .await
-            .map_err(|error| match &error {
-                sqlx::Error::Database(db)
-                    if db.message().contains("no transaction is active")
-                        || db.kind() != sqlx::error::ErrorKind::Other =>
-                {
-                    FinishError::Ended(error)
-                }
-                _ => FinishError::Store(error),
-            })
+        let error = match SqliteTransactionManager::commit(conn).await {
+            Ok(()) => return Ok(()),
+            Err(error) => error,
+        };
+        let no_transaction = matches!(
+            &error,
+            sqlx::Error::Database(db) if db.message().contains("no transaction is active")
+        );
+        if no_transaction && claim.is_some() {
+            // The `UPDATE` found the claim's unfinished row, yet no
+            // transaction was open: the handler ended the request's itself
+            // (a raw `COMMIT` through its `Tx`), so the claim and effects
+            // were committed then, and the `UPDATE` stored the response in
+            // autocommit. That is done; only sqlx's count is left wrong, so
+            // the connection is closed rather than pooled.
+            tracing::warn!(
+                "the idempotent handler committed its transaction itself; \
+                 its response was stored after it, not with it"
+            );
+            conn.close_on_drop();
+            return Ok(());
+        }
+        Err(match &error {
+            sqlx::Error::Database(db)
+                if no_transaction || db.kind() != sqlx::error::ErrorKind::Other =>
+            {
+                FinishError::Ended(error)
+            }
+            _ => FinishError::Store(error),
+        })
     }
 
     async fn rollback(conn: &mut sqlx::pool::PoolConnection<Self>) -> Result<(), sqlx::Error> {
