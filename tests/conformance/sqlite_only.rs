@@ -263,7 +263,7 @@ async fn a_handlers_own_commit_still_stores_the_response() {
     // transaction (the finished connection, so counted, was not pooled).
     let mut held = Vec::new();
     for _ in 0..pool.size() {
-        let mut pooled = pool.acquire().await.unwrap();
+        let pooled = pool.acquire().await.unwrap();
         assert!(
             !sqlx::Connection::is_in_transaction(&*pooled),
             "a connection came back counted inside a transaction"
