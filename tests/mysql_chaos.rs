@@ -269,6 +269,24 @@ impl Answer {
         );
         assert!(!self.replayed, "{what}: {self:?}");
     }
+
+    /// Without a key: 503 with the same stable code, but no `Retry-After`
+    /// and a detail that says the outcome is unknown (a retry could do the
+    /// work twice), and why a key would have helped.
+    fn assert_outcome_unknown(&self, what: &str) {
+        assert_eq!(self.status, 503, "{what}: {self:?}");
+        assert_eq!(self.retry_after, None, "{what}: {self:?}");
+        let problem: serde_json::Value = serde_json::from_str(&self.body).unwrap();
+        assert_eq!(
+            problem["code"], "idempotency_store_unavailable",
+            "{what}: {self:?}"
+        );
+        let detail = problem["detail"].as_str().unwrap_or_default();
+        assert!(
+            detail.contains("may or may not have been done") && detail.contains("Idempotency-Key"),
+            "{what}: {self:?}"
+        );
+    }
 }
 
 /// A service whose pool (one connection) goes through a proxy that can cut
@@ -566,7 +584,8 @@ async fn the_pool_reconnects_after_cut_commits() {
 
 /// Without a key, the same cuts: 503 both times, nothing stored; the
 /// commit either never happened or did (a keyless request has no memory to
-/// make a retry safe: that is what the key is for).
+/// make a retry safe: that is what the key is for), and the answer says
+/// so instead of inviting a retry.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_keyless_commit_cut_is_503_and_stores_nothing() {
     let fixture = Fixture::start("mych_keyless").await;
@@ -576,7 +595,7 @@ async fn a_keyless_commit_cut_is_503_and_stores_nothing() {
         .set_cut_on_commit(CutOnCommit::BeforeForwarding);
     let before = unique("op");
     let answer = fixture.keyless(&before).await;
-    answer.assert_unavailable("keyless, cut before forwarding");
+    answer.assert_outcome_unknown("keyless, cut before forwarding");
     fixture.cut_once(0).await;
     assert!(fixture.effects(&before).await.is_empty(), "rolled back");
 
@@ -585,7 +604,7 @@ async fn a_keyless_commit_cut_is_503_and_stores_nothing() {
         .set_cut_on_commit(CutOnCommit::AfterForwarding);
     let after = unique("op");
     let answer = fixture.keyless(&after).await;
-    answer.assert_unavailable("keyless, cut after the answer");
+    answer.assert_outcome_unknown("keyless, cut after the answer");
     fixture.cut_once(1).await;
     assert_eq!(fixture.effects(&after).await.len(), 1, "committed");
 

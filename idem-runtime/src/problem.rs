@@ -27,6 +27,10 @@ pub enum Problem {
     BodyTimeout,
     /// 503: the key store cannot be reached or refused the claim.
     StoreUnavailable,
+    /// 503: the database failed while committing a request that carried no
+    /// key (`key = "optional"`): it may or may not have been done, so no
+    /// `Retry-After` invites a retry.
+    CommitOutcomeUnknown,
     /// 500: the handler panicked; nothing was committed.
     HandlerPanicked,
     /// 500: a database error failed the handler's transaction: one the
@@ -51,7 +55,7 @@ impl Problem {
             Self::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             Self::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
-            Self::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+            Self::StoreUnavailable | Self::CommitOutcomeUnknown => StatusCode::SERVICE_UNAVAILABLE,
             Self::HandlerPanicked | Self::TransactionFailed | Self::ResponseNotStored => {
                 StatusCode::INTERNAL_SERVER_ERROR
             }
@@ -68,7 +72,7 @@ impl Problem {
             Self::BodyTooLarge => "request_body_too_large",
             Self::BodyUnreadable => "request_body_unreadable",
             Self::BodyTimeout => "request_body_timeout",
-            Self::StoreUnavailable => "idempotency_store_unavailable",
+            Self::StoreUnavailable | Self::CommitOutcomeUnknown => "idempotency_store_unavailable",
             Self::HandlerPanicked | Self::TransactionFailed => "internal_error",
             Self::ResponseNotStored => "idempotency_response_not_stored",
         }
@@ -84,6 +88,7 @@ impl Problem {
             Self::BodyUnreadable => "Request body could not be read",
             Self::BodyTimeout => "Request body too slow",
             Self::StoreUnavailable => "Idempotency key store unavailable",
+            Self::CommitOutcomeUnknown => "Outcome unknown",
             Self::HandlerPanicked | Self::TransactionFailed => "Internal server error",
             Self::ResponseNotStored => "Response could not be stored",
         }
@@ -99,6 +104,7 @@ impl Problem {
             Self::BodyUnreadable => "The request body ended before it was complete.".into(),
             Self::BodyTimeout => "The request body did not arrive in time. Nothing was done; retrying is safe.".into(),
             Self::StoreUnavailable => "Retry with the same key after the time given in Retry-After: the request either did nothing, or its answer will be replayed.".into(),
+            Self::CommitOutcomeUnknown => "The database failed while committing this request, which carried no Idempotency-Key: it may or may not have been done. Send an Idempotency-Key to make retries safe.".into(),
             Self::HandlerPanicked => "Nothing was done. Retrying with the same key is safe.".into(),
             Self::TransactionFailed => "A database error failed the request's transaction: it did not commit, and no answer was stored. Retrying with the same key is safe.".into(),
             Self::ResponseNotStored => "Nothing was done: the response is larger than can be stored for replay.".into(),

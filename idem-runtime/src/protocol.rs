@@ -301,7 +301,7 @@ where
             idem.finished_keys().remember(claim.scope, claim.key);
             (Outcome::Claimed, stored.into_original(parts))
         }
-        Err(error) => commit_failed(conn, error).await,
+        Err(error) => commit_failed(conn, error, true).await,
     }
 }
 
@@ -367,7 +367,7 @@ where
             conn.release();
             (Outcome::Unkeyed, response)
         }
-        Err(error) => commit_failed(conn, error).await,
+        Err(error) => commit_failed(conn, error, false).await,
     }
 }
 
@@ -410,8 +410,13 @@ where
 }
 
 /// The commit failed, so the client must not be told the work succeeded.
-/// If the commit did land, a retry replays it; if not, a retry redoes it.
-async fn commit_failed<DB: Backend>(conn: OpenTx<DB>, error: FinishError) -> (Outcome, Response) {
+/// If the commit did land, a retry with the key replays it; if not, a retry
+/// redoes it. Without a key (`keyed` false) nothing tells which.
+async fn commit_failed<DB: Backend>(
+    conn: OpenTx<DB>,
+    error: FinishError,
+    keyed: bool,
+) -> (Outcome, Response) {
     abandon(conn).await;
     match error {
         FinishError::Ended(error) => {
@@ -427,10 +432,12 @@ async fn commit_failed<DB: Backend>(conn: OpenTx<DB>, error: FinishError) -> (Ou
         }
         FinishError::Store(error) => {
             tracing::warn!(error = %error, "committing the handler's transaction failed");
-            (
-                Outcome::StoreUnavailable,
-                Problem::StoreUnavailable.into_response(),
-            )
+            let problem = if keyed {
+                Problem::StoreUnavailable
+            } else {
+                Problem::CommitOutcomeUnknown
+            };
+            (Outcome::StoreUnavailable, problem.into_response())
         }
     }
 }
