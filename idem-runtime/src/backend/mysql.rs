@@ -45,6 +45,8 @@
 //! exceed twice `Idem::max_response_bytes` (16 MiB on MariaDB and 64 MiB on
 //! MySQL 8 by default, against the 1 MiB default cap).
 
+use std::sync::Arc;
+
 use sqlx::mysql::{MySqlRow, MySqlTransactionManager};
 use sqlx::pool::PoolConnection;
 use sqlx::{AssertSqlSafe, MySql, Pool, Row, SqlSafeStr};
@@ -113,13 +115,16 @@ impl Backend for MySql {
                 claim.scope.len()
             )));
         }
-        let batch = claim_sql(table, claim);
-        let read = format!(
-            "SELECT status, fingerprint, headers, body FROM {table} \
-             WHERE {} AND expires_at > UTC_TIMESTAMP(6) LIMIT 1 FOR UPDATE; ROLLBACK",
-            matches(claim)
-        );
-        super::claim_with_retries(pool, MySqlClaim { batch, read }).await
+        let batch = Arc::new(claim_sql(table, claim));
+        super::claim_with_retries(
+            pool,
+            MySqlClaim {
+                batch,
+                table,
+                claim,
+            },
+        )
+        .await
     }
 
     async fn peek(
@@ -250,14 +255,15 @@ impl Backend for MySql {
     }
 }
 
-/// A claim on MySQL/MariaDB: its one multi-statement batch, and the
-/// statement that reads a taken key's row.
-struct MySqlClaim {
-    batch: String,
-    read: String,
+/// A claim on MySQL/MariaDB: its one multi-statement batch (shared by its
+/// attempts, not copied), and what the read of a taken key's row needs.
+struct MySqlClaim<'c> {
+    batch: Arc<String>,
+    table: &'c str,
+    claim: &'c Claim<'c>,
 }
 
-impl super::ClaimAttempt<MySql> for MySqlClaim {
+impl super::ClaimAttempt<MySql> for MySqlClaim<'_> {
     /// The batch runs as sqlx's own `BEGIN` (its transaction manager's,
     /// with the batch as the statement), so sqlx counts the transaction: a
     /// handler's nested `begin()` on its `Tx` is then a savepoint, where on
@@ -275,7 +281,7 @@ impl super::ClaimAttempt<MySql> for MySqlClaim {
     ) -> Result<ClaimOutcome<MySql>, Failure> {
         let begun = MySqlTransactionManager::begin(
             &mut conn,
-            Some(AssertSqlSafe(self.batch.clone()).into_sql_str()),
+            Some(AssertSqlSafe(Arc::clone(&self.batch)).into_sql_str()),
         )
         .await;
         let error = match begun {
@@ -288,7 +294,13 @@ impl super::ClaimAttempt<MySql> for MySqlClaim {
         }
         // The batch stopped at its last statement, in the transaction it
         // opened (sqlx did not count it), the lock wait already restored.
-        let rows = sqlx::raw_sql(AssertSqlSafe(self.read.as_str()))
+        let read = format!(
+            "SELECT status, fingerprint, headers, body FROM {} \
+             WHERE {} AND expires_at > UTC_TIMESTAMP(6) LIMIT 1 FOR UPDATE; ROLLBACK",
+            self.table,
+            matches(self.claim)
+        );
+        let rows = sqlx::raw_sql(AssertSqlSafe(read))
             .fetch_all(&mut **conn)
             .await;
         let found = match rows {

@@ -145,12 +145,15 @@ impl Backend for Postgres {
         claim: Option<&Claim<'_>>,
         response: Option<&StoredResponse>,
     ) -> Result<(), FinishError> {
-        let (Some(claim), Some(response)) = (claim, response) else {
-            return commit_unless_failed(conn).await.map_err(finish_error);
+        let text = match (claim, response) {
+            (Some(claim), Some(response)) => {
+                let mut row = ClaimRow::new(table, claim);
+                row.prepared = !conn.inlined;
+                row.finish_and_commit(response)
+            }
+            _ => COMMIT_UNLESS_FAILED.to_owned(),
         };
-        let mut row = ClaimRow::new(table, claim);
-        row.prepared = !conn.inlined;
-        let result = sqlx::raw_sql(AssertSqlSafe(row.finish_and_commit(response)))
+        let result = sqlx::raw_sql(AssertSqlSafe(text))
             .execute(&mut ***conn)
             .await;
         if let Err(error) = &result
@@ -211,23 +214,18 @@ fn finish_error(error: sqlx::Error) -> FinishError {
     }
 }
 
-/// Commits a transaction without a stored response (a request without a
-/// key), unless a statement in it failed.
+/// The finish of a transaction without a stored response (a request
+/// without a key): its commit, unless a statement in it failed.
 ///
 /// PostgreSQL answers `COMMIT` in a failed transaction by rolling it back,
 /// without an error: a handler that caught a failed statement's error and
 /// answered 2xx would have its client told of writes that were undone (as
 /// sqlx's own `commit()` would). The `SELECT` ahead of the `COMMIT` fails in
 /// a failed transaction, so the request answers 500 instead, in the same
-/// round trip. As in the keyed finish, the text then opens the empty
-/// transaction whose rollback sqlx queues.
-async fn commit_unless_failed(conn: &mut OpenTx<Postgres>) -> Result<(), sqlx::Error> {
-    sqlx::raw_sql("SELECT 1; COMMIT; BEGIN")
-        .execute(&mut ***conn)
-        .await?;
-    PgTransactionManager::start_rollback(conn);
-    Ok(())
-}
+/// round trip. (With a key, the stored response's `EXECUTE` fails so.) As
+/// in the keyed finish, the text then opens the empty transaction whose
+/// rollback sqlx queues.
+const COMMIT_UNLESS_FAILED: &str = "SELECT 1; COMMIT; BEGIN";
 
 /// A claim on PostgreSQL: the row's statements, kept across attempts
 /// (they remember whether the server keeps prepared statements).
