@@ -144,40 +144,22 @@ fn raw_fingerprints_are_pinned() {
     );
 }
 
+#[cfg(feature = "sqlite")]
+#[path = "support/account.rs"]
+mod account;
+
 /// Derived keys, and the fingerprint the runtime stores for a request.
 #[cfg(feature = "sqlite")]
 mod through_a_request {
-    use std::borrow::Cow;
-
     use axum::Json;
     use axum::body::Body;
-    use axum::extract::FromRequestParts;
     use axum::handler::Handler;
-    use axum::http::{Method, Request, StatusCode, request::Parts};
-    use idem::{Fingerprint, Idem, Scope, Tx, idempotent};
+    use axum::http::{Method, Request};
+    use idem::{Fingerprint, Idem, Tx, idempotent};
     use sqlx::Sqlite;
     use sqlx::sqlite::SqlitePoolOptions;
 
-    struct Account(String);
-
-    impl Scope for Account {
-        fn scope(&self) -> Cow<'_, str> {
-            Cow::Borrowed(&self.0)
-        }
-    }
-
-    impl<S: Send + Sync> FromRequestParts<S> for Account {
-        type Rejection = StatusCode;
-
-        async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
-            parts
-                .headers
-                .get("x-account")
-                .and_then(|value| value.to_str().ok())
-                .map(|value| Account(value.to_owned()))
-                .ok_or(StatusCode::UNAUTHORIZED)
-        }
-    }
+    use crate::account::Account;
 
     /// Answers the keys it would hand to a payment provider and a ledger.
     #[idempotent(scope = "account")]

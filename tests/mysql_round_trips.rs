@@ -13,11 +13,12 @@
 
 #[path = "support/account.rs"]
 mod account;
+#[path = "support/mysql_db.rs"]
+mod mysql_db;
 #[path = "support/mysql_proxy.rs"]
 mod mysql_proxy;
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use axum::Json;
@@ -27,71 +28,14 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use idem::{Idem, Tx, idempotent};
 use serde::Deserialize;
-use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions, MySqlSslMode};
 use sqlx::{AssertSqlSafe, MySql, MySqlConnection, MySqlPool};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use account::Account;
+use mysql_db::{direct, run, through, unique};
 use mysql_proxy::MySqlProxy;
 
 // -------------------------------------------------------------------- setup
-
-fn database_url() -> String {
-    std::env::var("IDEM_TEST_MYSQL_URL")
-        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_owned())
-}
-
-/// A name no other run or test uses (tests run in parallel, and again),
-/// short enough for MySQL's 64-character identifiers.
-fn unique(prefix: &str) -> String {
-    static NEXT: AtomicU64 = AtomicU64::new(0);
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    format!(
-        "{prefix}_{}_{nanos:x}_{}",
-        std::process::id(),
-        NEXT.fetch_add(1, Ordering::Relaxed)
-    )
-}
-
-/// A direct pool, for setup and checks, and the server's address; fails
-/// loudly without a server.
-async fn direct() -> (MySqlPool, SocketAddr) {
-    let url = database_url();
-    let pool = MySqlPoolOptions::new()
-        .max_connections(2)
-        .acquire_timeout(Duration::from_secs(10))
-        .connect(&url)
-        .await
-        .unwrap_or_else(|error| {
-            panic!("MySQL/MariaDB is required at {url} (set IDEM_TEST_MYSQL_URL): {error}")
-        });
-    let options: MySqlConnectOptions = url.parse().expect("database URL");
-    let server = format!("{}:{}", options.get_host(), options.get_port());
-    let addr = tokio::net::lookup_host(&server)
-        .await
-        .ok()
-        .and_then(|mut addrs| addrs.next())
-        .unwrap_or_else(|| panic!("cannot resolve {server} (from {url})"));
-    (pool, addr)
-}
-
-/// A one-connection pool through `proxy`, without TLS, so every round
-/// trip is seen.
-async fn through(proxy: &MySqlProxy) -> MySqlPool {
-    let options: MySqlConnectOptions = database_url().parse().expect("database URL");
-    let options = options
-        .host("127.0.0.1")
-        .port(proxy.addr().port())
-        .ssl_mode(MySqlSslMode::Disabled);
-    MySqlPoolOptions::new()
-        .max_connections(1)
-        .connect_with(options)
-        .await
-        .expect("connect through the proxy")
-}
 
 /// Waits until every connection is back in the pool: sqlx returns a
 /// connection (with a ping) after the response has gone out.
@@ -101,13 +45,6 @@ async fn settle(pool: &MySqlPool) {
         assert!(Instant::now() < deadline, "a connection never came back");
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
-}
-
-async fn run(pool: &MySqlPool, sql: String) {
-    sqlx::raw_sql(AssertSqlSafe(sql.clone()))
-        .execute(pool)
-        .await
-        .unwrap_or_else(|error| panic!("{sql}: {error}"));
 }
 
 async fn rows(pool: &MySqlPool, table: &str) -> i64 {

@@ -242,7 +242,7 @@ fn is_table_name(name: &str) -> bool {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::time::Duration;
 
     use http::HeaderName;
@@ -250,7 +250,9 @@ mod tests {
     use super::{Idem, is_table_name};
     use crate::Error;
 
-    fn idem() -> Idem<sqlx::Postgres> {
+    /// A store whose pool never connects, for tests that only read its
+    /// settings.
+    pub(crate) fn idem() -> Idem<sqlx::Postgres> {
         let pool = sqlx::postgres::PgPoolOptions::new()
             .connect_lazy("postgres://127.0.0.1:1/none")
             .unwrap();

@@ -456,13 +456,8 @@ mod tests {
 
     const REQUIRED: Config = Config::new(1000, 0, KeyMode::Required);
 
-    /// A store whose pool never connects: `prepare` only reads its settings.
-    fn idem() -> Idem<sqlx::Postgres> {
-        let pool = sqlx::postgres::PgPoolOptions::new()
-            .connect_lazy("postgres://127.0.0.1:1/none")
-            .unwrap();
-        Idem::new(pool)
-    }
+    /// `prepare` only reads the store's settings: a pool that never connects.
+    use crate::idem::tests::idem;
 
     #[tokio::test]
     async fn a_missing_key_is_400_unless_optional() {

@@ -74,6 +74,26 @@ impl<DB: TestDb> Server<DB> {
     pub async fn keys(&self, caller: &str) -> i64 {
         DB::count_keys(self.state.idem.pool(), caller).await
     }
+
+    /// Every connection of the service's pool, checked out once all have
+    /// come back (sqlx hands one back after the response is out), for a
+    /// test to look at the state each was returned in.
+    pub async fn pooled_connections(&self) -> Vec<sqlx::pool::PoolConnection<DB>> {
+        let pool = self.state.idem.pool();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while pool.num_idle() < pool.size() as usize {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "a connection never came back"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+        }
+        let mut connections = Vec::new();
+        for _ in 0..pool.size() {
+            connections.push(pool.acquire().await.unwrap());
+        }
+        connections
+    }
 }
 
 /// An HTTP client acting for one caller.

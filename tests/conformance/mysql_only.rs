@@ -21,33 +21,56 @@ async fn lock_wait(conn: &mut sqlx::MySqlConnection) -> u64 {
         .unwrap()
 }
 
+/// A two-connection pool on the test server whose every session first
+/// runs `set`: a session setting the claim and finish must hold under.
+async fn session_pool(set: String) -> sqlx::MySqlPool {
+    MySqlPoolOptions::new()
+        .max_connections(2)
+        .after_connect(move |conn, _| {
+            let set = set.clone();
+            Box::pin(async move {
+                conn.execute(sqlx::AssertSqlSafe(set)).await?;
+                Ok(())
+            })
+        })
+        .connect(&crate::engines::mysql::url())
+        .await
+        .unwrap()
+}
+
+/// A claim of key `k` in `scope`, kept a minute, its fingerprint `fill`
+/// repeated.
+fn claim(scope: &str, fill: u8, wait: Duration) -> Claim<'_> {
+    Claim {
+        scope,
+        key: "k",
+        fingerprint: Fingerprint::from_bytes(&[fill; 32]).unwrap(),
+        ttl: Duration::from_secs(60),
+        wait,
+    }
+}
+
+/// A 201 with `body` and no headers, as a handler's answer is stored.
+fn created(body: &'static str) -> StoredResponse {
+    StoredResponse {
+        status: StatusCode::CREATED,
+        headers: Vec::new(),
+        body: body.into(),
+    }
+}
+
 /// The handler runs with the session's own `innodb_lock_wait_timeout`, and
 /// the connection goes back to the pool with it, whatever the claim set
 /// for its insert and whether the claim won (`Claimed`) or lost (`InUse`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_claim_restores_the_sessions_lock_wait() {
     MySql::connect().await; // the server is there and the table migrated
-    let url = crate::engines::mysql::url();
-    let pool = MySqlPoolOptions::new()
-        .max_connections(2)
-        .after_connect(|conn, _| {
-            Box::pin(async move {
-                let set = format!("SET SESSION innodb_lock_wait_timeout = {SESSION_LOCK_WAIT}");
-                conn.execute(sqlx::AssertSqlSafe(set)).await?;
-                Ok(())
-            })
-        })
-        .connect(&url)
-        .await
-        .unwrap();
+    let pool = session_pool(format!(
+        "SET SESSION innodb_lock_wait_timeout = {SESSION_LOCK_WAIT}"
+    ))
+    .await;
     let scope = unique("lockwait");
-    let claim = Claim {
-        scope: &scope,
-        key: "k",
-        fingerprint: Fingerprint::from_bytes(&[7; 32]).unwrap(),
-        ttl: Duration::from_secs(60),
-        wait: Duration::from_millis(250),
-    };
+    let claim = claim(&scope, 7, Duration::from_millis(250));
 
     let ClaimOutcome::Claimed(mut held) = MySql::claim(&pool, "idem_keys", &claim).await.unwrap()
     else {
@@ -88,13 +111,7 @@ async fn the_claim_restores_the_sessions_lock_wait() {
 async fn an_implicit_commit_still_stores_the_response() {
     let pool = MySql::connect().await;
     let scope = unique("implicit");
-    let claim = Claim {
-        scope: &scope,
-        key: "k",
-        fingerprint: Fingerprint::from_bytes(&[9; 32]).unwrap(),
-        ttl: Duration::from_secs(60),
-        wait: Duration::ZERO,
-    };
+    let claim = claim(&scope, 9, Duration::ZERO);
     let ClaimOutcome::Claimed(mut held) = MySql::claim(&pool, "idem_keys", &claim).await.unwrap()
     else {
         panic!("a fresh key is claimed")
@@ -107,11 +124,7 @@ async fn an_implicit_commit_still_stores_the_response() {
         .await
         .unwrap();
     assert_eq!(in_transaction, 0, "the DDL committed the transaction");
-    let response = StoredResponse {
-        status: StatusCode::CREATED,
-        headers: Vec::new(),
-        body: "{\"id\":1}".into(),
-    };
+    let response = created("{\"id\":1}");
     MySql::finish(&mut held, "idem_keys", Some(&claim), Some(&response))
         .await
         .expect("the response is stored on the committed claim");
@@ -139,25 +152,9 @@ async fn an_implicit_commit_still_stores_the_response() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_autocommit_a_rolled_back_claim_is_not_a_success() {
     MySql::connect().await;
-    let pool = MySqlPoolOptions::new()
-        .max_connections(2)
-        .after_connect(|conn, _| {
-            Box::pin(async move {
-                conn.execute("SET SESSION autocommit = 0").await?;
-                Ok(())
-            })
-        })
-        .connect(&crate::engines::mysql::url())
-        .await
-        .unwrap();
+    let pool = session_pool("SET SESSION autocommit = 0".to_owned()).await;
     let scope = unique("noautocommit");
-    let claim = Claim {
-        scope: &scope,
-        key: "k",
-        fingerprint: Fingerprint::from_bytes(&[5; 32]).unwrap(),
-        ttl: Duration::from_secs(60),
-        wait: Duration::ZERO,
-    };
+    let claim = claim(&scope, 5, Duration::ZERO);
     let ClaimOutcome::Claimed(mut held) = MySql::claim(&pool, "idem_keys", &claim).await.unwrap()
     else {
         panic!("a fresh key is claimed")
@@ -172,11 +169,7 @@ async fn without_autocommit_a_rolled_back_claim_is_not_a_success() {
         .fetch_one(&mut **held)
         .await
         .unwrap();
-    let response = StoredResponse {
-        status: StatusCode::CREATED,
-        headers: Vec::new(),
-        body: "{}".into(),
-    };
+    let response = created("{}");
     let finished = MySql::finish(&mut held, "idem_keys", Some(&claim), Some(&response)).await;
     assert!(
         matches!(finished, Err(FinishError::Ended(_))),
@@ -205,36 +198,15 @@ async fn without_autocommit_a_rolled_back_claim_is_not_a_success() {
 async fn a_sessions_select_limit_cannot_defeat_the_claim() {
     MySql::connect().await;
     for limit in [1, 0] {
-        let pool = MySqlPoolOptions::new()
-            .max_connections(2)
-            .after_connect(move |conn, _| {
-                Box::pin(async move {
-                    let set = format!("SET SESSION sql_select_limit = {limit}");
-                    conn.execute(sqlx::AssertSqlSafe(set)).await?;
-                    Ok(())
-                })
-            })
-            .connect(&crate::engines::mysql::url())
-            .await
-            .unwrap();
+        let pool = session_pool(format!("SET SESSION sql_select_limit = {limit}")).await;
         let scope = unique("selectlimit");
-        let claim = Claim {
-            scope: &scope,
-            key: "k",
-            fingerprint: Fingerprint::from_bytes(&[6; 32]).unwrap(),
-            ttl: Duration::from_secs(60),
-            wait: Duration::ZERO,
-        };
+        let claim = claim(&scope, 6, Duration::ZERO);
         let ClaimOutcome::Claimed(mut held) =
             MySql::claim(&pool, "idem_keys", &claim).await.unwrap()
         else {
             panic!("limit {limit}: a fresh key is claimed")
         };
-        let response = StoredResponse {
-            status: StatusCode::CREATED,
-            headers: Vec::new(),
-            body: "{\"id\":1}".into(),
-        };
+        let response = created("{\"id\":1}");
         MySql::finish(&mut held, "idem_keys", Some(&claim), Some(&response))
             .await
             .unwrap_or_else(|error| panic!("limit {limit}: {error}"));

@@ -615,17 +615,7 @@ pub async fn cancelled_requests_roll_back<DB: TestDb>() {
         assert_eq!(answer.status, StatusCode::CREATED);
     }
     assert_eq!(server.effects(&caller).await, 21);
-    let pool = server.state.idem.pool();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while pool.num_idle() < pool.size() as usize {
-        assert!(Instant::now() < deadline, "a connection never came back");
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
-    let mut connections = Vec::new();
-    for _ in 0..pool.size() {
-        connections.push(pool.acquire().await.unwrap());
-    }
-    for conn in &mut connections {
+    for conn in &mut server.pooled_connections().await {
         assert!(
             !DB::in_transaction(&mut **conn).await,
             "a connection came back inside a transaction"

@@ -2,8 +2,6 @@
 //! transactions are savepoints of it, and every connection goes back to
 //! the pool outside any transaction, whichever way the request went.
 
-use std::time::{Duration, Instant};
-
 use reqwest::{Method, StatusCode};
 use sqlx::Connection;
 
@@ -90,18 +88,7 @@ pub async fn connections_come_back_outside_any_transaction<DB: TestDb>() {
     hold.release.notify_one();
     assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
 
-    // sqlx hands a connection back to the pool after the response is out.
-    let pool = server.state.idem.pool();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while pool.num_idle() < pool.size() as usize {
-        assert!(Instant::now() < deadline, "a connection never came back");
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
-    let mut connections = Vec::new();
-    for _ in 0..pool.size() {
-        connections.push(pool.acquire().await.unwrap());
-    }
-    for conn in &mut connections {
+    for conn in &mut server.pooled_connections().await {
         assert!(
             !conn.is_in_transaction(),
             "a connection came back inside a transaction"
