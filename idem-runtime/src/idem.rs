@@ -150,9 +150,11 @@ impl<DB: Backend> Idem<DB> {
         }))
     }
 
-    /// Caps the response body kept for replay (default 1 MiB). A handler
-    /// answer above the cap is rolled back and the client gets a 500: an
-    /// effect is never committed without the response that reports it.
+    /// Caps the response kept for replay (default 1 MiB): its body and its
+    /// replayed headers, each header counting its name, its value and 6
+    /// bytes. A handler answer above the cap is rolled back and the client
+    /// gets a 500: an effect is never committed without the response that
+    /// reports it.
     pub fn max_response_bytes(self, bytes: usize) -> Self {
         self.with(|inner| inner.max_response_bytes = bytes)
     }

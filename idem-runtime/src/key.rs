@@ -77,8 +77,12 @@ pub enum KeyError {
     /// No header, on a handler with `key = "required"`.
     #[error("this endpoint requires an Idempotency-Key header")]
     Missing,
-    /// More than one `Idempotency-Key` header.
-    #[error("send exactly one Idempotency-Key header")]
+    /// More than one `Idempotency-Key` header, or one that a proxy folded
+    /// from two (a bare key with a comma in it: RFC 9110 joins repeated
+    /// fields with commas; a quoted key may hold one).
+    #[error(
+        "send exactly one Idempotency-Key header (a comma may appear only inside a quoted key)"
+    )]
     Multiple,
     /// The key is empty.
     #[error("the Idempotency-Key is empty")]
@@ -114,6 +118,7 @@ pub fn parse_key_value(raw: &[u8]) -> Result<String, KeyError> {
     let raw = raw.trim_ascii();
     let key = match raw.first() {
         Some(b'"') => unquote(raw)?,
+        _ if raw.contains(&b',') => return Err(KeyError::Multiple),
         _ => raw.to_vec(),
     };
     if key.is_empty() {
@@ -191,6 +196,11 @@ mod tests {
         assert_eq!(parse_key(&headers), Ok(Some("a".into())));
         headers.append(IDEMPOTENCY_KEY, "a".parse().unwrap());
         assert_eq!(parse_key(&headers), Err(KeyError::Multiple));
+        // Two headers a proxy folded into one, with or without the space.
+        assert_eq!(parse_key_value(b"a,b"), Err(KeyError::Multiple));
+        assert_eq!(parse_key_value(b"a, a"), Err(KeyError::Multiple));
+        assert_eq!(parse_key_value(b"\"a\", \"b\""), Err(KeyError::Malformed));
+        assert_eq!(parse_key_value(b"\"a,b\"").unwrap(), "a,b");
     }
 
     #[test]

@@ -62,11 +62,20 @@ pub struct StoredResponse {
     pub body: Bytes,
 }
 
+/// The size of `headers` as [`StoredResponse::encode_headers`] writes them.
+fn encoded_len(headers: &[(HeaderName, HeaderValue)]) -> usize {
+    headers
+        .iter()
+        .map(|(name, value)| 6 + name.as_str().len() + value.len())
+        .sum()
+}
+
 /// Why a response could not be captured.
 #[derive(Debug, thiserror::Error)]
 pub enum CaptureError {
-    /// The body is larger than the stored-response cap.
-    #[error("response body exceeds the stored-response cap of {limit} bytes")]
+    /// The body and the replayed headers, as stored, are larger than the
+    /// stored-response cap.
+    #[error("response exceeds the stored-response cap of {limit} bytes")]
     TooLarge {
         /// The cap in bytes.
         limit: usize,
@@ -77,7 +86,8 @@ pub enum CaptureError {
 }
 
 impl StoredResponse {
-    /// Buffers a handler's response, keeping at most `limit` body bytes.
+    /// Buffers a handler's response, keeping at most `limit` bytes: the
+    /// body and the allow-listed headers as [stored](Self::encode_headers).
     ///
     /// Returns the stored form and the original's parts (every header, its
     /// extensions), so the first client, and the middleware on the way to
@@ -88,7 +98,17 @@ impl StoredResponse {
         limit: usize,
     ) -> Result<(Self, http::response::Parts), CaptureError> {
         let (parts, body) = response.into_parts();
-        let body = match Limited::new(body, limit).collect().await {
+        let headers: Vec<_> = parts
+            .headers
+            .iter()
+            .filter(|(name, _)| allow.contains(name))
+            .map(|(name, value)| (name.clone(), value.clone()))
+            .collect();
+        // The cap is on what is kept: the replayed headers count too.
+        let room = limit
+            .checked_sub(encoded_len(&headers))
+            .ok_or(CaptureError::TooLarge { limit })?;
+        let body = match Limited::new(body, room).collect().await {
             Ok(collected) => collected.to_bytes(),
             Err(error) => {
                 return Err(match error.downcast::<http_body_util::LengthLimitError>() {
@@ -97,12 +117,6 @@ impl StoredResponse {
                 });
             }
         };
-        let headers = parts
-            .headers
-            .iter()
-            .filter(|(name, _)| allow.contains(name))
-            .map(|(name, value)| (name.clone(), value.clone()))
-            .collect();
         let stored = Self {
             status: parts.status,
             headers,
@@ -132,11 +146,7 @@ impl StoredResponse {
     /// Encodes the headers for storage: per header, a big-endian u16 name
     /// length, the name, a u32 value length, the value.
     pub fn encode_headers(&self) -> Vec<u8> {
-        let size = self
-            .headers
-            .iter()
-            .map(|(name, value)| 6 + name.as_str().len() + value.len());
-        let mut out = Vec::with_capacity(size.sum());
+        let mut out = Vec::with_capacity(encoded_len(&self.headers));
         for (name, value) in &self.headers {
             out.extend_from_slice(&(name.as_str().len() as u16).to_be_bytes());
             out.extend_from_slice(name.as_str().as_bytes());
@@ -247,6 +257,27 @@ mod tests {
             .await
             .unwrap_err();
         assert!(matches!(error, CaptureError::TooLarge { limit: 1024 }));
+    }
+
+    #[tokio::test]
+    async fn replayed_headers_count_toward_the_cap() {
+        let response = || {
+            let location = format!("/v1/charges/{}", "7".repeat(40));
+            ([(header::LOCATION, location)], "0123456789").into_response()
+        };
+        // 10 body bytes; Content-Type and Location take 6 + 12 + 25 and
+        // 6 + 8 + 52 stored bytes (`text/plain; charset=utf-8` is 25).
+        let stored = 10 + (6 + 12 + 25) + (6 + 8 + 52);
+        let (kept, _) = StoredResponse::capture(response(), DEFAULT_REPLAY_HEADERS, stored)
+            .await
+            .unwrap();
+        assert_eq!(kept.body.len() + kept.encode_headers().len(), stored);
+        for limit in [stored - 1, 20] {
+            let error = StoredResponse::capture(response(), DEFAULT_REPLAY_HEADERS, limit)
+                .await
+                .unwrap_err();
+            assert!(matches!(error, CaptureError::TooLarge { limit: l } if l == limit));
+        }
     }
 
     #[test]

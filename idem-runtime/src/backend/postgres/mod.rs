@@ -348,10 +348,11 @@ async fn claim_with_fallback(
 /// perhaps after this one waited for it. A second statement then reads it
 /// (its own snapshot, so the row committed after the claim's is seen),
 /// after ending the failed transaction, in one round trip. An expired row
-/// is deleted in the next claim's round trip, before its `BEGIN`; of two
-/// attempts doing so at once the unique index lets one claim the key, and
-/// the other reads the winner's row. A row that vanished (swept) in between
-/// is claimed again.
+/// is deleted by the next claim, in its transaction and under its lock
+/// timeout: of two attempts doing so at once one claims the key, and the
+/// other reads the winner's row, or, if the winner is still running after
+/// `wait`, is told the key is in use. A row that vanished (swept) in
+/// between is claimed again.
 async fn settle(
     conn: &mut PoolConnection<Postgres>,
     row: &ClaimRow<'_>,

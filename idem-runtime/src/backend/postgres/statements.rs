@@ -48,9 +48,11 @@ pub(super) const PEEK: &str = "SELECT status, fingerprint, headers, body, false 
                     FROM {table} WHERE scope = $1 AND key = $2 \
                     AND status IS NOT NULL AND expires_at > now()";
 
-/// Deletes the key's row if it has expired, before a claim takes the key
-/// anew: of two attempts doing so at once, one deletes and both claim, and
-/// the unique index lets one of them have it.
+/// Deletes the key's row if it has expired, in the transaction of the
+/// claim that takes the key anew. Of two attempts doing so at once, the
+/// second waits (up to `wait`) for the first's lock on the row; if the
+/// first commits meanwhile, the second deletes nothing and its insert meets
+/// the first's row, which it then reads.
 pub(super) const EXPIRE: Statement = Statement {
     suffix: "expire",
     types: "bytea, bytea",
@@ -224,9 +226,18 @@ impl<'c> ClaimRow<'c> {
         String::with_capacity(256 + 2 * values + extra)
     }
 
-    /// Appends `statement` under the claim's lock timeout, then puts the
-    /// timeout back to its configured default: the handler's own statements
-    /// and the final commit must not inherit a timeout of a millisecond.
+    /// Opens the transaction and claims the key under the claim's lock
+    /// timeout (deleting the key's expired row first, if `expired`), then
+    /// puts the timeout back to its configured default: the handler's own
+    /// statements and the final commit must not inherit a timeout of a
+    /// millisecond.
+    ///
+    /// The delete of an expired row runs in the claim's transaction and
+    /// under its timeout too. (A statement written ahead of `BEGIN` in the
+    /// same round trip would join the transaction anyway, PostgreSQL
+    /// including it retroactively, but without the timeout: a duplicate
+    /// meeting a takeover's lock on the old row waited for the takeover's
+    /// whole handler instead of `wait`.)
     ///
     /// `SET LOCAL` is a utility statement, nothing to plan, so this costs
     /// little. (Saving and restoring the exact previous value with
@@ -236,13 +247,19 @@ impl<'c> ClaimRow<'c> {
     /// `postgresql.conf`, the role, the database or the connection's
     /// startup options say; a plain session `SET lock_timeout` does not
     /// reach into `idem`'s transactions.
-    fn push_bounded(&self, out: &mut String, statement: &Statement) {
+    fn push_claim(&self, out: &mut String, expired: bool) {
         // `lock_timeout = 0` means "wait forever" in PostgreSQL, so
         // `wait = 0` becomes the smallest positive timeout instead.
         let timeout = self.claim.wait.as_millis().max(1);
-        write!(out, "SET LOCAL lock_timeout = '{timeout}ms'; ").expect("writing to a String");
+        write!(out, "BEGIN; SET LOCAL lock_timeout = '{timeout}ms'; ")
+            .expect("writing to a String");
+        if expired {
+            self.statements
+                .push_run(out, &EXPIRE, self.prepared, &self.key_args());
+            out.push_str("; ");
+        }
         self.statements
-            .push_run(out, statement, self.prepared, &self.row_args());
+            .push_run(out, &CLAIM, self.prepared, &self.row_args());
         out.push_str("; SET LOCAL lock_timeout TO DEFAULT;");
     }
 
@@ -251,19 +268,15 @@ impl<'c> ClaimRow<'c> {
     pub(super) fn begin_and_insert(&self, prelude: &str) -> String {
         let mut out = self.buffer(prelude.len());
         out.push_str(prelude);
-        out.push_str("BEGIN; ");
-        self.push_bounded(&mut out, &CLAIM);
+        self.push_claim(&mut out, false);
         out
     }
 
-    /// Deletes the expired row, then opens the transaction and claims the
-    /// key as [`begin_and_insert`](Self::begin_and_insert) does.
+    /// As [`begin_and_insert`](Self::begin_and_insert), deleting the key's
+    /// expired row first.
     pub(super) fn expire_and_insert(&self) -> String {
         let mut out = self.buffer(0);
-        self.statements
-            .push_run(&mut out, &EXPIRE, self.prepared, &self.key_args());
-        out.push_str("; BEGIN; ");
-        self.push_bounded(&mut out, &CLAIM);
+        self.push_claim(&mut out, true);
         out
     }
 
@@ -372,10 +385,12 @@ mod tests {
             row.end_and_select(),
             format!(r"ROLLBACK; EXECUTE {name}(E'\\x61', E'\\x62')")
         );
+        // The expired row's delete is in the transaction, under the timeout.
         let expire = row.expire_and_insert();
         assert!(expire.starts_with(&format!(
-            "EXECUTE {}(E'\\\\x61', E'\\\\x62'); BEGIN; SET LOCAL lock_timeout",
-            row.statements.name(&EXPIRE)
+            "BEGIN; SET LOCAL lock_timeout = '1ms'; EXECUTE {}(E'\\\\x61', E'\\\\x62'); EXECUTE {}(",
+            row.statements.name(&EXPIRE),
+            row.statements.name(&CLAIM)
         )));
         // Tables get their own statements, within PostgreSQL's identifiers.
         assert_ne!(

@@ -461,3 +461,62 @@ async fn a_deferred_constraint_broken_at_commit_ends_the_transaction() {
         .unwrap();
     drop_table(&pool, &table).await;
 }
+
+/// Taking over an expired key honours `wait` like any claim: while another
+/// transaction holds the expired row (a takeover on its way, or a sweep
+/// that has locked it), the claim is told the key is in use after its lock
+/// timeout, instead of waiting for that transaction to end. Once the row
+/// is free, the key is taken over.
+#[tokio::test]
+async fn taking_over_an_expired_key_waits_no_longer_than_wait() {
+    let pool = test_pool(3, |options| options).await;
+    let table = table(&pool, "takeover").await;
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "INSERT INTO {table} (scope, key, fingerprint, status, expires_at) \
+         VALUES ('acct', 'old', '\\x00', 201, now() - interval '1 second')"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    // A lock on the row that does not delete it: the claim's insert meets
+    // a live row (no wait there), reads it expired, and its delete is what
+    // meets the lock.
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "SELECT 1 FROM {table} WHERE key = 'old' FOR UPDATE"
+    )))
+    .execute(&mut *holder)
+    .await
+    .unwrap();
+    let claim = Claim {
+        scope: "acct",
+        key: "old",
+        fingerprint: Fingerprint::from_bytes(&[1; 32]).unwrap(),
+        ttl: Duration::from_secs(60),
+        wait: Duration::ZERO,
+    };
+    let outcome = tokio::time::timeout(
+        Duration::from_secs(5),
+        Postgres::claim(&pool, &table, &claim),
+    )
+    .await
+    .expect("the claim waited for the row's holder, not `wait`")
+    .expect("claim");
+    assert!(matches!(outcome, ClaimOutcome::InUse), "{outcome:?}");
+
+    holder.rollback().await.unwrap();
+    match Postgres::claim(&pool, &table, &claim).await.expect("claim") {
+        ClaimOutcome::Claimed(conn) => {
+            store(conn, &table, &claim, StatusCode::CREATED, b"{}").await
+        }
+        other => panic!("the expired key was not taken over: {other:?}"),
+    }
+    let rows: Vec<(Vec<u8>, bool)> = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT fingerprint, expires_at > now() FROM {table} WHERE key = 'old'"
+    )))
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(rows, [(vec![1; 32], true)], "one live row, the new claim's");
+    drop_table(&pool, &table).await;
+}
