@@ -441,6 +441,7 @@ mod tests {
     use sqlx::mysql::MySqlPoolOptions;
 
     use super::*;
+    use crate::fingerprint::Fingerprint;
 
     /// A pool on the test server; fails loudly without one.
     async fn test_pool(max_connections: u32) -> Pool<MySql> {
@@ -586,6 +587,78 @@ mod tests {
         assert!(matches!(failure(syntax), Failure::Fatal(_)));
         run(&mut b, "ROLLBACK").await.unwrap();
         drop((a, b, c));
+        sqlx::raw_sql(AssertSqlSafe(format!("DROP TABLE {table}")))
+            .execute(&pool)
+            .await
+            .unwrap();
+    }
+
+    /// Taking over an expired key honours `wait` like any claim (the
+    /// upsert's lock wait is bounded as the insert's is): while another
+    /// transaction holds the expired row, the claim is told the key is in
+    /// use, instead of waiting for that transaction to end. Once the row is
+    /// free, the key is taken over, in place.
+    #[tokio::test]
+    async fn taking_over_an_expired_key_waits_no_longer_than_wait() {
+        let pool = test_pool(3).await;
+        let table = format!("idem_takeover_{}", std::process::id());
+        sqlx::raw_sql(AssertSqlSafe(format!("DROP TABLE IF EXISTS {table}")))
+            .execute(&pool)
+            .await
+            .unwrap();
+        MySql::migrate(&pool, &table).await.expect("migrate");
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "INSERT INTO {table} (scope, `key`, fingerprint, status, created_at, expires_at) \
+             VALUES ('acct', 'old', X'00', 201, UTC_TIMESTAMP(6), \
+                     UTC_TIMESTAMP(6) - INTERVAL 1 SECOND)"
+        )))
+        .execute(&pool)
+        .await
+        .unwrap();
+        let mut holder = pool.acquire().await.unwrap();
+        run(
+            &mut holder,
+            &format!("START TRANSACTION; SELECT 1 FROM {table} WHERE `key` = 'old' FOR UPDATE"),
+        )
+        .await
+        .unwrap();
+        let claim = Claim {
+            scope: "acct",
+            key: "old",
+            fingerprint: Fingerprint::from_bytes(&[1; 32]).unwrap(),
+            ttl: Duration::from_secs(60),
+            wait: Duration::ZERO,
+        };
+        let outcome =
+            tokio::time::timeout(Duration::from_secs(5), MySql::claim(&pool, &table, &claim))
+                .await
+                .expect("the claim waited for the row's holder, not `wait`")
+                .expect("claim");
+        assert!(matches!(outcome, ClaimOutcome::InUse), "{outcome:?}");
+
+        run(&mut holder, "ROLLBACK").await.unwrap();
+        drop(holder);
+        match MySql::claim(&pool, &table, &claim).await.expect("claim") {
+            ClaimOutcome::Claimed(mut conn) => {
+                let response = StoredResponse {
+                    status: http::StatusCode::CREATED,
+                    headers: Vec::new(),
+                    body: "{}".into(),
+                };
+                MySql::finish(&mut conn, &table, Some(&claim), Some(&response))
+                    .await
+                    .expect("finish");
+                conn.release();
+            }
+            other => panic!("the expired key was not taken over: {other:?}"),
+        }
+        let rows: Vec<(Vec<u8>, bool)> = sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT fingerprint, expires_at > UTC_TIMESTAMP(6) FROM {table} WHERE `key` = 'old'"
+        )))
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+        assert_eq!(rows, [(vec![1; 32], true)], "one live row, the new claim's");
         sqlx::raw_sql(AssertSqlSafe(format!("DROP TABLE {table}")))
             .execute(&pool)
             .await
