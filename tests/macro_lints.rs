@@ -118,6 +118,15 @@ async fn refund(account: Account, tx: Tx<Postgres>, Json(refund): Json<i64>) -> 
     Json(refund)
 }
 
+/// The user's lint attributes come after the macro's own: an expectation
+/// of a lint the macro also allows holds (clippy checks it).
+#[idempotent(scope = "account")]
+#[expect(clippy::unused_async, reason = "a handler that does not await yet")]
+async fn expected(account: Account, tx: Tx<Postgres>) -> StatusCode {
+    drop((account, tx));
+    StatusCode::NO_CONTENT
+}
+
 /// A public handler in a module, with docs.
 mod api {
     use idem::{Tx, idempotent};
@@ -139,6 +148,7 @@ fn router() -> Router<AppState> {
         .route("/raw", post(raw))
         .route("/refunds", post(refund))
         .route("/api", post(api::create))
+        .route("/expected", post(expected))
 }
 
 #[test]

@@ -76,6 +76,8 @@ pub fn expand(item: &ItemFn, args: &Args, handler: &Handler) -> TokenStream {
         #declaration
 
         #(#cfgs)*
+        // A `#[deprecated]` handler warns where it is routed, not here.
+        #[allow(deprecated)]
         const _: () = {
             #helpers
 
@@ -159,13 +161,15 @@ fn finish(item: &ItemFn, handler: &Handler, krate: &TokenStream) -> TokenStream 
         .map(|p| p.local.to_token_stream())
         .collect();
     call_args.insert(handler.tx_index, quote!(__idem_tx));
+    // The user's function, kept under its own name (see `shell`).
+    let kept = &item.sig.ident;
 
     quote! {
         let __idem_scope = ::std::borrow::Cow::<'static, str>::Owned(
             #scope_fn(&#scope_local).into_owned(),
         );
         #run(__idem_store, __idem_prepared, __idem_scope, move |__idem_tx| async move {
-            let __idem_output = (Self::__idem_handler(#(#call_args),*).await,);
+            let __idem_output = (Self::#kept(#(#call_args),*).await,);
             let __idem_failed = {
                 #[allow(unused_imports)]
                 use #private::{NotResult as _, ResultErr as _};
@@ -292,6 +296,7 @@ pub fn stub(item: &ItemFn, args: &Args) -> TokenStream {
 
         #(#cfgs)*
         #[automatically_derived]
+        #[allow(deprecated)]
         impl<__IdemS> #private::Handler<((),), __IdemS> for #name
         where
             __IdemS: ::core::clone::Clone + ::core::marker::Send + ::core::marker::Sync + 'static,
@@ -465,6 +470,7 @@ mod tests {
             }
         }
         assert!(text.contains("struct create"));
-        assert!(text.contains("fn __idem_handler"));
+        assert!(text.contains("impl create { # [allow"), "{text}");
+        assert!(text.contains("Self :: create ("), "{text}");
     }
 }

@@ -25,7 +25,12 @@ use proc_macro::TokenStream;
 /// status is seen.
 ///
 /// The handler's name becomes a unit struct (the value `post(name)`
-/// routes) in the function's module. Inside the handler, parameters and
+/// routes) in the function's module, so a handler is a free function (not
+/// in an `impl` block) and no module or type beside it has its name. Doc
+/// comments and `#[deprecated]` go onto that struct; other attributes
+/// below `#[idempotent]` (lints, `#[tracing::instrument]`) onto the body,
+/// kept as the struct's associated function of the same name. axum's
+/// `#[debug_handler]` is refused: the `Tx` is not one of its extractors. Inside the handler, parameters and
 /// locals may still be named like it: there, the name is a plain function,
 /// not the handler. Elsewhere in that module a pattern of that name
 /// matches the struct instead of binding, as with any unit struct.

@@ -1,6 +1,8 @@
 //! The items that stand for a handler: a unit struct named like the
 //! function (the value `post(name)` routes) and the user's function kept
-//! beside it as the struct's `__idem_handler`.
+//! beside it as the struct's associated function of the same name (so
+//! `#[tracing::instrument]` below the attribute names its span after the
+//! handler).
 
 use proc_macro2::{Span, TokenStream, TokenTree};
 use quote::{ToTokens, format_ident, quote};
@@ -20,14 +22,18 @@ impl Shell {
     pub fn new(item: &ItemFn) -> Self {
         let vis = &item.vis;
         let name = item.sig.ident.clone();
-        let mut docs = Vec::new();
+        // Docs and `#[deprecated]` belong to what users name, the struct;
+        // a `#[cfg]` to everything.
+        let mut on_struct = Vec::new();
         let mut cfgs = Vec::new();
         let mut attrs = Vec::new();
         for attr in &item.attrs {
-            if attr.path().is_ident("doc") {
-                docs.push(attr);
+            if attr.path().is_ident("doc") || attr.path().is_ident("deprecated") {
+                on_struct.push(attr);
             } else if attr.path().is_ident("cfg") {
                 cfgs.push(attr.clone());
+            } else if crate::valid::is_debug_handler(attr) {
+                // Reported by `valid`; kept, it would add errors of its own.
             } else {
                 attrs.push(attr);
             }
@@ -35,18 +41,26 @@ impl Shell {
         let function = kept_function(item, &name);
         // `async` is required by the attribute, so `clippy::unused_async`'s
         // advice cannot be followed (it is silent for a plain axum handler,
-        // which is passed by value rather than called).
+        // which is passed by value rather than called). The user's own
+        // attributes come after these, so their `#[expect]` or `#[deny]` of
+        // one of these lints is what holds.
         let declaration = quote! {
             #(#cfgs)*
-            #(#docs)*
+            #(#on_struct)*
             #[allow(non_camel_case_types)]
-            #[derive(Clone, Copy, Debug, Default)]
+            #[derive(
+                ::core::clone::Clone,
+                ::core::marker::Copy,
+                ::core::fmt::Debug,
+                ::core::default::Default,
+            )]
             #vis struct #name;
 
             #(#cfgs)*
+            #[allow(deprecated)]
             impl #name {
-                #(#attrs)*
                 #[allow(dead_code, clippy::too_many_arguments, clippy::unused_async)]
+                #(#attrs)*
                 #function
             }
         };
@@ -71,7 +85,6 @@ impl Shell {
 /// `async fn`'s parameters, so the drop order is the same).
 fn kept_function(item: &ItemFn, name: &Ident) -> TokenStream {
     let mut sig = item.sig.clone();
-    sig.ident = format_ident!("__idem_handler", span = name.span());
     sig.constness = None;
     let block = &item.block;
     let in_params = sig.inputs.iter().any(|input| match input {
@@ -140,7 +153,7 @@ mod tests {
         assert_eq!(
             text,
             quote!(
-                async fn __idem_handler(a: A, Json(b): Json<B>) -> R {
+                async fn refund(a: A, Json(b): Json<B>) -> R {
                     let c = a.refunds;
                     c
                 }

@@ -45,6 +45,7 @@ pub struct Handler {
 
 pub fn check(item: &ItemFn, args: &Args, errors: &mut Errors) -> Option<Handler> {
     let before = errors.count();
+    check_attributes(item, errors);
     check_qualifiers(&item.sig, errors);
     let Params {
         extractors,
@@ -79,6 +80,28 @@ pub fn check(item: &ItemFn, args: &Args, errors: &mut Errors) -> Option<Handler>
         db,
         scope_index: scope_index?,
     })
+}
+
+/// axum's `#[debug_handler]`, under any path: it checks a function's
+/// parameters as axum extractors, which the `Tx` is not, and the expansion
+/// drops it (`Shell`).
+pub fn is_debug_handler(attr: &syn::Attribute) -> bool {
+    attr.path()
+        .segments
+        .last()
+        .is_some_and(|segment| segment.ident == "debug_handler")
+}
+
+/// No attribute below `#[idempotent]` that cannot apply to what it keeps.
+fn check_attributes(item: &ItemFn, errors: &mut Errors) {
+    for attr in item.attrs.iter().filter(|attr| is_debug_handler(attr)) {
+        errors.push(syn::Error::new_spanned(
+            attr,
+            "`#[debug_handler]` cannot check an `#[idempotent]` handler, above or below it: \
+             the `Tx` parameter is not one of axum's extractors; remove it (`#[idempotent]` \
+             checks the extractors itself, each on its own parameter)",
+        ));
+    }
 }
 
 /// `async`, and nothing axum cannot call: no `const`, `unsafe`, `extern`,
@@ -117,7 +140,9 @@ fn check_qualifiers(sig: &Signature, errors: &mut Errors) {
     if let Some(generic) = generic {
         errors.push(syn::Error::new_spanned(
             generic,
-            "`#[idempotent]` handlers cannot be generic: axum needs one concrete handler type",
+            "`#[idempotent]` handlers cannot be generic: the handler becomes a unit struct, \
+             which has no parameters to instantiate; take a concrete type (a state such as \
+             `State<Arc<dyn Store>>`, say)",
         ));
     }
     if let Some(variadic) = &sig.variadic {

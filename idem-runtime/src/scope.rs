@@ -25,7 +25,7 @@ use std::borrow::Cow;
 #[diagnostic::on_unimplemented(
     message = "`{Self}` cannot scope idempotency keys: it does not implement `idem::Scope`",
     label = "the parameter named by `scope = \"...\"` must implement `idem::Scope`",
-    note = "implement `idem::Scope for {Self}` and return the authenticated caller's stable id from `fn scope(&self) -> Cow<'_, str>`"
+    note = "implement `idem::Scope` for the caller's type (a type of your crate: wrap another crate's) and return the authenticated caller's stable id from `fn scope(&self) -> Cow<'_, str>`; `axum::Extension<T>` scopes as its `T` does"
 )]
 pub trait Scope {
     /// A stable identifier of the caller, such as an account id.
@@ -59,5 +59,26 @@ impl<T: Scope + ?Sized> Scope for Box<T> {
 impl<T: Scope + ?Sized> Scope for std::sync::Arc<T> {
     fn scope(&self) -> Cow<'_, str> {
         (**self).scope()
+    }
+}
+
+/// A caller that an authentication middleware put in the request's
+/// extensions: `#[idempotent(scope = "user")]` on `user: Extension<User>`
+/// scopes as `User` does.
+impl<T: Scope> Scope for axum::Extension<T> {
+    fn scope(&self) -> Cow<'_, str> {
+        self.0.scope()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_extension_scopes_as_what_it_holds() {
+        let user = axum::Extension(String::from("acct_1"));
+        assert_eq!(user.scope(), "acct_1");
+        assert_eq!(Box::new(&user).scope(), "acct_1");
     }
 }

@@ -28,6 +28,36 @@ pub async fn compiled_out(account: Account, tx: Tx<Postgres>) -> DoesNotExist {
     let _ = (account, tx);
 }
 
+/// Deprecated: the warning is where it is routed (allowed there), never
+/// at its definition.
+#[idempotent(scope = "account")]
+#[deprecated(note = "use create_charge")]
+pub async fn old_charge(account: Account, mut tx: Tx<Postgres>) -> &'static str {
+    let _ = (account, &mut tx);
+    "created"
+}
+
+/// Not routed yet: its own `allow` covers what the macro generates.
+#[idempotent(scope = "account")]
+#[allow(dead_code)]
+async fn unrouted(account: Account, mut tx: Tx<Postgres>) -> &'static str {
+    let _ = (account, &mut tx);
+    "created"
+}
+
+/// Traced: `#[tracing::instrument]` below the attribute goes onto the
+/// kept function, which has the handler's name, so its span does too.
+#[idempotent(scope = "account")]
+#[tracing::instrument(skip_all)]
+pub async fn traced(account: Account, mut tx: Tx<Postgres>) -> &'static str {
+    let _ = (account, &mut tx);
+    "created"
+}
+
+#[allow(deprecated)]
 fn main() {
-    let _: Router<AppState> = Router::new().route("/", post(create_charge));
+    let _: Router<AppState> = Router::new()
+        .route("/", post(create_charge))
+        .route("/old", post(old_charge))
+        .route("/traced", post(traced));
 }
