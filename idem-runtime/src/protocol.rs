@@ -389,7 +389,10 @@ where
     let response = match outcome {
         Ok(answer) => answer,
         Err(_) => {
-            if let Ok(conn) = conn {
+            // A connection whose transaction the handler ended is closed.
+            if let Ok(conn) = conn
+                && transaction_depth(&conn) == 1
+            {
                 abandon(conn).await;
             }
             tracing::error!("idempotent handler panicked; its transaction was rolled back");
@@ -397,7 +400,20 @@ where
         }
     };
     match conn {
-        Ok(conn) => Ok((response, conn)),
+        Ok(conn) if transaction_depth(&conn) == 1 => Ok((response, conn)),
+        Ok(conn) => {
+            // Not the transaction the claim opened: something in the handler
+            // ended it (see `Tx`'s `DerefMut`) or left a savepoint open. What
+            // the connection is in is unknown, so it is dropped unreleased,
+            // which closes it and rolls back whatever is still open.
+            tracing::error!(
+                depth = transaction_depth(&conn),
+                "an idempotent handler's transaction ended or changed inside the handler; \
+                 nothing was committed by idem"
+            );
+            drop(conn);
+            Err(Problem::TransactionFailed.into_response())
+        }
         Err(_) => {
             // Dropping the stray Tx later closes its connection, which
             // rolls the transaction back on the server.
@@ -407,6 +423,13 @@ where
             Err(Problem::HandlerPanicked.into_response())
         }
     }
+}
+
+/// The transactions sqlx counts on the connection: 1, the request's, while
+/// the handler has not ended it.
+fn transaction_depth<DB: Backend>(conn: &OpenTx<DB>) -> usize {
+    use sqlx_core::transaction::TransactionManager as _;
+    DB::TransactionManager::get_transaction_depth(conn)
 }
 
 /// The commit failed, so the client must not be told the work succeeded.

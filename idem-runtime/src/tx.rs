@@ -3,6 +3,7 @@
 use std::ops::{Deref, DerefMut};
 
 use sqlx::Database;
+use sqlx_core::transaction::TransactionManager;
 use tokio::sync::oneshot;
 
 use crate::backend::OpenTx;
@@ -68,9 +69,24 @@ impl<DB: Database> Deref for Tx<DB> {
 }
 
 impl<DB: Database> DerefMut for Tx<DB> {
+    /// # Panics
+    ///
+    /// When sqlx no longer counts the request's transaction: something in
+    /// the handler ended it. sqlx 0.9 does so on PostgreSQL when a nested
+    /// `begin()` fails (its `SAVEPOINT` in a transaction a caught error had
+    /// failed, say) or is cancelled: it rolls back the whole transaction,
+    /// the claim with it. Every statement the handler sent after that would
+    /// commit on its own, outside the idempotency key's protection, so the
+    /// handler is stopped instead (500, nothing committed, nothing stored).
     fn deref_mut(&mut self) -> &mut Self::Target {
         let conn: &mut sqlx::pool::PoolConnection<DB> =
             self.conn.as_mut().expect("Tx used after drop");
+        assert!(
+            <DB::TransactionManager as TransactionManager>::get_transaction_depth(conn) > 0,
+            "idem: the request's transaction has ended inside the handler (sqlx rolls it back \
+             whole when a nested begin() fails or is cancelled); refusing to run statements \
+             outside it"
+        );
         conn
     }
 }

@@ -566,6 +566,35 @@ macro_rules! define_app {
                     "end-by-error" => {
                         let _swallowed = <$db as TestDb>::end_by_error(&mut **tx, id).await;
                     }
+                    // A handler that catches a failed statement's error,
+                    // then opens a savepoint and writes on. On PostgreSQL
+                    // the savepoint fails in the failed transaction, and
+                    // sqlx 0.9 then rolls back the whole transaction, claim
+                    // included: the write after it would commit on its own.
+                    "savepoint-after-error" => {
+                        let _caught = sqlx::query("SELECT * FROM idem_no_such_table")
+                            .execute(&mut **tx)
+                            .await;
+                        let _ignored = sqlx::Connection::begin(&mut **tx).await.map(drop);
+                        insert_effect(&mut **tx, caller, &key, "after", &app::nonce()).await?;
+                    }
+                    // The same through one borrow of the connection, as
+                    // repository code taking `&mut PgConnection` does: no
+                    // later use of the `Tx` to stop it at.
+                    "savepoint-after-error-held" => {
+                        let conn: &mut <$db as sqlx::Database>::Connection = &mut **tx;
+                        let _caught = sqlx::query("SELECT * FROM idem_no_such_table")
+                            .execute(&mut *conn)
+                            .await;
+                        let _ignored = sqlx::Connection::begin(&mut *conn).await.map(drop);
+                        insert_effect(conn, caller, &key, "after", &app::nonce()).await?;
+                    }
+                    // Misuse: the handler ends the transaction itself,
+                    // then writes on (that write commits on its own).
+                    "raw-rollback" => {
+                        sqlx::raw_sql("ROLLBACK").execute(&mut **tx).await?;
+                        insert_effect(&mut **tx, caller, &key, "after", &app::nonce()).await?;
+                    }
                     m if m.starts_with("error:") => {
                         let status = StatusCode::from_u16(m[6..].parse().unwrap()).unwrap();
                         return Err(HandlerError::Refused(status));

@@ -62,6 +62,7 @@ macro_rules! all_engines {
                 connections_come_back_outside_any_transaction,
                 ended_transactions_are_not_successes,
                 handler_errors_roll_back,
+                lost_transactions_are_not_successes,
             );
         )*
 

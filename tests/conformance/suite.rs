@@ -15,7 +15,8 @@ pub use crate::expiry::{
 };
 pub use crate::transactions::{
     connections_come_back_outside_any_transaction, ended_transactions_are_not_successes,
-    handler_errors_roll_back, nested_transactions_are_savepoints,
+    handler_errors_roll_back, lost_transactions_are_not_successes,
+    nested_transactions_are_savepoints,
 };
 
 pub const BODY: &str = r#"{"note":"charge 1250 eur"}"#;

@@ -144,6 +144,106 @@ pub async fn ended_transactions_are_not_successes<DB: TestDb>() {
     assert!(send(client.post("/effects", "k", BODY)).await.replayed());
 }
 
+/// A transaction sqlx ended inside the handler is never reported as a
+/// success, and nothing the handler writes after that commits on its own.
+/// On PostgreSQL a savepoint after a caught error fails, and sqlx 0.9
+/// answers by rolling back the whole transaction (its `begin()` guard
+/// rolls back at the outer depth): the handler is stopped at its next use
+/// of the `Tx`, with a 500, nothing committed and nothing stored; the retry
+/// runs once. Elsewhere the failed statement leaves the transaction usable,
+/// so the savepoint works and the answer is the handler's, stored.
+pub async fn lost_transactions_are_not_successes<DB: TestDb>() {
+    let server = start::<DB>().await;
+    let caller = unique("lost");
+    let client = server.client(&caller);
+    let lost = || {
+        client
+            .post("/effects", "k", BODY)
+            .header("x-test-mode", "savepoint-after-error")
+    };
+    let first = send(lost()).await;
+    if DB::ENGINE == "postgres" {
+        assert_eq!(first.status, StatusCode::INTERNAL_SERVER_ERROR, "{first:?}");
+        assert_eq!(first.problem_code(), "internal_error");
+        assert_eq!(
+            server.effects(&caller).await,
+            0,
+            "a write outside the request's transaction committed"
+        );
+        assert_eq!(server.keys(&caller).await, 0, "no response was stored");
+        let retry = send(client.post("/effects", "k", BODY)).await;
+        assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
+        assert!(!retry.replayed());
+        assert_eq!(server.effects(&caller).await, 1);
+
+        // Where the handler writes through a connection it borrowed before
+        // the loss, idem cannot stop it: that write committed on its own.
+        // The answer is still a 500, never the handler's 201.
+        let held = send(
+            client
+                .post("/effects", "held", BODY)
+                .header("x-test-mode", "savepoint-after-error-held"),
+        )
+        .await;
+        assert_eq!(held.status, StatusCode::INTERNAL_SERVER_ERROR, "{held:?}");
+        assert_eq!(held.problem_code(), "internal_error");
+        assert_eq!(server.keys(&caller).await, 1, "only `k` is stored");
+        assert_eq!(
+            server.effects(&caller).await,
+            2,
+            "`k`, and the write after the loss"
+        );
+        // Without a key too, though no stored response is missing there.
+        let keyless = client
+            .request(Method::POST, "/effects/optional")
+            .header("content-type", "application/json")
+            .header("x-test-mode", "savepoint-after-error-held")
+            .body(BODY);
+        let keyless = send(keyless).await;
+        assert_eq!(
+            keyless.status,
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "{keyless:?}"
+        );
+    } else {
+        assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+        assert_eq!(
+            server.effects(&caller).await,
+            2,
+            "the effect and the later write"
+        );
+        let retry = send(lost()).await;
+        assert!(retry.replayed(), "{retry:?}");
+        assert_eq!(retry.body, first.body);
+    }
+
+    // A handler that sends its own `ROLLBACK` (sqlx still counts the
+    // transaction) is not a success either: the response has no claim to
+    // be stored on. Its write after the `ROLLBACK` committed on its own,
+    // as it would without idem; nothing else did.
+    let caller = unique("rolled_back_by_hand");
+    let client = server.client(&caller);
+    let answer = send(
+        client
+            .post("/effects", "k", BODY)
+            .header("x-test-mode", "raw-rollback"),
+    )
+    .await;
+    assert_eq!(
+        answer.status,
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "{answer:?}"
+    );
+    assert_eq!(answer.problem_code(), "internal_error");
+    assert_eq!(server.keys(&caller).await, 0, "no response was stored");
+    assert_eq!(server.effects(&caller).await, 1, "only the write after it");
+
+    // Every connection came back out of any transaction (or was closed).
+    for mut conn in server.pooled_connections().await {
+        assert!(!DB::in_transaction(&mut conn).await);
+    }
+}
+
 /// A handler that returns `Err` after writing rolls back whatever the
 /// error's status, as a plain sqlx handler's `?` drops its transaction: a
 /// 402 `Err` leaves no effect and stores nothing, so a retry runs again,

@@ -145,6 +145,7 @@ impl Backend for Postgres {
         claim: Option<&Claim<'_>>,
         response: Option<&StoredResponse>,
     ) -> Result<(), FinishError> {
+        let keyed = claim.is_some() && response.is_some();
         let text = match (claim, response) {
             (Some(claim), Some(response)) => {
                 let mut row = ClaimRow::new(table, claim);
@@ -163,7 +164,20 @@ impl Backend for Postgres {
             // so the claim did not notice: a new connection prepares all.
             conn.close_on_drop();
         }
-        result.map_err(finish_error)?;
+        let done = result.map_err(finish_error)?;
+        if keyed && done.rows_affected() != 1 {
+            // The claim's row was not there to store the response on: the
+            // handler ended the transaction itself (a raw `ROLLBACK`), and
+            // its later statements committed on their own. The `COMMIT`
+            // committed nothing of the claim's; the client must not be told
+            // the work is done. The connection's state is unknown: closed.
+            conn.close_on_drop();
+            return Err(FinishError::Ended(sqlx::Error::Protocol(
+                "the idempotency claim's row was gone at the finish: the handler's \
+                 transaction had ended"
+                    .into(),
+            )));
+        }
         // The commit landed, and the text opened an empty transaction in
         // its place: the one sqlx counts. sqlx's rollback of it is queued,
         // and sent with the ping the pool sends anyway when the connection
@@ -200,12 +214,15 @@ impl Backend for Postgres {
 /// (a statement of the handler's failed, and the handler went on), whose
 /// `COMMIT` PostgreSQL would have answered with a rollback; or the
 /// `COMMIT` found a deferred constraint violated (class 23: only the
-/// commit checks one here) and rolled back. Anything else (a lost
+/// commit checks one here) and rolled back; or the statement exceeded one
+/// of PostgreSQL's limits (class 54). Anything else (a lost
 /// connection, a serialization failure) is the store's.
 fn finish_error(error: sqlx::Error) -> FinishError {
+    // Class 54 too: a response too large for one statement (over 1 GB as
+    // hex, with a cap raised past 512 MiB) would fail alike on every retry.
     let integrity = matches!(
         &error,
-        sqlx::Error::Database(db) if db.code().is_some_and(|code| code.starts_with("23"))
+        sqlx::Error::Database(db) if db.code().is_some_and(|code| code.starts_with("23") || code.starts_with("54"))
     );
     if integrity || has_code(&error, &[IN_FAILED_TRANSACTION]) {
         FinishError::Ended(error)
