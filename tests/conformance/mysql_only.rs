@@ -251,3 +251,68 @@ async fn scopes_beyond_2048_bytes_are_refused_whole() {
     assert!(again.replayed(), "{again:?}");
     assert_eq!(server.keys(&longest).await, 1);
 }
+
+/// With `autocommit` off, neither the sweeper nor a replay's read leaves a
+/// transaction open on the connection it hands back to the pool: the
+/// sweep's deletes are committed (another session sees them, and their
+/// locks are gone), and the read's snapshot ends with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_autocommit_sweeps_and_reads_leave_no_transaction_open() {
+    MySql::connect().await;
+    let pool = session_pool("SET SESSION autocommit = 0".to_owned()).await;
+    let table = format!("idem_noautocommit_{}", std::process::id());
+    let scope = unique("noautocommit_sweep");
+    let live = claim(&scope, 9, Duration::ZERO);
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP TABLE IF EXISTS {table}")))
+        .execute(&pool)
+        .await
+        .unwrap();
+    MySql::migrate(&pool, &table).await.expect("migrate");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO {table} (scope, `key`, fingerprint, status, created_at, expires_at) VALUES \
+         (X'{scope}', 'old', X'00', 201, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6) - INTERVAL 1 SECOND), \
+         (X'{scope}', 'k', X'{fingerprint}', 201, UTC_TIMESTAMP(6), \
+          UTC_TIMESTAMP(6) + INTERVAL 1 HOUR); COMMIT",
+        scope = hex::encode(&scope),
+        fingerprint = "09".repeat(32),
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+
+    assert_eq!(MySql::sweep(&pool, &table, 100).await.unwrap(), 1);
+    let found = MySql::peek(&pool, &table, &live).await.unwrap();
+    assert!(
+        matches!(found, Some(ClaimOutcome::Finished { .. })),
+        "{found:?}"
+    );
+
+    let other = MySqlPoolOptions::new()
+        .max_connections(1)
+        .connect(&crate::engines::mysql::url())
+        .await
+        .unwrap();
+    let left: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT CAST(`key` AS CHAR) FROM {table} ORDER BY `key`"
+    )))
+    .fetch_all(&other)
+    .await
+    .unwrap();
+    assert_eq!(left, ["k"], "the sweep's delete was not committed");
+    let (mut a, mut b) = (pool.acquire().await.unwrap(), pool.acquire().await.unwrap());
+    for conn in [&mut a, &mut b] {
+        let open: u64 = sqlx::query_scalar("SELECT @@in_transaction")
+            .fetch_one(&mut **conn)
+            .await
+            .unwrap();
+        assert_eq!(
+            open, 0,
+            "a pooled connection came back inside a transaction"
+        );
+    }
+    drop((a, b));
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP TABLE {table}")))
+        .execute(&other)
+        .await
+        .unwrap();
+}

@@ -132,15 +132,17 @@ impl Backend for MySql {
         table: &str,
         claim: &Claim<'_>,
     ) -> Result<Option<ClaimOutcome<Self>>, sqlx::Error> {
-        // A plain (non-locking) read in autocommit: its own fresh snapshot.
+        // A plain (non-locking) read, its own fresh snapshot, then `COMMIT`
+        // in the same round trip: in autocommit it does nothing, and on a
+        // session with `autocommit` off it ends the transaction the read
+        // opened, which would otherwise go back to the pool, holding a
+        // stale snapshot for the connection's next reads.
         let sql = format!(
             "SELECT status, fingerprint, headers, body FROM {table} \
-             WHERE scope = ? AND `key` = ? AND status IS NOT NULL \
-             AND expires_at > UTC_TIMESTAMP(6)"
+             WHERE {} AND status IS NOT NULL AND expires_at > UTC_TIMESTAMP(6); COMMIT",
+            matches(claim)
         );
-        let row = sqlx::query(AssertSqlSafe(sql))
-            .bind(claim.scope.as_bytes())
-            .bind(claim.key.as_bytes())
+        let row = sqlx::raw_sql(AssertSqlSafe(sql))
             .fetch_optional(pool)
             .await?;
         Ok(row.as_ref().map(read_row).transpose()?.flatten())
@@ -182,9 +184,12 @@ impl Backend for MySql {
             sql.push_str(store);
             // (`ROW_COUNT()` is read first: inside the `SELECT` it would be
             // its derived table's.)
+            // (The check writes into another variable than it reads: a
+            // server evaluating the condition row by row after the first
+            // row's assignment would otherwise pass a miss.)
             sql.push_str(&format!(
                 "; SET @idem_stored = ROW_COUNT(); \
-                 SELECT 1 INTO @idem_stored FROM {TWO_ROWS} WHERE o = 1 OR @idem_stored <> 1 \
+                 SELECT 1 INTO @idem_checked FROM {TWO_ROWS} WHERE o = 1 OR @idem_stored <> 1 \
                  LIMIT 2; "
             ));
         }
@@ -243,15 +248,23 @@ impl Backend for MySql {
 
     async fn sweep(pool: &Pool<Self>, table: &str, batch: u32) -> Result<u64, sqlx::Error> {
         // READ COMMITTED: the range delete takes no gap locks, so claims
-        // inserting new keys never wait for the sweeper.
+        // inserting new keys never wait for the sweeper. An explicit
+        // transaction, so a session with `autocommit` off commits the batch
+        // too, instead of going back to the pool holding its rows' locks.
         let sql = format!(
-            "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; \
-             DELETE FROM {table} WHERE expires_at <= UTC_TIMESTAMP(6) LIMIT {batch}"
+            "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION; \
+             DELETE FROM {table} WHERE expires_at <= UTC_TIMESTAMP(6) LIMIT {batch}; COMMIT"
         );
-        Ok(sqlx::raw_sql(AssertSqlSafe(sql))
-            .execute(pool)
-            .await?
-            .rows_affected())
+        let mut conn = pool.acquire().await?;
+        match sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut *conn).await {
+            Ok(done) => Ok(done.rows_affected()),
+            Err(error) => {
+                // The batch stopped inside its transaction: closing the
+                // connection rolls it back.
+                conn.close_on_drop();
+                Err(error)
+            }
+        }
     }
 }
 
