@@ -40,6 +40,31 @@ pub async fn expired_keys_run_as_new<DB: TestDb>() {
     );
 }
 
+/// A first attempt that runs longer than its key's lifetime still has its
+/// response kept and replayed: the expiry of a slow request counts from its
+/// response, not from its claim (which it would have outlived, committing
+/// already expired, so the very retry the key is for would run again).
+pub async fn slow_first_attempts_are_kept_for_their_ttl<DB: TestDb>() {
+    let server = start::<DB>().await;
+    let caller = unique("slow");
+    let client = server.client(&caller);
+    let (hold, first) = server
+        .send_held(client.post("/effects/short", "k", BODY), &caller)
+        .await;
+    // The passage of time is what is under test here: past the 1 s ttl.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    hold.release.notify_one();
+    let first = first.await.unwrap();
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    let retry = send(client.post("/effects/short", "k", BODY)).await;
+    assert!(
+        retry.replayed(),
+        "the slow attempt's response was not kept: {retry:?}"
+    );
+    assert_eq!(retry.body, first.body);
+    assert_eq!(server.effects(&caller).await, 1);
+}
+
 /// The sweeper deletes expired keys only: never a live one, nor one
 /// that a retry took over while the sweep ran (on PostgreSQL the takeover
 /// deletes the expired row and inserts a new one, which the sweep does not

@@ -51,6 +51,7 @@ macro_rules! all_engines {
                 expired_keys_run_as_new,
                 concurrent_retries_of_an_expired_key_make_one_effect,
                 sweeping_spares_live_and_taken_over_keys,
+                slow_first_attempts_are_kept_for_their_ttl,
                 extractor_rejections_store_nothing,
                 oversized_responses_roll_back,
                 optional_keys,

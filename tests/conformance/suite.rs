@@ -11,7 +11,7 @@ use crate::harness::{Answer, ChildServer, Client, send, start, unique};
 
 pub use crate::expiry::{
     concurrent_retries_of_an_expired_key_make_one_effect, expired_keys_run_as_new,
-    sweeping_spares_live_and_taken_over_keys,
+    slow_first_attempts_are_kept_for_their_ttl, sweeping_spares_live_and_taken_over_keys,
 };
 pub use crate::transactions::{
     connections_come_back_outside_any_transaction, ended_transactions_are_not_successes,

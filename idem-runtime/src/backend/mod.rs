@@ -167,6 +167,8 @@ pub trait Backend: Database + sealed::Sealed {
 pub struct OpenTx<DB: Database> {
     conn: Option<PoolConnection<DB>>,
     guard: Option<Box<dyn Send + Sync>>,
+    /// When the connection was handed over for the claim.
+    opened: std::time::Instant,
     /// The engine ran this transaction's statements with inlined arguments
     /// rather than as prepared statements (PostgreSQL behind a pooler that
     /// does not keep them); the finish must do the same.
@@ -180,8 +182,24 @@ impl<DB: Database> OpenTx<DB> {
         Self {
             conn: Some(conn),
             guard: None,
+            opened: std::time::Instant::now(),
             inlined: false,
         }
+    }
+
+    /// Whether the transaction has run long against a key's `ttl` (a tenth
+    /// of it or more). A claim's row expires `ttl` after the claim; the
+    /// finish of such a slow request counts the expiry from the response
+    /// instead, so its response is kept about as long as the others' (and
+    /// never commits already expired). Only then: the finish of a fast one
+    /// leaves `expires_at`, which is indexed, alone, so PostgreSQL's update
+    /// of the row stays a heap-only one.
+    #[cfg_attr(
+        not(any(feature = "postgres", feature = "sqlite", feature = "mysql")),
+        allow(dead_code)
+    )]
+    pub(crate) fn outlived(&self, ttl: std::time::Duration) -> bool {
+        self.opened.elapsed() >= ttl / 10
     }
 
     /// A connection from `pool`, not yet in a transaction.

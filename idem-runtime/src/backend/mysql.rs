@@ -171,7 +171,7 @@ impl Backend for MySql {
         let mut sql = String::from("SAVEPOINT idem_open; RELEASE SAVEPOINT idem_open; ");
         let store = claim
             .zip(response)
-            .map(|(claim, response)| store(table, claim, response));
+            .map(|(claim, response)| store(table, claim, response, conn.outlived(claim.ttl)));
         if let Some(store) = &store {
             // The `UPDATE` must match the claim's row (sqlx sets
             // `CLIENT_FOUND_ROWS`: rows matched, not changed). It cannot
@@ -404,9 +404,18 @@ fn claim_sql(table: &str, claim: &Claim<'_>) -> String {
 
 /// The finish's `UPDATE` of the claim's row, which spares a finished row
 /// (a concurrent retry's, claimed after this transaction was rolled back).
-fn store(table: &str, claim: &Claim<'_>, response: &StoredResponse) -> String {
+/// `late`: the expiry counts from now (see `OpenTx::outlived`).
+fn store(table: &str, claim: &Claim<'_>, response: &StoredResponse, late: bool) -> String {
+    let expiry = if late {
+        format!(
+            ", expires_at = UTC_TIMESTAMP(6) + INTERVAL {} MICROSECOND",
+            claim.ttl.as_micros()
+        )
+    } else {
+        String::new()
+    };
     format!(
-        "UPDATE {table} SET status = {}, headers = X'{}', body = X'{}' \
+        "UPDATE {table} SET status = {}, headers = X'{}', body = X'{}'{expiry} \
          WHERE {} AND status IS NULL",
         response.status.as_u16(),
         hex(&response.encode_headers()),

@@ -182,14 +182,27 @@ impl Backend for Sqlite {
         response: Option<&StoredResponse>,
     ) -> Result<(), FinishError> {
         if let (Some(claim), Some(response)) = (claim, response) {
-            let stored = sqlx::query(AssertSqlSafe(Sql::new(table).finish))
+            let sql = Sql::new(table);
+            // A slow request's expiry counts from its response (see
+            // `OpenTx::outlived`).
+            let (statement, expires_at) = if conn.outlived(claim.ttl) {
+                (
+                    sql.finish_late,
+                    Some(now_ms().saturating_add(ttl_ms(claim))),
+                )
+            } else {
+                (sql.finish, None)
+            };
+            let mut query = sqlx::query(AssertSqlSafe(statement))
                 .bind(i64::from(response.status.as_u16()))
                 .bind(response.encode_headers())
                 .bind(&response.body[..])
                 .bind(claim.scope.as_bytes())
-                .bind(claim.key.as_bytes())
-                .execute(&mut ***conn)
-                .await?;
+                .bind(claim.key.as_bytes());
+            if let Some(expires_at) = expires_at {
+                query = query.bind(expires_at);
+            }
+            let stored = query.execute(&mut ***conn).await?;
             // Some errors (`INSERT OR ROLLBACK`, a full disk) make SQLite
             // roll the whole transaction back, and the connection then runs
             // in autocommit: a handler that caught one and answered 2xx
@@ -321,6 +334,7 @@ struct Sql {
     claim: String,
     replay: String,
     finish: String,
+    finish_late: String,
 }
 
 impl Sql {
@@ -345,6 +359,10 @@ impl Sql {
             ),
             finish: format!(
                 "UPDATE {table} SET status = ?1, headers = ?2, body = ?3 \
+                 WHERE scope = ?4 AND \"key\" = ?5 AND status IS NULL"
+            ),
+            finish_late: format!(
+                "UPDATE {table} SET status = ?1, headers = ?2, body = ?3, expires_at = ?6 \
                  WHERE scope = ?4 AND \"key\" = ?5 AND status IS NULL"
             ),
         }

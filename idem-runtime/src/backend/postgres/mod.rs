@@ -150,7 +150,7 @@ impl Backend for Postgres {
             (Some(claim), Some(response)) => {
                 let mut row = ClaimRow::new(table, claim);
                 row.prepared = !conn.inlined;
-                row.finish_and_commit(response)
+                row.finish_and_commit(response, conn.outlived(claim.ttl))
             }
             _ => COMMIT_UNLESS_FAILED.to_owned(),
         };

@@ -66,6 +66,17 @@ pub(super) const FINISH: Statement = Statement {
            WHERE scope = $1 AND key = $2",
 };
 
+/// The finish of a request that ran long against its `ttl`
+/// (`OpenTx::outlived`): its expiry counts from the response. Rare, so not
+/// prepared: the arguments are inlined.
+const FINISH_LATE: Statement = Statement {
+    suffix: "finish_late",
+    types: "bytea, bytea, smallint, bytea, bytea, bigint",
+    text: "UPDATE {table} SET status = $3, headers = $4, body = $5, \
+           expires_at = clock_timestamp() + $6 * interval '1 millisecond' \
+           WHERE scope = $1 AND key = $2",
+};
+
 /// Changes whenever a statement's text or answer changes (2: the claim
 /// answers with its row count, not the row; 3: the claim fails on a taken
 /// key, and an expired row is deleted rather than taken over in place).
@@ -298,8 +309,9 @@ impl<'c> ClaimRow<'c> {
         ]
     }
 
-    /// Stores `response` on the row and commits, in one round trip.
-    pub(super) fn finish_and_commit(&self, response: &StoredResponse) -> String {
+    /// Stores `response` on the row and commits, in one round trip; `late`,
+    /// the expiry counts from now (see `OpenTx::outlived`).
+    pub(super) fn finish_and_commit(&self, response: &StoredResponse, late: bool) -> String {
         let headers = response.encode_headers();
         let mut out = self.buffer(2 * (headers.len() + response.body.len()));
         let args = [
@@ -308,9 +320,15 @@ impl<'c> ClaimRow<'c> {
             Arg::Int(response.status.as_u16().into()),
             Arg::Bytes(&headers),
             Arg::Bytes(&response.body),
+            Arg::Int(self.claim.ttl.as_millis()),
         ];
-        self.statements
-            .push_run(&mut out, &FINISH, self.prepared, &args);
+        if late {
+            self.statements
+                .push_run(&mut out, &FINISH_LATE, false, &args);
+        } else {
+            self.statements
+                .push_run(&mut out, &FINISH, self.prepared, &args[..5]);
+        }
         // The empty transaction after the commit stands for the one sqlx
         // still counts (its depth), until sqlx's own rollback of it rides
         // on the pool's return ping: see `Postgres::finish`.
@@ -359,10 +377,19 @@ mod tests {
             headers: Vec::new(),
             body: "{}".into(),
         };
-        let finish = row.finish_and_commit(&response);
+        let finish = row.finish_and_commit(&response, false);
         assert_eq!(
             finish,
             r"UPDATE keys SET status = 201, headers = E'\\x', body = E'\\x7b7d' WHERE scope = E'\\x61' AND key = E'\\x62'; COMMIT; BEGIN"
+        );
+        // A late finish counts the expiry from its own time, and is always
+        // inlined.
+        let late = ClaimRow::new("keys", &claim).finish_and_commit(&response, true);
+        assert!(
+            late.starts_with(
+                r"UPDATE keys SET status = 201, headers = E'\\x', body = E'\\x7b7d', expires_at = clock_timestamp() + 60000 * interval '1 millisecond' WHERE scope = E'\\x61'"
+            ),
+            "{late}"
         );
         let insert = row.begin_and_insert("");
         assert!(!insert.contains('$'), "{insert}");
