@@ -34,7 +34,7 @@ struct AppState {
     pool: PgPool,
 }
 
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 struct Account(String);
 
 impl Scope for Account {
@@ -127,6 +127,13 @@ async fn expected(account: Account, tx: Tx<Postgres>) -> StatusCode {
     StatusCode::NO_CONTENT
 }
 
+/// The caller as authentication middleware leaves it, in the extensions.
+#[idempotent(scope = "account")]
+async fn from_middleware(account: axum::Extension<Account>, tx: Tx<Postgres>) -> StatusCode {
+    drop((account, tx));
+    StatusCode::CREATED
+}
+
 /// A public handler in a module, with docs.
 mod api {
     use idem::{Tx, idempotent};
@@ -149,6 +156,7 @@ fn router() -> Router<AppState> {
         .route("/refunds", post(refund))
         .route("/api", post(api::create))
         .route("/expected", post(expected))
+        .route("/middleware", post(from_middleware))
 }
 
 #[test]

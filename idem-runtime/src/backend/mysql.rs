@@ -84,7 +84,13 @@ const TWO_ROWS: &str = "(SELECT 1 AS o UNION ALL SELECT 2) AS two_rows";
 
 impl Backend for MySql {
     async fn migrate(pool: &Pool<Self>, table: &str) -> Result<(), Error> {
+        // MySQL names an index within its table, in at most 64 characters:
+        // a long table name gets a short index name rather than an error.
         let name = table.rsplit('.').next().unwrap_or(table);
+        let index = match format!("{name}_expires_at_idx") {
+            index if index.len() <= 64 => index,
+            _ => "idem_expires_at_idx".to_owned(),
+        };
         let ddl = format!(
             "CREATE TABLE IF NOT EXISTS {table} (
                 scope VARBINARY({MAX_SCOPE_BYTES}) NOT NULL,
@@ -96,7 +102,7 @@ impl Backend for MySql {
                 created_at DATETIME(6) NOT NULL,
                 expires_at DATETIME(6) NOT NULL,
                 PRIMARY KEY (scope, `key`),
-                KEY {name}_expires_at_idx (expires_at)
+                KEY {index} (expires_at)
             ) ENGINE = InnoDB ROW_FORMAT = DYNAMIC"
         );
         // DDL takes a metadata lock: concurrent migrations queue, no race.
@@ -681,6 +687,22 @@ mod tests {
         .await
         .unwrap();
         assert_eq!(rows, [(vec![1; 32], true)], "one live row, the new claim's");
+        sqlx::raw_sql(AssertSqlSafe(format!("DROP TABLE {table}")))
+            .execute(&pool)
+            .await
+            .unwrap();
+    }
+
+    /// A table name as long as `Idem::table` takes (63 characters) migrates:
+    /// its index gets a short name instead of one past MySQL's 64.
+    #[tokio::test]
+    async fn the_longest_table_name_migrates() {
+        let pool = test_pool(1).await;
+        let prefix = format!("idem_long_{}_", std::process::id());
+        let table = format!("{prefix}{}", "x".repeat(63 - prefix.len()));
+        assert_eq!(table.len(), 63);
+        MySql::migrate(&pool, &table).await.expect("migrate");
+        MySql::migrate(&pool, &table).await.expect("migrate again");
         sqlx::raw_sql(AssertSqlSafe(format!("DROP TABLE {table}")))
             .execute(&pool)
             .await
