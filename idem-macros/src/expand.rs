@@ -69,6 +69,7 @@ pub fn expand(item: &ItemFn, args: &Args, handler: &Handler) -> TokenStream {
     let helpers = helper_traits(&private);
     let Shell {
         cfgs,
+        allow_deprecated,
         declaration,
         name,
     } = Shell::new(item);
@@ -77,7 +78,7 @@ pub fn expand(item: &ItemFn, args: &Args, handler: &Handler) -> TokenStream {
 
         #(#cfgs)*
         // A `#[deprecated]` handler warns where it is routed, not here.
-        #[allow(deprecated)]
+        #allow_deprecated
         const _: () = {
             #helpers
 
@@ -288,6 +289,7 @@ pub fn stub(item: &ItemFn, args: &Args) -> TokenStream {
     let private = quote!(#krate::__private);
     let Shell {
         cfgs,
+        allow_deprecated,
         declaration,
         name,
     } = Shell::new(item);
@@ -296,7 +298,7 @@ pub fn stub(item: &ItemFn, args: &Args) -> TokenStream {
 
         #(#cfgs)*
         #[automatically_derived]
-        #[allow(deprecated)]
+        #allow_deprecated
         impl<__IdemS> #private::Handler<((),), __IdemS> for #name
         where
             __IdemS: ::core::clone::Clone + ::core::marker::Send + ::core::marker::Sync + 'static,

@@ -14,6 +14,10 @@ use syn::{Attribute, FnArg, Ident, ItemFn, Pat, PatIdent};
 pub struct Shell {
     /// `#[cfg]`s of the function, which every generated item inherits.
     pub cfgs: Vec<Attribute>,
+    /// `#[allow(deprecated)]` if the handler is `#[deprecated]` (its own
+    /// impls name it), else nothing: the body's uses of deprecated items
+    /// still warn.
+    pub allow_deprecated: TokenStream,
     pub declaration: TokenStream,
     pub name: Ident,
 }
@@ -39,6 +43,14 @@ impl Shell {
             }
         }
         let function = kept_function(item, &name);
+        let allow_deprecated = if on_struct
+            .iter()
+            .any(|attr| attr.path().is_ident("deprecated"))
+        {
+            quote!(#[allow(deprecated)])
+        } else {
+            TokenStream::new()
+        };
         // `async` is required by the attribute, so `clippy::unused_async`'s
         // advice cannot be followed (it is silent for a plain axum handler,
         // which is passed by value rather than called). The user's own
@@ -57,7 +69,7 @@ impl Shell {
             #vis struct #name;
 
             #(#cfgs)*
-            #[allow(deprecated)]
+            #allow_deprecated
             impl #name {
                 #[allow(dead_code, clippy::too_many_arguments, clippy::unused_async)]
                 #(#attrs)*
@@ -66,6 +78,7 @@ impl Shell {
         };
         Self {
             cfgs,
+            allow_deprecated,
             declaration,
             name,
         }

@@ -97,9 +97,9 @@ fn check_attributes(item: &ItemFn, errors: &mut Errors) {
     for attr in item.attrs.iter().filter(|attr| is_debug_handler(attr)) {
         errors.push(syn::Error::new_spanned(
             attr,
-            "`#[debug_handler]` cannot check an `#[idempotent]` handler, above or below it: \
-             the `Tx` parameter is not one of axum's extractors; remove it (`#[idempotent]` \
-             checks the extractors itself, each on its own parameter)",
+            "`#[debug_handler]` cannot check an `#[idempotent]` handler: the `Tx` parameter is \
+             not one of axum's extractors; remove it (above `#[idempotent]` it fails with errors \
+             of its own); `#[idempotent]` checks the extractors itself, each on its own parameter",
         ));
     }
 }

@@ -14,7 +14,7 @@ use crate::response::{DEFAULT_REPLAY_HEADERS, is_forbidden};
 /// The default table name.
 pub const DEFAULT_TABLE: &str = "idem_keys";
 
-/// The default cap on a stored response body: 1 MiB.
+/// The default cap on a stored response (its body and replayed headers): 1 MiB.
 pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 1024 * 1024;
 
 /// The default time a request body may take to arrive: 30 seconds.

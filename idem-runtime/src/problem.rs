@@ -33,9 +33,10 @@ pub enum Problem {
     CommitOutcomeUnknown,
     /// 500: the handler panicked; nothing was committed.
     HandlerPanicked,
-    /// 500: a database error failed the handler's transaction: one the
-    /// handler caught rather than returned, or a deferred constraint its
-    /// writes broke at the commit; nothing was committed.
+    /// 500: the handler's transaction failed or ended before the commit: a
+    /// database error the handler caught rather than returned, a deferred
+    /// constraint its writes broke at the commit, or the transaction ended
+    /// inside the handler; no answer was stored.
     TransactionFailed,
     /// 500: the response could not be stored, so the work was rolled back.
     ResponseNotStored,
@@ -106,7 +107,7 @@ impl Problem {
             Self::StoreUnavailable => "Retry with the same key after the time given in Retry-After: the request either did nothing, or its answer will be replayed.".into(),
             Self::CommitOutcomeUnknown => "The database failed while committing this request, which carried no Idempotency-Key: it may or may not have been done. Send an Idempotency-Key to make retries safe.".into(),
             Self::HandlerPanicked => "Nothing was done. Retrying with the same key is safe.".into(),
-            Self::TransactionFailed => "A database error failed the request's transaction: it did not commit, and no answer was stored. Retrying with the same key is safe.".into(),
+            Self::TransactionFailed => "The request's transaction failed or ended before it could commit, and no answer was stored: a retry with the same key runs the request again.".into(),
             Self::ResponseNotStored => "Nothing was done: the response is larger than can be stored for replay.".into(),
         }
     }

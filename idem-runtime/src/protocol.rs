@@ -20,7 +20,9 @@ use http_body_util::BodyExt;
 use tracing::{Instrument, Span};
 
 use crate::Idem;
-use crate::backend::{Backend, Claim, ClaimOutcome, FinishError, OpenTx, abandon};
+use crate::backend::{
+    Backend, Claim, ClaimOutcome, FinishError, OpenTx, abandon, transaction_depth,
+};
 use crate::fingerprint::Fingerprint;
 use crate::key::{IdempotencyKey, parse_key};
 use crate::observe::{self, Outcome};
@@ -385,13 +387,18 @@ where
 {
     let (tx, mut back) = Tx::new(conn, key);
     let outcome = AssertUnwindSafe(handler(tx)).catch_unwind().await;
-    let conn = back.try_recv();
+    let mut conn = back.try_recv();
+    // Whether the handler left the transaction as the claim opened it.
+    let intact = match &mut conn {
+        Ok(conn) => settled_depth(conn).await == 1,
+        Err(_) => false,
+    };
     let response = match outcome {
         Ok(answer) => answer,
         Err(_) => {
             // A connection whose transaction the handler ended is closed.
             if let Ok(conn) = conn
-                && transaction_depth(&conn) == 1
+                && intact
             {
                 abandon(conn).await;
             }
@@ -400,14 +407,14 @@ where
         }
     };
     match conn {
-        Ok(conn) if transaction_depth(&conn) == 1 => Ok((response, conn)),
+        Ok(conn) if intact => Ok((response, conn)),
         Ok(conn) => {
             // Not the transaction the claim opened: something in the handler
             // ended it (see `Tx`'s `DerefMut`) or left a savepoint open. What
             // the connection is in is unknown, so it is dropped unreleased,
             // which closes it and rolls back whatever is still open.
             tracing::error!(
-                depth = transaction_depth(&conn),
+                depth = transaction_depth::<DB>(&conn),
                 "an idempotent handler's transaction ended or changed inside the handler; \
                  nothing was committed by idem"
             );
@@ -425,11 +432,19 @@ where
     }
 }
 
-/// The transactions sqlx counts on the connection: 1, the request's, while
-/// the handler has not ended it.
-fn transaction_depth<DB: Backend>(conn: &OpenTx<DB>) -> usize {
-    use sqlx_core::transaction::TransactionManager as _;
-    DB::TransactionManager::get_transaction_depth(conn)
+/// The transactions sqlx counts on the connection once it has caught up:
+/// 1, the request's, while the handler has not ended it. sqlx's SQLite
+/// driver lowers its count for a savepoint the handler dropped on its
+/// worker thread, after the drop; a round trip through the worker (a ping)
+/// settles it, and is spent only when the count is not 1.
+async fn settled_depth<DB: Backend>(conn: &mut OpenTx<DB>) -> usize {
+    use sqlx::Connection as _;
+    if transaction_depth::<DB>(conn) != 1 {
+        // A failed ping leaves the count as it is, which then fails the
+        // request.
+        let _ = conn.ping().await;
+    }
+    transaction_depth::<DB>(conn)
 }
 
 /// The commit failed, so the client must not be told the work succeeded.

@@ -3,7 +3,6 @@
 use std::ops::{Deref, DerefMut};
 
 use sqlx::Database;
-use sqlx_core::transaction::TransactionManager;
 use tokio::sync::oneshot;
 
 use crate::backend::OpenTx;
@@ -82,7 +81,7 @@ impl<DB: Database> DerefMut for Tx<DB> {
         let conn: &mut sqlx::pool::PoolConnection<DB> =
             self.conn.as_mut().expect("Tx used after drop");
         assert!(
-            <DB::TransactionManager as TransactionManager>::get_transaction_depth(conn) > 0,
+            crate::backend::transaction_depth::<DB>(conn) > 0,
             "idem: the request's transaction has ended inside the handler (sqlx rolls it back \
              whole when a nested begin() fails or is cancelled); refusing to run statements \
              outside it"

@@ -620,6 +620,7 @@ macro_rules! define_app {
             $crate::handler!($db, create_waiting, scope = "caller", wait = "10s");
             $crate::handler!($db, create_brief, scope = "caller", wait = "300ms");
             $crate::handler!($db, create_short, scope = "caller", ttl = "1s");
+            $crate::handler!($db, create_slow, scope = "caller", ttl = "2s");
             $crate::handler!($db, create_optional, scope = "caller", key = "optional");
 
             pub fn router(state: app::AppState<$db>) -> axum::Router {
@@ -630,6 +631,7 @@ macro_rules! define_app {
                     .route("/effects/wait", post(create_waiting))
                     .route("/effects/brief", post(create_brief))
                     .route("/effects/short", post(create_short))
+                    .route("/effects/slow", post(create_slow))
                     .route("/effects/optional", post(create_optional))
                     .layer(axum::extract::DefaultBodyLimit::max(app::BODY_LIMIT))
                     .with_state(state)

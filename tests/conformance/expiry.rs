@@ -49,14 +49,15 @@ pub async fn slow_first_attempts_are_kept_for_their_ttl<DB: TestDb>() {
     let caller = unique("slow");
     let client = server.client(&caller);
     let (hold, first) = server
-        .send_held(client.post("/effects/short", "k", BODY), &caller)
+        .send_held(client.post("/effects/slow", "k", BODY), &caller)
         .await;
-    // The passage of time is what is under test here: past the 1 s ttl.
-    tokio::time::sleep(Duration::from_millis(1200)).await;
+    // The passage of time is what is under test here: past the 2 s ttl.
+    // (The retry then has 2 s to arrive, ample on a loaded machine.)
+    tokio::time::sleep(Duration::from_millis(2200)).await;
     hold.release.notify_one();
     let first = first.await.unwrap();
     assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
-    let retry = send(client.post("/effects/short", "k", BODY)).await;
+    let retry = send(client.post("/effects/slow", "k", BODY)).await;
     assert!(
         retry.replayed(),
         "the slow attempt's response was not kept: {retry:?}"

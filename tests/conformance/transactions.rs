@@ -238,6 +238,30 @@ pub async fn lost_transactions_are_not_successes<DB: TestDb>() {
     assert_eq!(server.keys(&caller).await, 0, "no response was stored");
     assert_eq!(server.effects(&caller).await, 1, "only the write after it");
 
+    // The same on an expired key: the `ROLLBACK` brings the old, finished
+    // row back, and the response must not be written over it.
+    let first = send(client.post("/effects/short", "old", BODY)).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    // The passage of time is what is under test here: past the 1 s ttl.
+    tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
+    let answer = send(
+        client
+            .post("/effects/short", "old", BODY)
+            .header("x-test-mode", "raw-rollback"),
+    )
+    .await;
+    assert_eq!(
+        answer.status,
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "{answer:?}"
+    );
+    let retry = send(client.post("/effects/short", "old", BODY)).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
+    assert!(
+        !retry.replayed(),
+        "the old row was finished anew: {retry:?}"
+    );
+
     // Every connection came back out of any transaction (or was closed).
     for mut conn in server.pooled_connections().await {
         assert!(!DB::in_transaction(&mut conn).await);

@@ -327,6 +327,12 @@ where
     }
 }
 
+/// The transactions sqlx counts on `conn` (1 while a request's is open).
+pub(crate) fn transaction_depth<DB: Database>(conn: &DB::Connection) -> usize {
+    use sqlx_core::transaction::TransactionManager as _;
+    DB::TransactionManager::get_transaction_depth(conn)
+}
+
 /// Ends a transaction that will not commit. A connection whose rollback
 /// fails is closed instead of going back to the pool.
 pub(crate) async fn abandon<DB: Backend>(mut conn: OpenTx<DB>) {

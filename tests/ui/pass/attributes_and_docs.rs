@@ -37,14 +37,6 @@ pub async fn old_charge(account: Account, mut tx: Tx<Postgres>) -> &'static str 
     "created"
 }
 
-/// Not routed yet: its own `allow` covers what the macro generates.
-#[idempotent(scope = "account")]
-#[allow(dead_code)]
-async fn unrouted(account: Account, mut tx: Tx<Postgres>) -> &'static str {
-    let _ = (account, &mut tx);
-    "created"
-}
-
 /// Traced: `#[tracing::instrument]` below the attribute goes onto the
 /// kept function, which has the handler's name, so its span does too.
 #[idempotent(scope = "account")]

@@ -215,11 +215,10 @@ impl Backend for Postgres {
 /// `COMMIT` PostgreSQL would have answered with a rollback; or the
 /// `COMMIT` found a deferred constraint violated (class 23: only the
 /// commit checks one here) and rolled back; or the statement exceeded one
-/// of PostgreSQL's limits (class 54). Anything else (a lost
+/// of PostgreSQL's limits (class 54: a response over 1 GB as hex, with the
+/// cap raised past 512 MiB, fails alike on every retry). Anything else (a lost
 /// connection, a serialization failure) is the store's.
 fn finish_error(error: sqlx::Error) -> FinishError {
-    // Class 54 too: a response too large for one statement (over 1 GB as
-    // hex, with a cap raised past 512 MiB) would fail alike on every retry.
     let integrity = matches!(
         &error,
         sqlx::Error::Database(db) if db.code().is_some_and(|code| code.starts_with("23") || code.starts_with("54"))

@@ -59,11 +59,15 @@ pub(super) const EXPIRE: Statement = Statement {
     text: "DELETE FROM {table} WHERE scope = $1 AND key = $2 AND expires_at <= now()",
 };
 
+/// Stores the response on the claim's row, which is unfinished: a
+/// finished row in its place (another attempt's, or an expired one that a
+/// handler's own `ROLLBACK` brought back) is spared, the update then
+/// matches nothing, and the finish fails (see `Postgres::finish`).
 pub(super) const FINISH: Statement = Statement {
     suffix: "finish",
     types: "bytea, bytea, smallint, bytea, bytea",
     text: "UPDATE {table} SET status = $3, headers = $4, body = $5 \
-           WHERE scope = $1 AND key = $2",
+           WHERE scope = $1 AND key = $2 AND status IS NULL",
 };
 
 /// The finish of a request that ran long against its `ttl`
@@ -74,13 +78,14 @@ const FINISH_LATE: Statement = Statement {
     types: "bytea, bytea, smallint, bytea, bytea, bigint",
     text: "UPDATE {table} SET status = $3, headers = $4, body = $5, \
            expires_at = clock_timestamp() + $6 * interval '1 millisecond' \
-           WHERE scope = $1 AND key = $2",
+           WHERE scope = $1 AND key = $2 AND status IS NULL",
 };
 
 /// Changes whenever a statement's text or answer changes (2: the claim
 /// answers with its row count, not the row; 3: the claim fails on a taken
-/// key, and an expired row is deleted rather than taken over in place).
-const STATEMENTS_REVISION: &str = "3:";
+/// key, and an expired row is deleted rather than taken over in place; 4:
+/// the finish spares a finished row).
+const STATEMENTS_REVISION: &str = "4:";
 
 /// One argument of a statement.
 #[derive(Clone, Copy)]
@@ -380,7 +385,7 @@ mod tests {
         let finish = row.finish_and_commit(&response, false);
         assert_eq!(
             finish,
-            r"UPDATE keys SET status = 201, headers = E'\\x', body = E'\\x7b7d' WHERE scope = E'\\x61' AND key = E'\\x62'; COMMIT; BEGIN"
+            r"UPDATE keys SET status = 201, headers = E'\\x', body = E'\\x7b7d' WHERE scope = E'\\x61' AND key = E'\\x62' AND status IS NULL; COMMIT; BEGIN"
         );
         // A late finish counts the expiry from its own time, and is always
         // inlined.

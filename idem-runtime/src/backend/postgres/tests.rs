@@ -23,9 +23,14 @@ async fn test_pool(
         .unwrap_or_else(|error| panic!("PostgreSQL is required at {url}: {error}"))
 }
 
-/// A key table of this test process named after `name`, migrated.
+/// A key table of this test process named after `name`, migrated empty
+/// (a run killed before its cleanup, with the same process id, left one).
 async fn table(pool: &Pool<Postgres>, name: &str) -> String {
     let table = format!("idem_{name}_{}", std::process::id());
+    sqlx::raw_sql(AssertSqlSafe(format!("DROP TABLE IF EXISTS {table}")))
+        .execute(pool)
+        .await
+        .unwrap();
     Postgres::migrate(pool, &table).await.expect("migrate");
     table
 }
