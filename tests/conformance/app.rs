@@ -449,6 +449,16 @@ impl Answer {
             .unwrap_or_else(|_| panic!("not an effect: {} {:?}", self.status, self.body))
     }
 
+    /// Asserts a 500 `internal_error` problem.
+    pub fn assert_internal_error(&self) {
+        assert_eq!(
+            self.status,
+            reqwest::StatusCode::INTERNAL_SERVER_ERROR,
+            "{self:?}"
+        );
+        assert_eq!(self.problem_code(), "internal_error", "{self:?}");
+    }
+
     /// The `code` member of a problem+json body.
     pub fn problem_code(&self) -> String {
         assert_eq!(

@@ -130,6 +130,13 @@ impl Client {
             .header("content-type", "application/json")
             .body(body.to_owned())
     }
+
+    /// `POST path` with `BODY` and a key, the handler in `mode` (see
+    /// `x-test-mode` in the app).
+    pub fn post_in_mode(&self, path: &str, key: &str, mode: &str) -> reqwest::RequestBuilder {
+        self.post(path, key, crate::suite::BODY)
+            .header("x-test-mode", mode.to_owned())
+    }
 }
 
 /// The service in a child process: the test binary re-run in server mode.

@@ -156,15 +156,10 @@ pub async fn lost_transactions_are_not_successes<DB: TestDb>() {
     let server = start::<DB>().await;
     let caller = unique("lost");
     let client = server.client(&caller);
-    let lost = || {
-        client
-            .post("/effects", "k", BODY)
-            .header("x-test-mode", "savepoint-after-error")
-    };
+    let lost = || client.post_in_mode("/effects", "k", "savepoint-after-error");
     let first = send(lost()).await;
     if DB::ENGINE == "postgres" {
-        assert_eq!(first.status, StatusCode::INTERNAL_SERVER_ERROR, "{first:?}");
-        assert_eq!(first.problem_code(), "internal_error");
+        first.assert_internal_error();
         assert_eq!(
             server.effects(&caller).await,
             0,
@@ -179,14 +174,10 @@ pub async fn lost_transactions_are_not_successes<DB: TestDb>() {
         // Where the handler writes through a connection it borrowed before
         // the loss, idem cannot stop it: that write committed on its own.
         // The answer is still a 500, never the handler's 201.
-        let held = send(
-            client
-                .post("/effects", "held", BODY)
-                .header("x-test-mode", "savepoint-after-error-held"),
-        )
-        .await;
-        assert_eq!(held.status, StatusCode::INTERNAL_SERVER_ERROR, "{held:?}");
-        assert_eq!(held.problem_code(), "internal_error");
+        let held = "savepoint-after-error-held";
+        send(client.post_in_mode("/effects", "held", held))
+            .await
+            .assert_internal_error();
         assert_eq!(server.keys(&caller).await, 1, "only `k` is stored");
         assert_eq!(
             server.effects(&caller).await,
@@ -197,14 +188,9 @@ pub async fn lost_transactions_are_not_successes<DB: TestDb>() {
         let keyless = client
             .request(Method::POST, "/effects/optional")
             .header("content-type", "application/json")
-            .header("x-test-mode", "savepoint-after-error-held")
+            .header("x-test-mode", held)
             .body(BODY);
-        let keyless = send(keyless).await;
-        assert_eq!(
-            keyless.status,
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "{keyless:?}"
-        );
+        send(keyless).await.assert_internal_error();
     } else {
         assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
         assert_eq!(
@@ -223,18 +209,9 @@ pub async fn lost_transactions_are_not_successes<DB: TestDb>() {
     // as it would without idem; nothing else did.
     let caller = unique("rolled_back_by_hand");
     let client = server.client(&caller);
-    let answer = send(
-        client
-            .post("/effects", "k", BODY)
-            .header("x-test-mode", "raw-rollback"),
-    )
-    .await;
-    assert_eq!(
-        answer.status,
-        StatusCode::INTERNAL_SERVER_ERROR,
-        "{answer:?}"
-    );
-    assert_eq!(answer.problem_code(), "internal_error");
+    send(client.post_in_mode("/effects", "k", "raw-rollback"))
+        .await
+        .assert_internal_error();
     assert_eq!(server.keys(&caller).await, 0, "no response was stored");
     assert_eq!(server.effects(&caller).await, 1, "only the write after it");
 
@@ -244,17 +221,9 @@ pub async fn lost_transactions_are_not_successes<DB: TestDb>() {
     assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
     // The passage of time is what is under test here: past the 1 s ttl.
     tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
-    let answer = send(
-        client
-            .post("/effects/short", "old", BODY)
-            .header("x-test-mode", "raw-rollback"),
-    )
-    .await;
-    assert_eq!(
-        answer.status,
-        StatusCode::INTERNAL_SERVER_ERROR,
-        "{answer:?}"
-    );
+    send(client.post_in_mode("/effects/short", "old", "raw-rollback"))
+        .await
+        .assert_internal_error();
     let retry = send(client.post("/effects/short", "old", BODY)).await;
     assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
     assert!(

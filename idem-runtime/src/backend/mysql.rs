@@ -469,7 +469,6 @@ mod tests {
     use sqlx::mysql::MySqlPoolOptions;
 
     use super::*;
-    use crate::fingerprint::Fingerprint;
 
     /// A pool on the test server; fails loudly without one.
     async fn test_pool(max_connections: u32) -> Pool<MySql> {
@@ -650,36 +649,8 @@ mod tests {
         )
         .await
         .unwrap();
-        let claim = Claim {
-            scope: "acct",
-            key: "old",
-            fingerprint: Fingerprint::from_bytes(&[1; 32]).unwrap(),
-            ttl: Duration::from_secs(60),
-            wait: Duration::ZERO,
-        };
-        let outcome =
-            tokio::time::timeout(Duration::from_secs(5), MySql::claim(&pool, &table, &claim))
-                .await
-                .expect("the claim waited for the row's holder, not `wait`")
-                .expect("claim");
-        assert!(matches!(outcome, ClaimOutcome::InUse), "{outcome:?}");
-
-        run(&mut holder, "ROLLBACK").await.unwrap();
-        drop(holder);
-        match MySql::claim(&pool, &table, &claim).await.expect("claim") {
-            ClaimOutcome::Claimed(mut conn) => {
-                let response = StoredResponse {
-                    status: http::StatusCode::CREATED,
-                    headers: Vec::new(),
-                    body: "{}".into(),
-                };
-                MySql::finish(&mut conn, &table, Some(&claim), Some(&response))
-                    .await
-                    .expect("finish");
-                conn.release();
-            }
-            other => panic!("the expired key was not taken over: {other:?}"),
-        }
+        let release = async move { run(&mut holder, "ROLLBACK").await.unwrap() };
+        crate::backend::takeover_test::in_use_then_taken_over(&pool, &table, release).await;
         let rows: Vec<(Vec<u8>, bool)> = sqlx::query_as(AssertSqlSafe(format!(
             "SELECT fingerprint, expires_at > UTC_TIMESTAMP(6) FROM {table} WHERE `key` = 'old'"
         )))

@@ -493,29 +493,8 @@ async fn taking_over_an_expired_key_waits_no_longer_than_wait() {
     .execute(&mut *holder)
     .await
     .unwrap();
-    let claim = Claim {
-        scope: "acct",
-        key: "old",
-        fingerprint: Fingerprint::from_bytes(&[1; 32]).unwrap(),
-        ttl: Duration::from_secs(60),
-        wait: Duration::ZERO,
-    };
-    let outcome = tokio::time::timeout(
-        Duration::from_secs(5),
-        Postgres::claim(&pool, &table, &claim),
-    )
-    .await
-    .expect("the claim waited for the row's holder, not `wait`")
-    .expect("claim");
-    assert!(matches!(outcome, ClaimOutcome::InUse), "{outcome:?}");
-
-    holder.rollback().await.unwrap();
-    match Postgres::claim(&pool, &table, &claim).await.expect("claim") {
-        ClaimOutcome::Claimed(conn) => {
-            store(conn, &table, &claim, StatusCode::CREATED, b"{}").await
-        }
-        other => panic!("the expired key was not taken over: {other:?}"),
-    }
+    let release = async move { holder.rollback().await.unwrap() };
+    crate::backend::takeover_test::in_use_then_taken_over(&pool, &table, release).await;
     let rows: Vec<(Vec<u8>, bool)> = sqlx::query_as(AssertSqlSafe(format!(
         "SELECT fingerprint, expires_at > now() FROM {table} WHERE key = 'old'"
     )))
