@@ -599,6 +599,12 @@ macro_rules! define_app {
                         let _ignored = sqlx::Connection::begin(&mut *conn).await.map(drop);
                         insert_effect(conn, caller, &key, "after", &app::nonce()).await?;
                     }
+                    // Misuse: the handler commits the transaction itself,
+                    // then writes on (that write commits on its own).
+                    "raw-commit" => {
+                        sqlx::raw_sql("COMMIT").execute(&mut **tx).await?;
+                        insert_effect(&mut **tx, caller, &key, "after", &app::nonce()).await?;
+                    }
                     // Misuse: the handler ends the transaction itself,
                     // then writes on (that write commits on its own).
                     "raw-rollback" => {

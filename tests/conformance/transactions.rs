@@ -231,6 +231,15 @@ pub async fn lost_transactions_are_not_successes<DB: TestDb>() {
         "the old row was finished anew: {retry:?}"
     );
 
+    // A handler that commits its transaction itself: the claim and the
+    // effect committed then, and the response is stored just after, so a
+    // retry replays it rather than running again.
+    let committed = send(client.post_in_mode("/effects", "committed", "raw-commit")).await;
+    assert_eq!(committed.status, StatusCode::CREATED, "{committed:?}");
+    let retry = send(client.post("/effects", "committed", BODY)).await;
+    assert!(retry.replayed(), "{retry:?}");
+    assert_eq!(retry.body, committed.body);
+
     // Every connection came back out of any transaction (or was closed).
     for mut conn in server.pooled_connections().await {
         assert!(!DB::in_transaction(&mut conn).await);
