@@ -141,7 +141,9 @@ fn responses(c: &mut Criterion) {
     group.bench_function("decode", |b| {
         b.iter(|| StoredResponse::decode(201, black_box(&encoded), CHARGE.to_vec()).unwrap())
     });
-    group.bench_function("replay", |b| b.iter(|| black_box(stored.clone()).replay()));
+    group.bench_function("replay", |b| {
+        b.iter(|| black_box(stored.clone()).replay(&allow))
+    });
     group.finish();
 }
 

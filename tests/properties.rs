@@ -337,20 +337,21 @@ const EXACT_INTEGERS: u64 = 1 << 53;
 
 /// A number where idem may write other bytes than RFC 8785 (and the
 /// reference crate): an integer beyond 2^53, whose digits idem keeps, or a
-/// double of 2^63 or more, which may have been an integer literal too long
-/// for serde_json to hold (its digits are gone from the parsed value).
+/// double beyond 2^53, which idem writes as its exact integer digits (and
+/// which, from 2^63, may have been an integer literal too long for
+/// serde_json to hold: its digits are gone from the parsed value).
 fn exempt(number: &serde_json::Number) -> bool {
     number.as_u64().is_some_and(|n| n > EXACT_INTEGERS)
         || number
             .as_i64()
             .is_some_and(|n| n.unsigned_abs() > EXACT_INTEGERS)
-        || (number.is_f64() && number.as_f64().unwrap().abs() >= 2f64.powi(63))
+        || (number.is_f64() && number.as_f64().unwrap().abs() > EXACT_INTEGERS as f64)
 }
 
 /// Checks that `written` (idem's canonical form of `value`) is the
 /// reference crate's form of `value` but for the exempt numbers: an
-/// integer beyond 2^53 with exactly its own digits, a double of 2^63 or
-/// more in any spelling of the same double. Each exempt number goes
+/// integer beyond 2^53 with exactly its own digits, a double beyond 2^53
+/// in any spelling of the same double. Each exempt number goes
 /// through the crate as a marker string (values do not move members, only
 /// names do); what idem wrote in its place is then read back.
 fn matches_reference(written: &[u8], value: &Value) -> Result<(), String> {

@@ -174,9 +174,33 @@ fn write_number(number: &serde_json::Number, out: &mut Vec<u8>) -> Result<(), Un
         if double.abs() >= BEYOND_64_BITS {
             return Err(Unwritten::Inexact);
         }
-        out.extend_from_slice(ryu_js::Buffer::new().format_finite(double).as_bytes());
+        write_double(double, out);
     }
     Ok(())
+}
+
+/// Beyond this magnitude RFC 8785 writes a double with an exponent.
+const EXPONENT_FORM: f64 = 1e21;
+
+/// Appends a finite double as RFC 8785 writes it, except one beyond 2^53
+/// (and below 10^21, where RFC 8785 still writes digits): its exact
+/// integer digits. Every double there is an integer, and RFC 8785's
+/// shortest form pads it with zeros into what can be another integer's
+/// digits: `1152921504606846976.0` (2^60) would be written
+/// `1152921504606847000`, which [`write_number`] writes for the integer
+/// 1152921504606847000, whose own digits it keeps. With the exact digits,
+/// two spellings of one number share a form, and two numbers never do.
+fn write_double(double: f64, out: &mut Vec<u8>) {
+    let magnitude = double.abs();
+    if magnitude > EXACT_INTEGERS as f64 && magnitude < EXPONENT_FORM {
+        if double < 0.0 {
+            out.push(b'-');
+        }
+        // Exact: an integral double below 10^21 (< 2^70) fits a u128.
+        out.extend_from_slice((magnitude as u128).to_string().as_bytes());
+    } else {
+        out.extend_from_slice(ryu_js::Buffer::new().format_finite(double).as_bytes());
+    }
 }
 
 /// Appends `value` in canonical form.
@@ -283,10 +307,7 @@ fn write_exact(raw: &RawValue, out: &mut Vec<u8>, depth: usize) -> Option<()> {
                 Err(Unwritten::Inexact) if text.bytes().skip(1).all(|b| b.is_ascii_digit()) => {
                     out.extend_from_slice(text.as_bytes());
                 }
-                Err(Unwritten::Inexact) => {
-                    let double = number.as_f64()?;
-                    out.extend_from_slice(ryu_js::Buffer::new().format_finite(double).as_bytes());
-                }
+                Err(Unwritten::Inexact) => write_double(number.as_f64()?, out),
                 Err(Unwritten::NotJson) => return None,
             }
         }
@@ -475,6 +496,31 @@ mod tests {
         assert_eq!(
             canonical(b"[9007199254740992, 1e3]"),
             "[9007199254740992,1000]"
+        );
+        // A double beyond 2^53 is an integer: written as its own digits,
+        // never as a zero-padded shortest form that spells another
+        // integer. 2^60 as a double is 2^60 as an integer; the integer
+        // 1152921504606847000, which it would have been padded into, stays
+        // itself. (Both sides of 2^63, the slow path's too.)
+        assert_eq!(
+            canonical(b"[1152921504606846976.0, 1.152921504606847e18, -1152921504606846976.0]"),
+            "[1152921504606846976,1152921504606846976,-1152921504606846976]"
+        );
+        assert_ne!(
+            post("/c", None, &json(), br#"[1152921504606847000]"#),
+            post("/c", None, &json(), br#"[1152921504606846976.0]"#)
+        );
+        assert_eq!(
+            post("/c", None, &json(), br#"[1152921504606846976]"#),
+            post("/c", None, &json(), br#"[1152921504606846976.0]"#)
+        );
+        assert_ne!(
+            post("/c", None, &json(), br#"[18446744073709552000]"#),
+            post("/c", None, &json(), br#"[18446744073709551616.0]"#)
+        );
+        assert_eq!(
+            canonical(b"[18446744073709551616.0, 1e21]"),
+            "[18446744073709551616,1e+21]"
         );
     }
 

@@ -243,7 +243,10 @@ where
         }) => {
             observe::claim_latency("finished", started.elapsed());
             return if fingerprint == claim.fingerprint {
-                (Outcome::Replayed, response.replay())
+                (
+                    Outcome::Replayed,
+                    response.replay(idem.replay_header_names()),
+                )
             } else {
                 (Outcome::Reused, Problem::KeyReused.into_response())
             };

@@ -125,13 +125,18 @@ impl StoredResponse {
         Ok((stored, parts))
     }
 
-    /// The response for a retry: the stored one plus `Idempotent-Replayed: true`.
-    pub fn replay(self) -> Response {
+    /// The response for a retry: the stored one plus `Idempotent-Replayed:
+    /// true`. Only the stored headers still on `allow` go out: a header an
+    /// operator took off the allow-list stops being replayed at once, not
+    /// when the rows stored with it expire.
+    pub fn replay(self, allow: &[HeaderName]) -> Response {
         let mut response = Response::new(Body::from(self.body));
         *response.status_mut() = self.status;
         let headers = response.headers_mut();
         for (name, value) in self.headers {
-            headers.append(name, value);
+            if allow.contains(&name) {
+                headers.append(name, value);
+            }
         }
         headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
         response
@@ -217,11 +222,15 @@ mod tests {
         let decoded =
             StoredResponse::decode(201, &stored.encode_headers(), stored.body.to_vec()).unwrap();
         assert_eq!(decoded, stored);
-        let replay = decoded.replay();
+        let replay = decoded.clone().replay(DEFAULT_REPLAY_HEADERS);
         assert_eq!(replay.status(), StatusCode::CREATED);
         assert_eq!(replay.headers()[header::LOCATION], "/v1/charges/7");
         assert_eq!(replay.headers()[IDEMPOTENT_REPLAYED], "true");
         assert!(!replay.headers().contains_key(header::SET_COOKIE));
+        // A header taken off the allow-list since is not replayed.
+        let narrowed = decoded.replay(&[header::ETAG]);
+        assert!(!narrowed.headers().contains_key(header::LOCATION));
+        assert_eq!(narrowed.headers()[header::ETAG], "\"v1\"");
         let body = replay.into_body().collect().await.unwrap().to_bytes();
         assert_eq!(&body[..], b"{\"id\":7}");
     }
