@@ -104,9 +104,9 @@ impl Problem {
             Self::BodyTooLarge => "The request body is larger than this endpoint accepts.".into(),
             Self::BodyUnreadable => "The request body ended before it was complete.".into(),
             Self::BodyTimeout => "The request body did not arrive in time. Nothing was done; retrying is safe.".into(),
-            Self::StoreUnavailable => "Retry with the same key after the time given in Retry-After: the request either did nothing, or its answer will be replayed.".into(),
+            Self::StoreUnavailable => "Retry after the time given in Retry-After, with the same Idempotency-Key if the request had one: the request either did nothing, or its answer will be replayed.".into(),
             Self::CommitOutcomeUnknown => "The database failed while committing this request, which carried no Idempotency-Key: it may or may not have been done. Send an Idempotency-Key to make retries safe.".into(),
-            Self::HandlerPanicked => "Nothing was done. Retrying with the same key is safe.".into(),
+            Self::HandlerPanicked => "Nothing was done. Retrying is safe, with the same Idempotency-Key if the request had one.".into(),
             Self::TransactionFailed => "The request's transaction failed or ended before it could commit, and no answer was stored: a retry with the same key runs the request again.".into(),
             Self::ResponseNotStored => "Nothing was done: the response is larger than can be stored for replay.".into(),
         }
