@@ -113,19 +113,36 @@ pub async fn prepare<DB: Backend>(
         Some(OriginalUri(uri)) => uri.path(),
         None => parts.uri.path(),
     };
-    let fingerprint = Fingerprint::of(
-        &parts.method,
-        path,
-        parts.uri.query(),
-        &parts.headers,
-        &bytes,
-    );
+    let fingerprint = fingerprint(&parts, path, &bytes).await;
     let prepared = Prepared {
         key: Some((key, fingerprint)),
         config: *config,
         span,
     };
     Ok((prepared, Request::from_parts(parts, Body::from(bytes))))
+}
+
+/// Bodies from this size on are fingerprinted on tokio's blocking pool:
+/// canonicalizing a JSON body parses it whole (some 25 ms a megabyte),
+/// which would hold up every other request on the worker thread.
+const BLOCKING_FINGERPRINT: usize = 64 * 1024;
+
+async fn fingerprint(parts: &Parts, path: &str, body: &Bytes) -> Fingerprint {
+    if body.len() < BLOCKING_FINGERPRINT {
+        return Fingerprint::of(&parts.method, path, parts.uri.query(), &parts.headers, body);
+    }
+    let method = parts.method.clone();
+    let path = path.to_owned();
+    let query = parts.uri.query().map(str::to_owned);
+    let headers = parts.headers.clone();
+    let body = body.clone();
+    let hashed = tokio::task::spawn_blocking(move || {
+        Fingerprint::of(&method, &path, query.as_deref(), &headers, &body)
+    });
+    match hashed.await {
+        Ok(fingerprint) => fingerprint,
+        Err(error) => std::panic::resume_unwind(error.into_panic()),
+    }
 }
 
 async fn buffer(parts: Parts, body: Body) -> Result<(Parts, Bytes), Problem> {
@@ -499,6 +516,29 @@ mod tests {
 
     /// `prepare` only reads the store's settings: a pool that never connects.
     use crate::idem::tests::idem;
+
+    /// A large body is fingerprinted off the worker thread, to the same
+    /// fingerprint.
+    #[tokio::test]
+    async fn large_bodies_get_the_same_fingerprint() {
+        let body = format!("[{}0]", "1, ".repeat(BLOCKING_FINGERPRINT));
+        let headers = [
+            ("idempotency-key", "k"),
+            ("content-type", "application/json"),
+        ];
+        let (parts, request_body) = request(&headers, Box::leak(body.clone().into_boxed_str()));
+        let expected = Fingerprint::of(
+            &parts.method,
+            parts.uri.path(),
+            parts.uri.query(),
+            &parts.headers,
+            body.as_bytes(),
+        );
+        let (prepared, _) = prepare(&idem(), parts, request_body, &REQUIRED)
+            .await
+            .unwrap();
+        assert_eq!(prepared.key.unwrap().1, expected);
+    }
 
     #[tokio::test]
     async fn a_missing_key_is_400_unless_optional() {
