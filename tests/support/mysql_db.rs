@@ -6,7 +6,6 @@
 #![allow(dead_code)]
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions, MySqlSslMode};
@@ -19,20 +18,10 @@ pub fn database_url() -> String {
         .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_owned())
 }
 
-/// A name no other run or test uses (tests run in parallel, and again),
-/// short enough for MySQL's 64-character identifiers.
-pub fn unique(prefix: &str) -> String {
-    static NEXT: AtomicU64 = AtomicU64::new(0);
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    format!(
-        "{prefix}_{}_{nanos:x}_{}",
-        std::process::id(),
-        NEXT.fetch_add(1, Ordering::Relaxed)
-    )
-}
+#[path = "unique.rs"]
+mod unique;
+
+pub use unique::unique;
 
 /// A direct pool, for setup and checks, and the server's address; fails
 /// loudly without a server.

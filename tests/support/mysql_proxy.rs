@@ -51,43 +51,15 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
-use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
-/// When [`MySqlProxy::set_cut_on_commit`] drops a connection.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CutOnCommit {
-    /// Never (the default).
-    Off,
-    /// Drop the connection instead of forwarding a `COM_QUERY` that
-    /// contains `COMMIT`: the server never sees it, so the transaction
-    /// rolls back when the server notices the connection is gone.
-    BeforeForwarding,
-    /// Forward a `COM_QUERY` that contains `COMMIT`, read the server's whole
-    /// answer to it (every result of a multi-statement batch), and drop the
-    /// connection without passing any of it on: whatever the batch
-    /// committed has committed, and the client cannot know.
-    AfterForwarding,
-}
+#[path = "proxy.rs"]
+mod proxy;
 
-impl CutOnCommit {
-    fn from_u8(value: u8) -> Self {
-        match value {
-            1 => Self::BeforeForwarding,
-            2 => Self::AfterForwarding,
-            _ => Self::Off,
-        }
-    }
-
-    fn as_u8(self) -> u8 {
-        match self {
-            Self::Off => 0,
-            Self::BeforeForwarding => 1,
-            Self::AfterForwarding => 2,
-        }
-    }
-}
+pub use proxy::CutOnCommit;
+use proxy::{Listener, contains_word};
 
 /// How long [`CutOnCommit::AfterForwarding`] waits for the end of the
 /// server's answer before it drops the connection anyway.
@@ -98,9 +70,8 @@ const WITHHOLD_LIMIT: Duration = Duration::from_secs(10);
 /// Counts round trips across all its connections. Stopped, with all its
 /// connections, when dropped.
 pub struct MySqlProxy {
-    addr: SocketAddr,
+    listener: Listener,
     shared: Arc<Shared>,
-    accept: tokio::task::JoinHandle<()>,
 }
 
 struct Shared {
@@ -118,9 +89,6 @@ struct Shared {
     /// The server session ids of the connections cut at a commit, in order
     /// (0 where the greeting was not seen).
     cut_sessions: Mutex<Vec<u32>>,
-    /// Bumped by `cut_all` (and on drop): a connection opened under an
-    /// older generation stops forwarding and closes.
-    generation: watch::Sender<u64>,
 }
 
 /// One connection's state, shared by its two directions.
@@ -141,10 +109,6 @@ struct Conn {
 impl MySqlProxy {
     /// Starts a proxy to `upstream`, listening on `127.0.0.1:0`.
     pub async fn start(upstream: SocketAddr) -> MySqlProxy {
-        let listener = TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind the proxy on loopback");
-        let addr = listener.local_addr().expect("proxy address");
         let shared = Arc::new(Shared {
             upstream,
             round_trips: AtomicU64::new(0),
@@ -154,19 +118,23 @@ impl MySqlProxy {
             log: Mutex::new(None),
             cut_on_commit: AtomicU8::new(CutOnCommit::Off.as_u8()),
             cut_sessions: Mutex::new(Vec::new()),
-            generation: watch::Sender::new(0),
         });
-        let accept = tokio::spawn(accept_loop(listener, Arc::clone(&shared)));
-        MySqlProxy {
-            addr,
-            shared,
-            accept,
-        }
+        let listener = Listener::start({
+            let shared = Arc::clone(&shared);
+            move |client, cut| {
+                let shared = Arc::clone(&shared);
+                shared.accepted.fetch_add(1, Ordering::SeqCst);
+                shared.open.fetch_add(1, Ordering::SeqCst);
+                serve(client, shared, cut)
+            }
+        })
+        .await;
+        MySqlProxy { listener, shared }
     }
 
     /// Where clients connect.
     pub fn addr(&self) -> SocketAddr {
-        self.addr
+        self.listener.addr()
     }
 
     /// Round trips since the start or the last [`reset`](MySqlProxy::reset):
@@ -218,9 +186,7 @@ impl MySqlProxy {
     /// Drops every open connection now, in both directions; nothing more
     /// is forwarded on them. New connections are accepted as usual.
     pub fn cut_all(&self) {
-        self.shared
-            .generation
-            .send_modify(|generation| *generation += 1);
+        self.listener.cut_all();
     }
 
     /// Drops a connection when a client `COM_QUERY` whose SQL contains the
@@ -237,28 +203,6 @@ impl MySqlProxy {
     /// so far, in order; 0 for one whose greeting the proxy did not read.
     pub fn cut_sessions(&self) -> Vec<u32> {
         self.shared.cut_sessions.lock().unwrap().clone()
-    }
-}
-
-impl Drop for MySqlProxy {
-    fn drop(&mut self) {
-        self.accept.abort();
-        self.cut_all();
-    }
-}
-
-async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
-    loop {
-        let Ok((client, _)) = listener.accept().await else {
-            // Out of file descriptors, say: back off rather than spin.
-            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-            continue;
-        };
-        shared.accepted.fetch_add(1, Ordering::SeqCst);
-        shared.open.fetch_add(1, Ordering::SeqCst);
-        // Subscribed at accept: a `cut_all` from now on reaches it.
-        let cut = shared.generation.subscribe();
-        tokio::spawn(serve(client, Arc::clone(&shared), cut));
     }
 }
 
@@ -569,21 +513,6 @@ fn session_id(greeting: &[u8]) -> Option<u32> {
     let nul = rest.iter().position(|&byte| byte == 0)?;
     let id = rest.get(nul + 1..nul + 5)?;
     Some(u32::from_le_bytes(id.try_into().unwrap()))
-}
-
-/// Whether `haystack` has `word` (any case) between non-identifier bytes.
-fn contains_word(haystack: &[u8], word: &[u8]) -> bool {
-    let is_ident = |b: u8| b.is_ascii_alphanumeric() || b == b'_';
-    haystack
-        .windows(word.len())
-        .enumerate()
-        .any(|(at, window)| {
-            window.eq_ignore_ascii_case(word)
-                && (at == 0 || !is_ident(haystack[at - 1]))
-                && haystack
-                    .get(at + word.len())
-                    .is_none_or(|&after| !is_ident(after))
-        })
 }
 
 /// `CLIENT_DEPRECATE_EOF`: result sets end with an OK packet (header

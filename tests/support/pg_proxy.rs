@@ -37,41 +37,15 @@ use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
-use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
-/// When [`PgProxy::set_cut_on_commit`] drops a connection.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CutOnCommit {
-    /// Never (the default).
-    Off,
-    /// Drop the connection instead of forwarding a message that contains
-    /// `COMMIT`: the server never sees it, so the transaction rolls back.
-    BeforeForwarding,
-    /// Forward a message that contains `COMMIT`, then drop the connection
-    /// before the server's answer reaches the client: the commit may land,
-    /// the client cannot know.
-    AfterForwarding,
-}
+#[path = "proxy.rs"]
+mod proxy;
 
-impl CutOnCommit {
-    fn from_u8(value: u8) -> Self {
-        match value {
-            1 => Self::BeforeForwarding,
-            2 => Self::AfterForwarding,
-            _ => Self::Off,
-        }
-    }
-
-    fn as_u8(self) -> u8 {
-        match self {
-            Self::Off => 0,
-            Self::BeforeForwarding => 1,
-            Self::AfterForwarding => 2,
-        }
-    }
-}
+pub use proxy::CutOnCommit;
+use proxy::{Listener, contains_word};
 
 /// A proxy on `127.0.0.1:<ephemeral>` in front of one PostgreSQL server.
 ///
@@ -79,9 +53,8 @@ impl CutOnCommit {
 /// `Sync` messages, where messages the client sends together, before any
 /// answer, are one round trip (sqlx queues a rollback ahead of its ping). Stopped, with all its connections, when dropped.
 pub struct PgProxy {
-    addr: SocketAddr,
+    listener: Listener,
     shared: Arc<Shared>,
-    accept: tokio::task::JoinHandle<()>,
 }
 
 struct Shared {
@@ -96,18 +69,11 @@ struct Shared {
     rewrite: Mutex<Option<(Vec<u8>, Vec<u8>)>>,
     /// Every `Query` message's SQL, while `Some`.
     log: Mutex<Option<Vec<String>>>,
-    /// Bumped by `cut_all`; a connection opened under an older generation
-    /// stops forwarding and closes as soon as it sees a newer one.
-    generation: watch::Sender<u64>,
 }
 
 impl PgProxy {
     /// Starts a proxy to `upstream`, listening on `127.0.0.1:0`.
     pub async fn start(upstream: SocketAddr) -> PgProxy {
-        let listener = TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind the proxy on loopback");
-        let addr = listener.local_addr().expect("proxy address");
         let shared = Arc::new(Shared {
             upstream,
             queries: AtomicU64::new(0),
@@ -118,19 +84,30 @@ impl PgProxy {
             refuse: AtomicBool::new(false),
             rewrite: Mutex::new(None),
             log: Mutex::new(None),
-            generation: watch::Sender::new(0),
         });
-        let accept = tokio::spawn(accept_loop(listener, Arc::clone(&shared)));
-        PgProxy {
-            addr,
-            shared,
-            accept,
-        }
+        let listener = Listener::start({
+            let shared = Arc::clone(&shared);
+            move |client, cut| {
+                let shared = Arc::clone(&shared);
+                let refused = shared.refuse.load(Ordering::SeqCst);
+                if !refused {
+                    shared.connections.fetch_add(1, Ordering::SeqCst);
+                }
+                async move {
+                    // A refused connection is closed as it arrives.
+                    if !refused {
+                        serve(client, shared, cut).await;
+                    }
+                }
+            }
+        })
+        .await;
+        PgProxy { listener, shared }
     }
 
     /// Where clients connect.
     pub fn addr(&self) -> SocketAddr {
-        self.addr
+        self.listener.addr()
     }
 
     /// Round trips forwarded since the start or the last [`reset`]: client
@@ -169,9 +146,7 @@ impl PgProxy {
     /// Drops every open connection now, in both directions; nothing more
     /// is forwarded on them. New connections are accepted as usual.
     pub fn cut_all(&self) {
-        self.shared
-            .generation
-            .send_modify(|generation| *generation += 1);
+        self.listener.cut_all();
     }
 
     /// Drops a connection when a client `Query` or `Parse` message whose
@@ -207,31 +182,6 @@ impl PgProxy {
     /// (open ones are left alone; see [`cut_all`](PgProxy::cut_all)).
     pub fn set_refuse(&self, refuse: bool) {
         self.shared.refuse.store(refuse, Ordering::SeqCst);
-    }
-}
-
-impl Drop for PgProxy {
-    fn drop(&mut self) {
-        self.accept.abort();
-        self.cut_all();
-    }
-}
-
-async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
-    loop {
-        let Ok((client, _)) = listener.accept().await else {
-            // Out of file descriptors, say: back off rather than spin.
-            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-            continue;
-        };
-        if shared.refuse.load(Ordering::SeqCst) {
-            drop(client);
-            continue;
-        }
-        shared.connections.fetch_add(1, Ordering::SeqCst);
-        // Subscribed at accept: a `cut_all` from now on reaches it.
-        let cut = shared.generation.subscribe();
-        tokio::spawn(serve(client, Arc::clone(&shared), cut));
     }
 }
 
@@ -465,20 +415,6 @@ fn carries_commit(kind: u8, body: &[u8]) -> bool {
         _ => return false,
     };
     contains_word(sql, b"commit")
-}
-
-fn contains_word(haystack: &[u8], word: &[u8]) -> bool {
-    let is_ident = |b: u8| b.is_ascii_alphanumeric() || b == b'_';
-    haystack
-        .windows(word.len())
-        .enumerate()
-        .any(|(at, window)| {
-            window.eq_ignore_ascii_case(word)
-                && (at == 0 || !is_ident(haystack[at - 1]))
-                && haystack
-                    .get(at + word.len())
-                    .is_none_or(|&after| !is_ident(after))
-        })
 }
 
 #[cfg(test)]
