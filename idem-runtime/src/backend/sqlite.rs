@@ -182,17 +182,12 @@ impl Backend for Sqlite {
         response: Option<&StoredResponse>,
     ) -> Result<(), FinishError> {
         if let (Some(claim), Some(response)) = (claim, response) {
-            let sql = Sql::new(table);
             // A slow request's expiry counts from its response (see
             // `OpenTx::outlived`).
-            let (statement, expires_at) = if conn.outlived(claim.ttl) {
-                (
-                    sql.finish_late,
-                    Some(now_ms().saturating_add(ttl_ms(claim))),
-                )
-            } else {
-                (sql.finish, None)
-            };
+            let expires_at = conn
+                .outlived(claim.ttl)
+                .then(|| now_ms().saturating_add(ttl_ms(claim)));
+            let statement = Sql::finish(table, expires_at.is_some());
             let mut query = sqlx::query(AssertSqlSafe(statement))
                 .bind(i64::from(response.status.as_u16()))
                 .bind(response.encode_headers())
@@ -333,8 +328,6 @@ fn read_row(row: &SqliteRow) -> Result<Found, sqlx::Error> {
 struct Sql {
     claim: String,
     replay: String,
-    finish: String,
-    finish_late: String,
 }
 
 impl Sql {
@@ -357,15 +350,17 @@ impl Sql {
             replay: format!(
                 "SELECT {columns} FROM {table} WHERE {row} AND status IS NOT NULL AND expires_at > ?3"
             ),
-            finish: format!(
-                "UPDATE {table} SET status = ?1, headers = ?2, body = ?3 \
-                 WHERE scope = ?4 AND \"key\" = ?5 AND status IS NULL"
-            ),
-            finish_late: format!(
-                "UPDATE {table} SET status = ?1, headers = ?2, body = ?3, expires_at = ?6 \
-                 WHERE scope = ?4 AND \"key\" = ?5 AND status IS NULL"
-            ),
         }
+    }
+
+    /// The finish's `UPDATE` of the claim's unfinished row; `late`, it also
+    /// sets the expiry (`?6`) anew (see `OpenTx::outlived`).
+    fn finish(table: &str, late: bool) -> String {
+        let expiry = if late { ", expires_at = ?6" } else { "" };
+        format!(
+            "UPDATE {table} SET status = ?1, headers = ?2, body = ?3{expiry} \
+             WHERE scope = ?4 AND \"key\" = ?5 AND status IS NULL"
+        )
     }
 }
 

@@ -145,14 +145,16 @@ impl Backend for Postgres {
         claim: Option<&Claim<'_>>,
         response: Option<&StoredResponse>,
     ) -> Result<(), FinishError> {
-        let keyed = claim.is_some() && response.is_some();
-        let text = match (claim, response) {
+        let (text, keyed) = match (claim, response) {
             (Some(claim), Some(response)) => {
                 let mut row = ClaimRow::new(table, claim);
                 row.prepared = !conn.inlined;
-                row.finish_and_commit(response, conn.outlived(claim.ttl))
+                (
+                    row.finish_and_commit(response, conn.outlived(claim.ttl)),
+                    true,
+                )
             }
-            _ => COMMIT_UNLESS_FAILED.to_owned(),
+            _ => (COMMIT_UNLESS_FAILED.to_owned(), false),
         };
         let result = sqlx::raw_sql(AssertSqlSafe(text))
             .execute(&mut ***conn)
