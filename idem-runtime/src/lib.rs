@@ -7,6 +7,7 @@
 #![warn(missing_docs)]
 
 mod backend;
+mod canonical;
 mod error;
 mod fingerprint;
 mod idem;

@@ -1,0 +1,943 @@
+//! RFC 8785 (JSON Canonicalization Scheme), written in one pass over the
+//! body's bytes: no parsed tree, so a body costs about its own size again
+//! (the output, and a scratch buffer for objects whose members come out of
+//! order), where a `serde_json::Value` took up to fifteen times its size
+//! and one allocation per string, array and object.
+
+use std::borrow::Cow;
+use std::cmp::Ordering;
+
+/// RFC 8785 canonical form of any JSON text, `None` if it does not parse.
+///
+/// Members in the order of their names' UTF-16 code units, strings escaped
+/// as JSON requires and no further, numbers as ECMAScript prints the
+/// double, except integers beyond 2^53: those keep their digits (see
+/// [`Fingerprint`](crate::Fingerprint)). `None` also for what serde_json
+/// refuses (nesting deeper than 127, a lone surrogate, a number beyond
+/// the doubles) and for an object naming one member twice: handlers
+/// disagree on which of the two counts, so such a body is hashed byte for
+/// byte, and another spelling of it is another request.
+///
+/// ```
+/// # use idem_runtime as idem;
+/// let canonical = idem::canonicalize(br#"{ "b": [1.0, 2e3], "a": "\u00e9" }"#).unwrap();
+/// assert_eq!(canonical, "{\"a\":\"é\",\"b\":[1,2000]}".as_bytes());
+/// assert_eq!(idem::canonicalize(br#"{"a": 1, "a": 2}"#), None);
+/// ```
+pub fn canonicalize(body: &[u8]) -> Option<Vec<u8>> {
+    let mut writer = Writer {
+        text: body,
+        at: 0,
+        out: Vec::with_capacity(body.len()),
+        members: Vec::new(),
+        scratch: Vec::new(),
+    };
+    writer.value(0)?;
+    writer.skip_whitespace();
+    (writer.at == body.len()).then_some(writer.out)
+}
+
+/// serde_json's limit: a body nesting deeper fails to parse there, so the
+/// handler's extractor would refuse it too.
+const MAX_DEPTH: usize = 127;
+
+/// The largest magnitude up to which every integer is exact as a double.
+const EXACT_INTEGERS: f64 = 9_007_199_254_740_992.0; // 2^53
+
+/// Beyond this magnitude RFC 8785 writes a double with an exponent.
+const EXPONENT_FORM: f64 = 1e21;
+
+/// Reads JSON text at `at` and writes its canonical form to `out`.
+struct Writer<'a> {
+    text: &'a [u8],
+    at: usize,
+    out: Vec<u8>,
+    /// The members of the objects being written, innermost object last.
+    members: Vec<Member<'a>>,
+    /// Where an object's members are put in order.
+    scratch: Vec<u8>,
+}
+
+/// One member written to `out[start..end]` as `"name":value`.
+struct Member<'a> {
+    name: Cow<'a, str>,
+    start: usize,
+    end: usize,
+}
+
+impl<'a> Writer<'a> {
+    fn skip_whitespace(&mut self) {
+        while let Some(b' ' | b'\n' | b'\t' | b'\r') = self.text.get(self.at) {
+            self.at += 1;
+        }
+    }
+
+    fn peek(&self) -> Option<u8> {
+        self.text.get(self.at).copied()
+    }
+
+    fn next(&mut self) -> Option<u8> {
+        let byte = self.peek()?;
+        self.at += 1;
+        Some(byte)
+    }
+
+    /// A value inside `depth` containers.
+    fn value(&mut self, depth: usize) -> Option<()> {
+        self.skip_whitespace();
+        match self.peek()? {
+            b'{' => self.object(depth + 1),
+            b'[' => self.array(depth + 1),
+            b'"' => {
+                let string = self.string()?;
+                write_string(&string, &mut self.out);
+                Some(())
+            }
+            b'-' | b'0'..=b'9' => self.number(),
+            b't' => self.literal(b"true"),
+            b'f' => self.literal(b"false"),
+            b'n' => self.literal(b"null"),
+            _ => None,
+        }
+    }
+
+    fn literal(&mut self, word: &[u8]) -> Option<()> {
+        let end = self.at + word.len();
+        (self.text.get(self.at..end)? == word).then_some(())?;
+        self.at = end;
+        self.out.extend_from_slice(word);
+        Some(())
+    }
+
+    fn array(&mut self, depth: usize) -> Option<()> {
+        if depth > MAX_DEPTH {
+            return None;
+        }
+        self.at += 1;
+        self.out.push(b'[');
+        self.skip_whitespace();
+        if self.peek()? == b']' {
+            self.at += 1;
+        } else {
+            loop {
+                self.value(depth)?;
+                self.skip_whitespace();
+                match self.next()? {
+                    b',' => self.out.push(b','),
+                    b']' => break,
+                    _ => return None,
+                }
+            }
+        }
+        self.out.push(b']');
+        Some(())
+    }
+
+    fn object(&mut self, depth: usize) -> Option<()> {
+        if depth > MAX_DEPTH {
+            return None;
+        }
+        self.at += 1;
+        self.out.push(b'{');
+        let start = self.out.len();
+        let first = self.members.len();
+        self.skip_whitespace();
+        if self.peek()? == b'}' {
+            self.at += 1;
+        } else {
+            loop {
+                self.skip_whitespace();
+                if self.peek()? != b'"' {
+                    return None;
+                }
+                let name = self.string()?;
+                let member = self.out.len();
+                write_string(&name, &mut self.out);
+                self.skip_whitespace();
+                (self.next()? == b':').then_some(())?;
+                self.out.push(b':');
+                self.value(depth)?;
+                self.members.push(Member {
+                    name,
+                    start: member,
+                    end: self.out.len(),
+                });
+                self.skip_whitespace();
+                match self.next()? {
+                    b',' => self.out.push(b','),
+                    b'}' => break,
+                    _ => return None,
+                }
+            }
+            self.order(first, start)?;
+        }
+        self.out.push(b'}');
+        Some(())
+    }
+
+    /// Puts the members from `first` on, written from `out[start..]`, in
+    /// order. Most bodies come in order already (a serializer's field
+    /// order, or sorted), and then nothing moves.
+    fn order(&mut self, first: usize, start: usize) -> Option<()> {
+        let Self {
+            members,
+            out,
+            scratch,
+            ..
+        } = self;
+        let these = &mut members[first..];
+        if !these
+            .windows(2)
+            .all(|pair| name_order(&pair[0].name, &pair[1].name).is_lt())
+        {
+            these.sort_unstable_by(|a, b| name_order(&a.name, &b.name));
+            if these.windows(2).any(|pair| pair[0].name == pair[1].name) {
+                return None;
+            }
+            scratch.clear();
+            for (index, member) in these.iter().enumerate() {
+                if index > 0 {
+                    scratch.push(b',');
+                }
+                scratch.extend_from_slice(&out[member.start..member.end]);
+            }
+            out.truncate(start);
+            out.extend_from_slice(scratch);
+        }
+        members.truncate(first);
+        Some(())
+    }
+
+    /// A string at its opening quote, unescaped; borrowed unless it has
+    /// escapes. `None` for what JSON forbids: raw control characters, bad
+    /// escapes, lone surrogates, bytes that are not UTF-8.
+    fn string(&mut self) -> Option<Cow<'a, str>> {
+        let text = self.text;
+        self.at += 1;
+        let start = self.at;
+        loop {
+            match *text.get(self.at)? {
+                b'"' => {
+                    let string = std::str::from_utf8(&text[start..self.at]).ok()?;
+                    self.at += 1;
+                    return Some(Cow::Borrowed(string));
+                }
+                b'\\' => break,
+                0x00..=0x1f => return None,
+                _ => self.at += 1,
+            }
+        }
+        let mut unescaped = text[start..self.at].to_vec();
+        loop {
+            match self.next()? {
+                b'"' => return String::from_utf8(unescaped).ok().map(Cow::Owned),
+                b'\\' => {
+                    let byte = match self.next()? {
+                        byte @ (b'"' | b'\\' | b'/') => byte,
+                        b'b' => 0x08,
+                        b'f' => 0x0c,
+                        b'n' => b'\n',
+                        b'r' => b'\r',
+                        b't' => b'\t',
+                        b'u' => {
+                            let char = self.escaped_char()?;
+                            let mut utf8 = [0; 4];
+                            unescaped.extend_from_slice(char.encode_utf8(&mut utf8).as_bytes());
+                            continue;
+                        }
+                        _ => return None,
+                    };
+                    unescaped.push(byte);
+                }
+                0x00..=0x1f => return None,
+                byte => unescaped.push(byte),
+            }
+        }
+    }
+
+    /// The character of a `\u` escape (after the `u`), with the low half
+    /// of a surrogate pair.
+    fn escaped_char(&mut self) -> Option<char> {
+        let high = self.hex4()?;
+        let code = match high {
+            0xd800..=0xdbff => {
+                let end = self.at + 2;
+                (self.text.get(self.at..end)? == b"\\u").then_some(())?;
+                self.at = end;
+                let low = self.hex4()?;
+                if !(0xdc00..=0xdfff).contains(&low) {
+                    return None;
+                }
+                0x10000 + ((u32::from(high) - 0xd800) << 10) + (u32::from(low) - 0xdc00)
+            }
+            0xdc00..=0xdfff => return None,
+            _ => u32::from(high),
+        };
+        char::from_u32(code)
+    }
+
+    fn hex4(&mut self) -> Option<u16> {
+        let end = self.at + 4;
+        let digits = self.text.get(self.at..end)?;
+        self.at = end;
+        digits.iter().try_fold(0, |code, &digit| {
+            let digit = char::from(digit).to_digit(16)?;
+            Some(code << 4 | digit as u16)
+        })
+    }
+
+    /// Consumes a run of ASCII digits: whether there was one.
+    fn digits(&mut self) -> bool {
+        let start = self.at;
+        while let Some(b'0'..=b'9') = self.peek() {
+            self.at += 1;
+        }
+        self.at > start
+    }
+
+    /// A number, as JSON's grammar has it (no `+`, no leading zeros, no
+    /// bare `.`).
+    fn number(&mut self) -> Option<()> {
+        let start = self.at;
+        if self.peek() == Some(b'-') {
+            self.at += 1;
+        }
+        match self.peek()? {
+            b'0' => self.at += 1,
+            b'1'..=b'9' => {
+                self.digits();
+            }
+            _ => return None,
+        }
+        let mut integer = true;
+        if self.peek() == Some(b'.') {
+            self.at += 1;
+            integer = false;
+            self.digits().then_some(())?;
+        }
+        if let Some(b'e' | b'E') = self.peek() {
+            self.at += 1;
+            integer = false;
+            if let Some(b'+' | b'-') = self.peek() {
+                self.at += 1;
+            }
+            self.digits().then_some(())?;
+        }
+        let text = &self.text[start..self.at];
+        // Only ASCII digits, signs, `.` and exponents: always UTF-8.
+        let number = std::str::from_utf8(text).ok()?;
+        if integer {
+            // JSON's integers are written as their digits and nothing else,
+            // which is the canonical form: exactly, up to 2^53, where a
+            // double prints as its integer; and beyond, where idem keeps
+            // the digits a double would lose. serde_json refuses one
+            // beyond the doubles, so this does too.
+            if text.len() > 300 && number.parse::<f64>().ok()?.is_infinite() {
+                return None;
+            }
+            match number {
+                "-0" => self.out.push(b'0'),
+                _ => self.out.extend_from_slice(text),
+            }
+        } else {
+            // Correctly rounded, as serde_json with `float_roundtrip` reads
+            // it for the handler.
+            let double: f64 = number.parse().ok()?;
+            if double.is_infinite() {
+                return None;
+            }
+            write_double(double, &mut self.out);
+        }
+        Some(())
+    }
+}
+
+/// Appends a finite double as RFC 8785 writes it, except one beyond 2^53
+/// (and below 10^21, where RFC 8785 still writes digits): its exact
+/// integer digits. Every double there is an integer, and RFC 8785's
+/// shortest form pads it with zeros into what can be another integer's
+/// digits: `1152921504606846976.0` (2^60) would be written
+/// `1152921504606847000`, the form of the integer 1152921504606847000,
+/// whose own digits idem keeps. With the exact digits, two spellings of
+/// one number share a form, and two numbers never do.
+fn write_double(double: f64, out: &mut Vec<u8>) {
+    let magnitude = double.abs();
+    if magnitude > EXACT_INTEGERS && magnitude < EXPONENT_FORM {
+        if double < 0.0 {
+            out.push(b'-');
+        }
+        // Exact: an integral double below 10^21 (< 2^70) fits a u128.
+        out.extend_from_slice((magnitude as u128).to_string().as_bytes());
+    } else {
+        out.extend_from_slice(ryu_js::Buffer::new().format_finite(double).as_bytes());
+    }
+}
+
+/// RFC 8785's order of member names: by their UTF-16 code units. That is
+/// the order of their UTF-8 bytes up to where they first differ, unless a
+/// character there is U+E000 or beyond (UTF-8 lead byte 0xEE or above),
+/// where UTF-16's surrogates sort supplementary characters first.
+fn name_order(a: &str, b: &str) -> Ordering {
+    let (x, y) = (a.as_bytes(), b.as_bytes());
+    match x.iter().zip(y).position(|(p, q)| p != q) {
+        None => x.len().cmp(&y.len()),
+        Some(at) if x[at] < 0xee && y[at] < 0xee => x[at].cmp(&y[at]),
+        Some(_) => a.encode_utf16().cmp(b.encode_utf16()),
+    }
+}
+
+/// A JSON string as RFC 8785 writes it: `"` and `\` escaped, control
+/// characters as their short escapes or `\u00xx`, everything else (`/`,
+/// DEL, any non-ASCII) as it is.
+fn write_string(string: &str, out: &mut Vec<u8>) {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    out.push(b'"');
+    let bytes = string.as_bytes();
+    let mut plain = 0;
+    for (at, &byte) in bytes.iter().enumerate() {
+        let short: &[u8] = match byte {
+            b'"' => b"\\\"",
+            b'\\' => b"\\\\",
+            0x08 => b"\\b",
+            0x0c => b"\\f",
+            b'\n' => b"\\n",
+            b'\r' => b"\\r",
+            b'\t' => b"\\t",
+            0x00..=0x1f => &[
+                b'\\',
+                b'u',
+                b'0',
+                b'0',
+                DIGITS[usize::from(byte >> 4)],
+                DIGITS[usize::from(byte & 0xf)],
+            ],
+            _ => continue,
+        };
+        out.extend_from_slice(&bytes[plain..at]);
+        out.extend_from_slice(short);
+        plain = at + 1;
+    }
+    out.extend_from_slice(&bytes[plain..]);
+    out.push(b'"');
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The canonicaliser this one replaced (through `serde_json::Value`),
+    /// kept as an oracle: keys claimed before an upgrade must keep their
+    /// fingerprints after it.
+    mod previous {
+        use serde_json::Value;
+        use serde_json::value::RawValue;
+
+        pub(super) fn canonicalize(body: &[u8]) -> Option<Vec<u8>> {
+            let value: Value = serde_json::from_slice(body).ok()?;
+            let mut out = Vec::with_capacity(body.len());
+            match write_canonical(&value, &mut out) {
+                Ok(()) => Some(out),
+                Err(Unwritten::Inexact) => {
+                    out.clear();
+                    let raw: &RawValue = serde_json::from_slice(body).ok()?;
+                    write_exact(raw, &mut out, 0)?;
+                    Some(out)
+                }
+                Err(Unwritten::NotJson) => None,
+            }
+        }
+
+        enum Unwritten {
+            NotJson,
+            Inexact,
+        }
+
+        const EXACT_INTEGERS: u64 = 1 << 53;
+
+        const BEYOND_64_BITS: f64 = 9_223_372_036_854_775_808.0; // 2^63
+
+        const EXACT_DEPTH: usize = 16;
+
+        fn write_number(number: &serde_json::Number, out: &mut Vec<u8>) -> Result<(), Unwritten> {
+            if let Some(int) = number.as_u64().filter(|&int| int > EXACT_INTEGERS) {
+                out.extend_from_slice(int.to_string().as_bytes());
+            } else if let Some(int) = number
+                .as_i64()
+                .filter(|&int| int.unsigned_abs() > EXACT_INTEGERS)
+            {
+                out.extend_from_slice(int.to_string().as_bytes());
+            } else {
+                let double = number
+                    .as_f64()
+                    .filter(|double| double.is_finite())
+                    .ok_or(Unwritten::NotJson)?;
+                if double.abs() >= BEYOND_64_BITS {
+                    return Err(Unwritten::Inexact);
+                }
+                write_double(double, out);
+            }
+            Ok(())
+        }
+
+        const EXPONENT_FORM: f64 = 1e21;
+
+        fn write_double(double: f64, out: &mut Vec<u8>) {
+            let magnitude = double.abs();
+            if magnitude > EXACT_INTEGERS as f64 && magnitude < EXPONENT_FORM {
+                if double < 0.0 {
+                    out.push(b'-');
+                }
+                // Exact: an integral double below 10^21 (< 2^70) fits a u128.
+                out.extend_from_slice((magnitude as u128).to_string().as_bytes());
+            } else {
+                out.extend_from_slice(ryu_js::Buffer::new().format_finite(double).as_bytes());
+            }
+        }
+
+        fn write_canonical(value: &Value, out: &mut Vec<u8>) -> Result<(), Unwritten> {
+            match value {
+                Value::Null => out.extend_from_slice(b"null"),
+                Value::Bool(true) => out.extend_from_slice(b"true"),
+                Value::Bool(false) => out.extend_from_slice(b"false"),
+                Value::Number(number) => write_number(number, out)?,
+                Value::String(string) => write_string(string, out),
+                Value::Array(items) => {
+                    out.push(b'[');
+                    for (index, item) in items.iter().enumerate() {
+                        if index > 0 {
+                            out.push(b',');
+                        }
+                        write_canonical(item, out)?;
+                    }
+                    out.push(b']');
+                }
+                Value::Object(members) => {
+                    out.push(b'{');
+                    // serde_json's map iterates in UTF-8 order (or, with its
+                    // `preserve_order` feature, as written); UTF-16 order differs
+                    // only for names beyond U+E000, so sorting is rarely needed.
+                    if members
+                        .keys()
+                        .is_sorted_by(|a, b| utf16_order(a, b).is_le())
+                    {
+                        write_members(members.iter(), out)?;
+                    } else {
+                        let mut sorted: Vec<_> = members.iter().collect();
+                        sorted.sort_unstable_by(|(a, _), (b, _)| utf16_order(a, b));
+                        write_members(sorted.into_iter(), out)?;
+                    }
+                    out.push(b'}');
+                }
+            }
+            Ok(())
+        }
+
+        fn write_members<'v>(
+            members: impl Iterator<Item = (&'v String, &'v Value)>,
+            out: &mut Vec<u8>,
+        ) -> Result<(), Unwritten> {
+            for (index, (name, value)) in members.enumerate() {
+                if index > 0 {
+                    out.push(b',');
+                }
+                write_string(name, out);
+                out.push(b':');
+                write_canonical(value, out)?;
+            }
+            Ok(())
+        }
+
+        fn write_exact(raw: &RawValue, out: &mut Vec<u8>, depth: usize) -> Option<()> {
+            fn parse<'a, T: serde::Deserialize<'a>>(text: &'a str) -> Option<T> {
+                serde_json::from_str(text).ok()
+            }
+            let text = raw.get();
+            match text.as_bytes().first()? {
+                b'{' if depth < EXACT_DEPTH => {
+                    // serde_json's own map keeps the last of duplicate names, as
+                    // `Value` does.
+                    let members: std::collections::BTreeMap<String, &RawValue> = parse(text)?;
+                    let mut sorted: Vec<_> = members.into_iter().collect();
+                    sorted.sort_unstable_by(|(a, _), (b, _)| utf16_order(a, b));
+                    out.push(b'{');
+                    for (index, (name, value)) in sorted.into_iter().enumerate() {
+                        if index > 0 {
+                            out.push(b',');
+                        }
+                        write_string(&name, out);
+                        out.push(b':');
+                        write_exact(value, out, depth + 1)?;
+                    }
+                    out.push(b'}');
+                }
+                b'[' if depth < EXACT_DEPTH => {
+                    let items: Vec<&RawValue> = parse(text)?;
+                    out.push(b'[');
+                    for (index, item) in items.into_iter().enumerate() {
+                        if index > 0 {
+                            out.push(b',');
+                        }
+                        write_exact(item, out, depth + 1)?;
+                    }
+                    out.push(b']');
+                }
+                b'{' | b'[' => return None,
+                b'"' => write_string(&parse::<String>(text)?, out),
+                b'-' | b'0'..=b'9' => {
+                    let number: serde_json::Number = parse(text)?;
+                    match write_number(&number, out) {
+                        Ok(()) => {}
+                        // JSON's integers have neither a leading zero nor a `+`:
+                        // their text is their canonical form.
+                        Err(Unwritten::Inexact)
+                            if text.bytes().skip(1).all(|b| b.is_ascii_digit()) =>
+                        {
+                            out.extend_from_slice(text.as_bytes());
+                        }
+                        Err(Unwritten::Inexact) => write_double(number.as_f64()?, out),
+                        Err(Unwritten::NotJson) => return None,
+                    }
+                }
+                // `null`, `true`, `false`: their text is their canonical form.
+                _ => out.extend_from_slice(text.as_bytes()),
+            }
+            Some(())
+        }
+
+        fn utf16_order(a: &str, b: &str) -> std::cmp::Ordering {
+            a.encode_utf16().cmp(b.encode_utf16())
+        }
+
+        fn write_string(string: &str, out: &mut Vec<u8>) {
+            const DIGITS: &[u8; 16] = b"0123456789abcdef";
+            out.push(b'"');
+            let bytes = string.as_bytes();
+            let mut plain = 0;
+            for (at, &byte) in bytes.iter().enumerate() {
+                let short: &[u8] = match byte {
+                    b'"' => b"\\\"",
+                    b'\\' => b"\\\\",
+                    0x08 => b"\\b",
+                    0x0c => b"\\f",
+                    b'\n' => b"\\n",
+                    b'\r' => b"\\r",
+                    b'\t' => b"\\t",
+                    0x00..=0x1f => &[
+                        b'\\',
+                        b'u',
+                        b'0',
+                        b'0',
+                        DIGITS[usize::from(byte >> 4)],
+                        DIGITS[usize::from(byte & 0xf)],
+                    ],
+                    _ => continue,
+                };
+                out.extend_from_slice(&bytes[plain..at]);
+                out.extend_from_slice(short);
+                plain = at + 1;
+            }
+            out.extend_from_slice(&bytes[plain..]);
+            out.push(b'"');
+        }
+    }
+
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    fn text(bytes: &[u8]) -> String {
+        String::from_utf8_lossy(bytes).into_owned()
+    }
+
+    /// Whether serde_json reads `body` as JSON naming no member twice.
+    fn json_without_duplicates(body: &[u8]) -> bool {
+        use serde::de::{Deserialize, Deserializer, Error, MapAccess, SeqAccess, Visitor};
+
+        struct Unique;
+        impl<'de> Deserialize<'de> for Unique {
+            fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+                deserializer.deserialize_any(Unique)
+            }
+        }
+        impl<'de> Visitor<'de> for Unique {
+            type Value = Unique;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("JSON")
+            }
+            fn visit_bool<E>(self, _: bool) -> Result<Unique, E> {
+                Ok(Unique)
+            }
+            fn visit_i64<E>(self, _: i64) -> Result<Unique, E> {
+                Ok(Unique)
+            }
+            fn visit_u64<E>(self, _: u64) -> Result<Unique, E> {
+                Ok(Unique)
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<Unique, E> {
+                Ok(Unique)
+            }
+            fn visit_str<E>(self, _: &str) -> Result<Unique, E> {
+                Ok(Unique)
+            }
+            fn visit_unit<E>(self) -> Result<Unique, E> {
+                Ok(Unique)
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut items: A) -> Result<Unique, A::Error> {
+                while items.next_element::<Unique>()?.is_some() {}
+                Ok(Unique)
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut members: A) -> Result<Unique, A::Error> {
+                let mut names = std::collections::HashSet::new();
+                while let Some(name) = members.next_key::<String>()? {
+                    if !names.insert(name) {
+                        return Err(A::Error::custom("a name twice"));
+                    }
+                    members.next_value::<Unique>()?;
+                }
+                Ok(Unique)
+            }
+        }
+        serde_json::from_slice::<Unique>(body).is_ok()
+    }
+
+    /// The one-pass writer and the one it replaced agree on `body`, but
+    /// for the intended difference: a body naming a member twice is not
+    /// canonicalised any more.
+    fn agrees(body: &[u8]) {
+        let now = canonicalize(body);
+        let before = previous::canonicalize(body);
+        if now.is_none() && before.is_some() && !json_without_duplicates(body) {
+            return;
+        }
+        assert_eq!(
+            now.as_deref().map(text),
+            before.as_deref().map(text),
+            "{}",
+            text(body)
+        );
+        if let Some(once) = now {
+            assert_eq!(canonicalize(&once).as_ref(), Some(&once), "{}", text(body));
+        }
+    }
+
+    const NAMES: [&str; 12] = [
+        "a",
+        "b",
+        "aa",
+        "A",
+        "\\u0062",
+        "\\n",
+        "\\\"",
+        "\u{e9}",
+        "\u{e000}",
+        "\u{ff5e}",
+        "\u{1f600}",
+        "\\ud83d\\ude01",
+    ];
+    const NUMBERS: [&str; 24] = [
+        "0",
+        "-0",
+        "7",
+        "-12",
+        "9007199254740992",
+        "9007199254740993",
+        "-9007199254740993",
+        "9223372036854775807",
+        "9223372036854775808",
+        "-9223372036854775809",
+        "18446744073709551615",
+        "18446744073709551616",
+        "340282366920938463463374607431768211457",
+        "1.5",
+        "-0.0",
+        "1e3",
+        "2.50E-7",
+        "0.1",
+        "1152921504606846976.0",
+        "1e21",
+        "1E+400",
+        "5e-324",
+        "1.7976931348623157e308",
+        "123456789012345678901234.5",
+    ];
+    const STRINGS: [&str; 8] = [
+        "",
+        "plain",
+        "\\n\\t\\\"\\\\\\/",
+        "\\u00e9\\u0001\\u001F",
+        "\u{7f}\u{2028}\u{1f600}",
+        "\\ud83d\\ude00",
+        "\\ud800",
+        "\\uDFFF",
+    ];
+    const SPACES: [&str; 4] = ["", " ", "\n\t", "\r\n  "];
+
+    fn value(rng: &mut StdRng, depth: usize, out: &mut String) {
+        let space = |rng: &mut StdRng| SPACES[rng.random_range(0..SPACES.len())];
+        match rng.random_range(0..if depth < 5 { 9 } else { 6 }) {
+            0 => out.push_str(["null", "true", "false"][rng.random_range(0..3)]),
+            1 | 2 => out.push_str(NUMBERS[rng.random_range(0..NUMBERS.len())]),
+            3..=5 => {
+                out.push('"');
+                out.push_str(STRINGS[rng.random_range(0..STRINGS.len())]);
+                out.push('"');
+            }
+            6 | 7 => {
+                out.push('[');
+                for index in 0..rng.random_range(0..5) {
+                    if index > 0 {
+                        out.push(',');
+                    }
+                    out.push_str(space(rng));
+                    value(rng, depth + 1, out);
+                    out.push_str(space(rng));
+                }
+                out.push(']');
+            }
+            _ => {
+                out.push('{');
+                // Distinct names, in a random order: `\u0062` is `b`, so
+                // one of the two at most.
+                let mut names: Vec<&str> = NAMES
+                    .iter()
+                    .copied()
+                    .filter(|_| rng.random_bool(0.3))
+                    .collect();
+                if names.contains(&"b") {
+                    names.retain(|name| *name != "\\u0062");
+                }
+                for index in (1..names.len()).rev() {
+                    names.swap(index, rng.random_range(0..=index));
+                }
+                for (index, name) in names.into_iter().enumerate() {
+                    if index > 0 {
+                        out.push(',');
+                    }
+                    out.push_str(space(rng));
+                    out.push('"');
+                    out.push_str(name);
+                    out.push('"');
+                    out.push_str(space(rng));
+                    out.push(':');
+                    out.push_str(space(rng));
+                    value(rng, depth + 1, out);
+                }
+                out.push('}');
+            }
+        }
+    }
+
+    /// Thousands of bodies from a fixed seed, and as many with a byte or
+    /// two changed, deleted or added (most of them no longer JSON, some of
+    /// them JSON of another shape): the bytes the previous writer wrote.
+    #[test]
+    fn writes_what_the_previous_writer_wrote() {
+        let mut rng = StdRng::seed_from_u64(8785);
+        for _ in 0..4000 {
+            let mut body = String::new();
+            value(&mut rng, 0, &mut body);
+            agrees(body.as_bytes());
+            let mut bytes = body.into_bytes();
+            for _ in 0..rng.random_range(1..3) {
+                let at = rng.random_range(0..=bytes.len());
+                let byte = b"{}[],:\"\\ 0-.e9ntu\xff"[rng.random_range(0..17)];
+                match rng.random_range(0..3) {
+                    0 if at < bytes.len() => bytes[at] = byte,
+                    1 if at < bytes.len() => {
+                        bytes.remove(at);
+                    }
+                    _ => bytes.insert(at, byte),
+                }
+            }
+            agrees(&bytes);
+        }
+    }
+
+    #[test]
+    fn refuses_what_json_forbids() {
+        for body in [
+            &b""[..],
+            b" ",
+            b"\xef\xbb\xbf{}",
+            b"{} x",
+            b"[01]",
+            b"[1.]",
+            b"[.5]",
+            b"[+1]",
+            b"[1e]",
+            b"[1,]",
+            b"{\"a\":1,}",
+            b"{\"a\" 1}",
+            b"{a:1}",
+            b"[1e400]",
+            b"[\"\\ud800\"]",
+            b"[\"\\udc00\"]",
+            b"[\"\\ud800\\u0041\"]",
+            b"[\"\\u00\"]",
+            b"[\"\\x\"]",
+            b"[\"\x01\"]",
+            b"[\"\xff\"]",
+            b"[\"\xc0\xaf\"]",
+            b"nul",
+            b"[true false]",
+        ] {
+            assert_eq!(canonicalize(body), None, "{}", text(body));
+            assert!(serde_json::from_slice::<serde_json::Value>(body).is_err());
+        }
+        let long = format!("[{}]", "9".repeat(400));
+        assert_eq!(canonicalize(long.as_bytes()), None);
+        agrees(long.as_bytes());
+        let fits = format!("[{}]", "9".repeat(300));
+        assert_eq!(canonicalize(fits.as_bytes()).unwrap(), fits.as_bytes());
+    }
+
+    /// serde_json's depth: 127 containers parse, 128 do not.
+    #[test]
+    fn nests_as_deep_as_serde_json() {
+        for depth in [126, 127, 128] {
+            for (open, close) in [("[", "]"), ("{\"a\":", "}")] {
+                let body = format!("{}1{}", open.repeat(depth), close.repeat(depth));
+                let parses = serde_json::from_str::<serde_json::Value>(&body).is_ok();
+                assert_eq!(parses, depth <= 127);
+                assert_eq!(canonicalize(body.as_bytes()).is_some(), parses, "{depth}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_name_twice_is_not_canonical() {
+        for body in [
+            &br#"{"a":1,"a":1}"#[..],
+            br#"{"a":1,"b":2,"a":3}"#,
+            br#"{"b":1,"\u0062":2}"#,
+            br#"[{"x":{"a":1,"a":2}}]"#,
+        ] {
+            assert_eq!(canonicalize(body), None, "{}", text(body));
+        }
+        assert_eq!(
+            canonicalize(br#"{"a":{"a":1},"b":{"a":2}}"#).unwrap(),
+            br#"{"a":{"a":1},"b":{"a":2}}"#
+        );
+    }
+
+    #[test]
+    fn names_sort_by_utf_16() {
+        let names = [
+            "\u{e000}",
+            "\u{1f600}",
+            "\u{ff5e}",
+            "z",
+            "\u{e9}",
+            "",
+            "\u{10ffff}",
+        ];
+        for a in names {
+            for b in names {
+                assert_eq!(
+                    name_order(a, b),
+                    a.encode_utf16().cmp(b.encode_utf16()),
+                    "{a:?} {b:?}"
+                );
+            }
+        }
+    }
+}
