@@ -31,7 +31,7 @@ pub use response::{
     CaptureError, DEFAULT_REPLAY_HEADERS, IDEMPOTENT_REPLAYED, StoredResponse, decode_headers,
     is_storable,
 };
-pub use scope::Scope;
+pub use scope::{MAX_SCOPE_LEN, Scope};
 pub use tx::Tx;
 
 /// What `#[idempotent]` expands to. Not a public API: it changes without notice.

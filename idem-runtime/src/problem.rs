@@ -40,6 +40,10 @@ pub enum Problem {
     TransactionFailed,
     /// 500: the response could not be stored, so the work was rolled back.
     ResponseNotStored,
+    /// 500: the caller's scope is longer than
+    /// [`MAX_SCOPE_LEN`](crate::MAX_SCOPE_LEN); nothing ran. The scope comes
+    /// from the server's own extractor, so a retry cannot help.
+    ScopeTooLong,
 }
 
 /// Seconds a client should wait before retrying a 409 or 503.
@@ -57,9 +61,10 @@ impl Problem {
             Self::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
             Self::StoreUnavailable | Self::CommitOutcomeUnknown => StatusCode::SERVICE_UNAVAILABLE,
-            Self::HandlerPanicked | Self::TransactionFailed | Self::ResponseNotStored => {
-                StatusCode::INTERNAL_SERVER_ERROR
-            }
+            Self::HandlerPanicked
+            | Self::TransactionFailed
+            | Self::ResponseNotStored
+            | Self::ScopeTooLong => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
@@ -76,6 +81,7 @@ impl Problem {
             Self::StoreUnavailable | Self::CommitOutcomeUnknown => "idempotency_store_unavailable",
             Self::HandlerPanicked | Self::TransactionFailed => "internal_error",
             Self::ResponseNotStored => "idempotency_response_not_stored",
+            Self::ScopeTooLong => "idempotency_scope_too_long",
         }
     }
 
@@ -92,6 +98,7 @@ impl Problem {
             Self::CommitOutcomeUnknown => "Outcome unknown",
             Self::HandlerPanicked | Self::TransactionFailed => "Internal server error",
             Self::ResponseNotStored => "Response could not be stored",
+            Self::ScopeTooLong => "Idempotency scope too long",
         }
     }
 
@@ -109,6 +116,7 @@ impl Problem {
             Self::HandlerPanicked => "Nothing was done. Retrying is safe, with the same Idempotency-Key if the request had one.".into(),
             Self::TransactionFailed => "The request's transaction failed or ended before it could commit, and no answer was stored: a retry with the same key runs the request again.".into(),
             Self::ResponseNotStored => "Nothing was done: the response is larger than can be stored for replay.".into(),
+            Self::ScopeTooLong => "Nothing was done: the server identifies this caller by a scope longer than its idempotency key store keeps. Retrying will not help.".into(),
         }
     }
 

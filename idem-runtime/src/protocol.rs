@@ -28,6 +28,7 @@ use crate::key::{IdempotencyKey, parse_key};
 use crate::observe::{self, Outcome};
 use crate::problem::Problem;
 use crate::response::{CaptureError, StoredResponse, is_storable};
+use crate::scope::MAX_SCOPE_LEN;
 use crate::tx::Tx;
 
 /// Whether a handler demands a key.
@@ -252,6 +253,15 @@ where
     H: FnOnce(Tx<DB>) -> Fut,
     Fut: Future<Output = Answer> + Send,
 {
+    if claim.scope.len() > MAX_SCOPE_LEN {
+        // The scope comes from the server's own extractor, so no retry can
+        // help: a 500, not a 503 with `Retry-After`.
+        tracing::error!(
+            bytes = claim.scope.len(),
+            "idempotency scope longer than MAX_SCOPE_LEN ({MAX_SCOPE_LEN} bytes): request refused"
+        );
+        return (Outcome::Rejected, Problem::ScopeTooLong.into_response());
+    }
     let started = std::time::Instant::now();
     let claimed = claim_or_read(idem, claim).await;
     let conn = match claimed {

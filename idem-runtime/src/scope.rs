@@ -2,6 +2,14 @@
 
 use std::borrow::Cow;
 
+/// The longest scope, in bytes, that `idem` stores: a request whose
+/// [`Scope::scope`] is longer is refused with a 500 (problem code
+/// `idempotency_scope_too_long`) before anything runs. Every engine keeps
+/// scopes this long in its key index (PostgreSQL's btree entries stop at
+/// about 2.7 KB, MySQL's column is `VARBINARY(2048)`), and an account or
+/// tenant id is far shorter.
+pub const MAX_SCOPE_LEN: usize = 2048;
+
 /// The caller an idempotency key belongs to.
 ///
 /// Keys are looked up per `(scope, key)`, never by key alone: two callers who

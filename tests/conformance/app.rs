@@ -605,6 +605,14 @@ macro_rules! define_app {
                         sqlx::raw_sql("COMMIT").execute(&mut **tx).await?;
                         insert_effect(&mut **tx, caller, &key, "after", &app::nonce()).await?;
                     }
+                    // Misuse: the handler commits the transaction itself,
+                    // then fails (as after a MySQL statement that commits
+                    // implicitly, such as `CREATE TABLE`).
+                    m if m.starts_with("raw-commit-then-error:") => {
+                        sqlx::raw_sql("COMMIT").execute(&mut **tx).await?;
+                        let status = StatusCode::from_u16(m[22..].parse().unwrap()).unwrap();
+                        return Err(HandlerError::Refused(status));
+                    }
                     // Misuse: the handler ends the transaction itself,
                     // then writes on (that write commits on its own).
                     "raw-rollback" => {

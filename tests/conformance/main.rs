@@ -44,6 +44,7 @@ macro_rules! all_engines {
                 every_instance_replays_the_same_answer,
                 other_path_or_method_is_422,
                 scopes_are_independent,
+                long_scopes_are_kept_or_refused_whole,
                 transient_answers_roll_back,
                 panics_roll_back,
                 killed_server_leaves_nothing_behind,

@@ -220,38 +220,6 @@ async fn a_sessions_select_limit_cannot_defeat_the_claim() {
     }
 }
 
-/// A scope is at most 2,048 bytes in MySQL's key column: a longer one is a
-/// store error (503, nothing run, nothing stored), never a truncated scope
-/// shared with another caller; one of exactly 2,048 bytes works.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn scopes_beyond_2048_bytes_are_refused_whole() {
-    let server = crate::harness::start::<MySql>().await;
-    let prefix = unique("long");
-    let longest = format!("{prefix}{}", "s".repeat(2048 - prefix.len()));
-    let too_long = format!("{longest}s");
-    const BODY: &str = r#"{"note":"charge 1250 eur"}"#;
-
-    let refused = crate::harness::send(server.client(&too_long).post("/effects", "k", BODY)).await;
-    assert_eq!(
-        refused.status,
-        StatusCode::SERVICE_UNAVAILABLE,
-        "{refused:?}"
-    );
-    assert_eq!(refused.problem_code(), "idempotency_store_unavailable");
-    assert_eq!(
-        server.effects(&too_long).await,
-        0,
-        "the handler did not run"
-    );
-    assert_eq!(server.keys(&too_long).await, 0);
-
-    let kept = crate::harness::send(server.client(&longest).post("/effects", "k", BODY)).await;
-    assert_eq!(kept.status, StatusCode::CREATED, "{kept:?}");
-    let again = crate::harness::send(server.client(&longest).post("/effects", "k", BODY)).await;
-    assert!(again.replayed(), "{again:?}");
-    assert_eq!(server.keys(&longest).await, 1);
-}
-
 /// With `autocommit` off, neither the sweeper nor a replay's read leaves a
 /// transaction open on the connection it hands back to the pool: the
 /// sweep's deletes are committed (another session sees them, and their

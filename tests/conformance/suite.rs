@@ -323,6 +323,57 @@ pub async fn scopes_are_independent<DB: TestDb>() {
     );
 }
 
+/// 5b. A scope of `MAX_SCOPE_LEN` bytes, as incompressible as hex of
+///     random bytes can be, with a key of 255 characters, is kept and
+///     replayed on every engine (PostgreSQL's btree entries stop at about
+///     2.7 KB); one byte longer is a 500 before anything runs, never a 503
+///     whose `Retry-After` would have the client retry forever.
+pub async fn long_scopes_are_kept_or_refused_whole<DB: TestDb>() {
+    let server = start::<DB>().await;
+    let prefix = unique("long");
+    let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+    let noise: String = std::iter::repeat_with(|| {
+        // xorshift64: no repeats a compressor could find.
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        format!("{state:016x}")
+    })
+    .take(idem::MAX_SCOPE_LEN / 16 + 1)
+    .collect();
+    let longest = format!("{prefix}{noise}")[..idem::MAX_SCOPE_LEN].to_owned();
+    let too_long = format!("{longest}0");
+    let key = "k".repeat(idem::MAX_KEY_LEN);
+
+    let refused = send(server.client(&too_long).post("/effects", &key, BODY)).await;
+    assert_eq!(
+        refused.status,
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "{refused:?}"
+    );
+    assert_eq!(refused.problem_code(), "idempotency_scope_too_long");
+    assert!(
+        !refused.headers.contains_key(reqwest::header::RETRY_AFTER),
+        "{refused:?}"
+    );
+    assert_eq!(
+        server.effects(&too_long).await,
+        0,
+        "the handler did not run"
+    );
+    assert_eq!(server.keys(&too_long).await, 0);
+
+    let kept = send(server.client(&longest).post("/effects", &key, BODY)).await;
+    assert_eq!(kept.status, StatusCode::CREATED, "{kept:?}");
+    let again = send(server.client(&longest).post("/effects", &key, BODY)).await;
+    assert!(again.replayed(), "{again:?}");
+    assert_eq!(again.body, kept.body);
+    assert_eq!(
+        (server.effects(&longest).await, server.keys(&longest).await),
+        (1, 1)
+    );
+}
+
 /// 6. A transient answer after the write: nothing committed or stored; the
 ///    retry runs again and succeeds once. Non-transient 4xx are stored.
 pub async fn transient_answers_roll_back<DB: TestDb>() {

@@ -240,6 +240,26 @@ pub async fn lost_transactions_are_not_successes<DB: TestDb>() {
     assert!(retry.replayed(), "{retry:?}");
     assert_eq!(retry.body, committed.body);
 
+    // One that commits itself and then fails: its effect and the unfinished
+    // claim committed then, with no response to replay. No retry may run
+    // it again (a second charge): the key stays in progress, 409, until it
+    // expires, on every engine.
+    let before = server.effects(&caller).await;
+    let failed = "raw-commit-then-error:502";
+    let first = send(client.post_in_mode("/effects", "committed-failed", failed)).await;
+    assert_eq!(first.status, StatusCode::BAD_GATEWAY, "{first:?}");
+    assert_eq!(
+        server.effects(&caller).await,
+        before + 1,
+        "committed by hand"
+    );
+    for _ in 0..2 {
+        let retry = send(client.post("/effects", "committed-failed", BODY)).await;
+        assert_eq!(retry.status, StatusCode::CONFLICT, "{retry:?}");
+        assert_eq!(retry.problem_code(), "idempotency_key_in_use");
+    }
+    assert_eq!(server.effects(&caller).await, before + 1, "never run again");
+
     // Every connection came back out of any transaction (or was closed).
     for mut conn in server.pooled_connections().await {
         assert!(!DB::in_transaction(&mut conn).await);

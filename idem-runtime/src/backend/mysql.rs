@@ -67,12 +67,14 @@ const ER_STATEMENT_TIMEOUT: u16 = 1969;
 
 /// The longest scope the key column takes: the primary key (scope, key)
 /// must stay within InnoDB's 3,072-byte index limit.
-const MAX_SCOPE_BYTES: usize = 2048;
+const MAX_SCOPE_BYTES: usize = crate::MAX_SCOPE_LEN;
 
 /// The session variable holding the lock wait the claim replaced.
 const SAVED_LOCK_WAIT: &str = "@idem_saved_lock_wait";
 /// The claimed row's status, as the claim's locking read found it.
 const STATUS: &str = "@idem_claimed_status";
+/// Whether that row carries this claim's token (see [`claim_sql`]).
+const OURS: &str = "@idem_claimed_ours";
 /// `SELECT ... INTO` found more than one row: how the claim says the key
 /// is another attempt's, and the finish that its `UPDATE` missed.
 const ER_TOO_MANY_ROWS: u16 = 1172;
@@ -331,9 +333,14 @@ impl super::ClaimAttempt<MySql> for MySqlClaim<'_> {
                 conn.release();
                 Ok(finished)
             }
-            // Gone (swept) or claimed anew once the lock was ours no more:
-            // the claim starts over.
-            Ok(_) => {
+            // Unfinished, under our lock and not ours: stranded by an
+            // attempt that committed and then failed (see [`claim_sql`]).
+            Ok(Some(None)) => {
+                conn.release();
+                Err(Failure::InUse)
+            }
+            // Gone (swept) meanwhile: the claim starts over.
+            Ok(None) => {
                 conn.release();
                 Err(Failure::Retry(sqlx::Error::RowNotFound))
             }
@@ -369,7 +376,17 @@ async fn reset(mut conn: OpenTx<MySql>) {
 /// The claim's round trip. An expired row is taken over inside the upsert:
 /// MySQL applies the assignments left to right, so `expires_at` goes last
 /// and every condition before it still sees the old expiry.
+///
+/// The row the upsert writes carries a token of this claim's in `headers`
+/// until the finish stores the real ones: an unfinished row without it was
+/// left alone by the upsert, because an earlier attempt committed it (its
+/// handler's own `COMMIT`, or a statement that commits implicitly) and
+/// then failed, with its effects in and no response. That key is in use
+/// until it expires, as on every engine: running the handler again could
+/// do its effects twice. (The row count cannot tell: sqlx's connections
+/// count a row found unchanged as one, like a row inserted.)
 fn claim_sql(table: &str, claim: &Claim<'_>) -> String {
+    let token = hex(&rand::random::<[u8; 16]>());
     let now = "UTC_TIMESTAMP(6)";
     let expires = format!("{now} + INTERVAL {} MICROSECOND", claim.ttl.as_micros());
     let expired = format!("expires_at <= {now}");
@@ -387,21 +404,22 @@ fn claim_sql(table: &str, claim: &Claim<'_>) -> String {
     };
     format!(
         "SET {SAVED_LOCK_WAIT} = @@SESSION.innodb_lock_wait_timeout, {STATUS} = NULL, \
-             SESSION innodb_lock_wait_timeout = {lock_wait_secs}; \
+             {OURS} = FALSE, SESSION innodb_lock_wait_timeout = {lock_wait_secs}; \
          START TRANSACTION; \
-         {bounded}INSERT INTO {table} (scope, `key`, fingerprint, created_at, expires_at) \
-             VALUES (X'{scope}', X'{key}', X'{fingerprint}', {now}, {expires}) \
+         {bounded}INSERT INTO {table} (scope, `key`, fingerprint, headers, created_at, expires_at) \
+             VALUES (X'{scope}', X'{key}', X'{fingerprint}', X'{token}', {now}, {expires}) \
              ON DUPLICATE KEY UPDATE \
              fingerprint = IF({expired}, X'{fingerprint}', fingerprint), \
              status = IF({expired}, NULL, status), \
-             headers = IF({expired}, NULL, headers), \
+             headers = IF({expired}, X'{token}', headers), \
              body = IF({expired}, NULL, body), \
              created_at = IF({expired}, {now}, created_at), \
              expires_at = IF({expired}, {expires}, expires_at); \
          SET SESSION innodb_lock_wait_timeout = {SAVED_LOCK_WAIT}; \
-         SELECT status INTO {STATUS} FROM {table} WHERE {matches} LIMIT 1 FOR UPDATE; \
-         SELECT 1 INTO @idem_taken FROM {TWO_ROWS} WHERE o = 1 OR {STATUS} IS NOT NULL \
-             LIMIT 2",
+         SELECT status, headers <=> X'{token}' INTO {STATUS}, {OURS} FROM {table} \
+             WHERE {matches} LIMIT 1 FOR UPDATE; \
+         SELECT 1 INTO @idem_taken FROM {TWO_ROWS} \
+             WHERE o = 1 OR {STATUS} IS NOT NULL OR NOT {OURS} LIMIT 2",
         scope = hex(claim.scope.as_bytes()),
         key = hex(claim.key.as_bytes()),
         matches = matches(claim),

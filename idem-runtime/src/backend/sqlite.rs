@@ -144,12 +144,16 @@ impl Backend for Sqlite {
             .fetch_optional(&mut **conn)
             .await;
         let outcome = match row {
-            Ok(Some(row)) => read_row(&row),
+            Ok(Some(row)) => read_claimed(&row),
             Ok(None) => Err(sqlx::Error::RowNotFound),
             Err(error) => Err(error),
         };
         match outcome {
             Ok(Found::Ours) => Ok(ClaimOutcome::Claimed(conn.hold(flight))),
+            Ok(Found::Stranded) => {
+                abandon(conn).await;
+                Ok(ClaimOutcome::InUse)
+            }
             Ok(Found::Finished(finished)) => {
                 abandon(conn).await;
                 Ok(finished)
@@ -307,7 +311,21 @@ async fn replay(
 
 enum Found {
     Ours,
+    /// Unfinished, yet committed: an earlier attempt committed its
+    /// transaction itself (a raw `COMMIT`) and then failed, so its effects
+    /// are in and no response is. Running the handler again could do them
+    /// twice: the key is in use until it expires, as on every engine.
+    Stranded,
     Finished(ClaimOutcome<Sqlite>),
+}
+
+/// The claim's row, read back after its upsert: unfinished, it is ours only
+/// if the upsert wrote it.
+fn read_claimed(row: &SqliteRow) -> Result<Found, sqlx::Error> {
+    match read_row(row)? {
+        Found::Ours if row.try_get::<i64, _>("claimed")? == 0 => Ok(Found::Stranded),
+        found => Ok(found),
+    }
 }
 
 fn read_row(row: &SqliteRow) -> Result<Found, sqlx::Error> {
@@ -336,8 +354,9 @@ impl Sql {
         let row = "scope = ?1 AND \"key\" = ?2";
         Self {
             // The upsert takes an expired row over; an unexpired one is
-            // left alone and read back. We hold the write lock, so nothing
-            // can happen between the two statements.
+            // left alone and read back, with whether the upsert wrote
+            // (`changes()`). We hold the write lock, so nothing can happen
+            // between the two statements.
             claim: format!(
                 "INSERT INTO {table} (scope, \"key\", fingerprint, created_at, expires_at) \
                  VALUES (?1, ?2, ?3, ?4, ?5) \
@@ -345,7 +364,7 @@ impl Sql {
                  status = NULL, headers = NULL, body = NULL, \
                  created_at = excluded.created_at, expires_at = excluded.expires_at \
                  WHERE expires_at <= ?4; \
-                 SELECT {columns} FROM {table} WHERE {row}"
+                 SELECT {columns}, changes() AS claimed FROM {table} WHERE {row}"
             ),
             replay: format!(
                 "SELECT {columns} FROM {table} WHERE {row} AND status IS NOT NULL AND expires_at > ?3"
