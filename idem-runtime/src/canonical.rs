@@ -1,8 +1,10 @@
 //! RFC 8785 (JSON Canonicalization Scheme), written in one pass over the
-//! body's bytes: no parsed tree, so a body costs about its own size again
-//! (the output, and a scratch buffer for objects whose members come out of
-//! order), where a `serde_json::Value` took up to fifteen times its size
-//! and one allocation per string, array and object.
+//! body's bytes: no parsed tree, so an ordinary body costs about its own
+//! size again (the output; 16 bytes for each member of an object being
+//! written; a scratch buffer for objects whose members come out of order),
+//! at worst about eight times it (numbers such as `1e20`, written out as
+//! 21 digits), where a `serde_json::Value` took up to a hundred times it
+//! (`[{"":0},...]`) and one allocation per string, array and object.
 
 use std::borrow::Cow;
 use std::cmp::Ordering;
@@ -12,7 +14,11 @@ use std::cmp::Ordering;
 /// Members in the order of their names' UTF-16 code units, strings escaped
 /// as JSON requires and no further, numbers as ECMAScript prints the
 /// double, except integers beyond 2^53: those keep their digits (see
-/// [`Fingerprint`](crate::Fingerprint)). `None` also for what serde_json
+/// [`Fingerprint`](crate::Fingerprint)). Where serde_json's
+/// `arbitrary_precision` is on in the build, so that handlers read a
+/// number's exact digits, a number with a fraction or an exponent is
+/// written as its exact decimal value instead (`1.000000000000000001` is
+/// not `1`; `1.50` is `1.5`). `None` also for what serde_json
 /// refuses (nesting deeper than 127, a lone surrogate, a number beyond
 /// the doubles) and for an object naming one member twice: handlers
 /// disagree on which of the two counts, so such a body is hashed byte for
@@ -25,20 +31,60 @@ use std::cmp::Ordering;
 /// assert_eq!(idem::canonicalize(br#"{"a": 1, "a": 2}"#), None);
 /// ```
 pub fn canonicalize(body: &[u8]) -> Option<Vec<u8>> {
+    canonicalize_numbers(body, Numbers::of_this_build())
+}
+
+/// How the handler reads a number with a fraction or an exponent, and so
+/// how its canonical form is written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Numbers {
+    /// As the nearest double (serde_json's default): two spellings of one
+    /// double are one number, written as RFC 8785 writes the double.
+    Doubles,
+    /// As its exact digits (serde_json's `arbitrary_precision`, which any
+    /// crate of the build may turn on, a decimal crate for one): two
+    /// numbers are one only if their decimal values are; see
+    /// [`write_decimal`].
+    Exact,
+}
+
+impl Numbers {
+    /// What serde_json does in this build, found once: with
+    /// `arbitrary_precision` a number keeps digits its double has not.
+    pub(crate) fn of_this_build() -> Self {
+        static NUMBERS: std::sync::OnceLock<Numbers> = std::sync::OnceLock::new();
+        *NUMBERS.get_or_init(|| {
+            let digits = "0.30000000000000001";
+            match serde_json::from_str::<serde_json::Number>(digits) {
+                Ok(number) if number.to_string() == digits => Self::Exact,
+                _ => Self::Doubles,
+            }
+        })
+    }
+}
+
+pub(crate) fn canonicalize_numbers(body: &[u8], numbers: Numbers) -> Option<Vec<u8>> {
+    if body.len() > MAX_BODY {
+        return None;
+    }
     let mut writer = Writer {
         text: body,
         at: 0,
         out: Vec::with_capacity(body.len()),
         members: Vec::new(),
+        names: Vec::new(),
         scratch: Vec::new(),
+        numbers,
     };
     writer.value(0)?;
     writer.skip_whitespace();
     (writer.at == body.len()).then_some(writer.out)
 }
 
-/// serde_json's limit: a body nesting deeper fails to parse there, so the
-/// handler's extractor would refuse it too.
+/// serde_json's limit for a `Value`. A body nesting deeper is hashed byte
+/// for byte (a typed extractor may still take it, skipping the deep part):
+/// safe, as another spelling of it is another request, and it bounds this
+/// writer's recursion.
 const MAX_DEPTH: usize = 127;
 
 /// The largest magnitude up to which every integer is exact as a double.
@@ -53,17 +99,28 @@ struct Writer<'a> {
     at: usize,
     out: Vec<u8>,
     /// The members of the objects being written, innermost object last.
-    members: Vec<Member<'a>>,
+    members: Vec<Member>,
+    /// The names among them that had escapes, unescaped.
+    names: Vec<u8>,
     /// Where an object's members are put in order.
     scratch: Vec<u8>,
+    numbers: Numbers,
 }
 
-/// One member written to `out[start..end]` as `"name":value`.
-struct Member<'a> {
-    name: Cow<'a, str>,
-    start: usize,
-    end: usize,
+/// One member written to `out[start..end]` as `"name":value`, its
+/// unescaped name at `name` (an offset into the body, or past its end into
+/// `names`), `name_len` bytes long. Sixteen bytes: a body of small members
+/// (`"a":0,`) costs about three times its size here, not eight.
+struct Member {
+    name: u32,
+    name_len: u32,
+    start: u32,
+    end: u32,
 }
+
+/// Offsets are kept in 32 bits: a longer body (or one whose canonical form
+/// may be, at up to about five times the body) is hashed byte for byte.
+const MAX_BODY: usize = u32::MAX as usize / 8;
 
 impl<'a> Writer<'a> {
     fn skip_whitespace(&mut self) {
@@ -141,6 +198,7 @@ impl<'a> Writer<'a> {
         self.out.push(b'{');
         let start = self.out.len();
         let first = self.members.len();
+        let names = self.names.len();
         self.skip_whitespace();
         if self.peek()? == b'}' {
             self.at += 1;
@@ -150,17 +208,30 @@ impl<'a> Writer<'a> {
                 if self.peek()? != b'"' {
                     return None;
                 }
+                // Past the quote: where a name without escapes is.
+                let unescaped = self.at + 1;
                 let name = self.string()?;
                 let member = self.out.len();
                 write_string(&name, &mut self.out);
+                let (at, name_len) = match name {
+                    Cow::Borrowed(name) => (unescaped, name.len()),
+                    Cow::Owned(name) => {
+                        let at = self.text.len() + self.names.len();
+                        self.names.extend_from_slice(name.as_bytes());
+                        (at, name.len())
+                    }
+                };
                 self.skip_whitespace();
                 (self.next()? == b':').then_some(())?;
                 self.out.push(b':');
                 self.value(depth)?;
+                // In range: the body and its canonical form are within
+                // MAX_BODY and eight times it.
                 self.members.push(Member {
-                    name,
-                    start: member,
-                    end: self.out.len(),
+                    name: at as u32,
+                    name_len: name_len as u32,
+                    start: member as u32,
+                    end: self.out.len() as u32,
                 });
                 self.skip_whitespace();
                 match self.next()? {
@@ -170,6 +241,7 @@ impl<'a> Writer<'a> {
                 }
             }
             self.order(first, start)?;
+            self.names.truncate(names);
         }
         self.out.push(b'}');
         Some(())
@@ -180,18 +252,30 @@ impl<'a> Writer<'a> {
     /// order, or sorted), and then nothing moves.
     fn order(&mut self, first: usize, start: usize) -> Option<()> {
         let Self {
+            text,
             members,
+            names,
             out,
             scratch,
             ..
         } = self;
+        let name = |member: &Member| {
+            let (at, len) = (member.name as usize, member.name_len as usize);
+            match at.checked_sub(text.len()) {
+                None => &text[at..at + len],
+                Some(at) => &names[at..at + len],
+            }
+        };
         let these = &mut members[first..];
         if !these
             .windows(2)
-            .all(|pair| name_order(&pair[0].name, &pair[1].name).is_lt())
+            .all(|pair| name_order(name(&pair[0]), name(&pair[1])).is_lt())
         {
-            these.sort_unstable_by(|a, b| name_order(&a.name, &b.name));
-            if these.windows(2).any(|pair| pair[0].name == pair[1].name) {
+            these.sort_unstable_by(|a, b| name_order(name(a), name(b)));
+            if these
+                .windows(2)
+                .any(|pair| name(&pair[0]) == name(&pair[1]))
+            {
                 return None;
             }
             scratch.clear();
@@ -199,7 +283,7 @@ impl<'a> Writer<'a> {
                 if index > 0 {
                     scratch.push(b',');
                 }
-                scratch.extend_from_slice(&out[member.start..member.end]);
+                scratch.extend_from_slice(&out[member.start as usize..member.end as usize]);
             }
             out.truncate(start);
             out.extend_from_slice(scratch);
@@ -296,12 +380,17 @@ impl<'a> Writer<'a> {
     }
 
     /// A number, as JSON's grammar has it (no `+`, no leading zeros, no
-    /// bare `.`).
+    /// bare `.`). An integer is written as its digits; any other number
+    /// as RFC 8785 writes its double, or, where the handler reads exact
+    /// digits ([`Numbers::Exact`]), as its exact decimal value.
     fn number(&mut self) -> Option<()> {
+        let text = self.text;
         let start = self.at;
-        if self.peek() == Some(b'-') {
+        let negative = self.peek() == Some(b'-');
+        if negative {
             self.at += 1;
         }
+        let int_start = self.at;
         match self.peek()? {
             b'0' => self.at += 1,
             b'1'..=b'9' => {
@@ -309,46 +398,127 @@ impl<'a> Writer<'a> {
             }
             _ => return None,
         }
-        let mut integer = true;
+        let int = &text[int_start..self.at];
+        let mut fraction: &[u8] = &[];
         if self.peek() == Some(b'.') {
             self.at += 1;
-            integer = false;
+            let fraction_start = self.at;
             self.digits().then_some(())?;
+            fraction = &text[fraction_start..self.at];
         }
+        let mut exponent = None;
         if let Some(b'e' | b'E') = self.peek() {
             self.at += 1;
-            integer = false;
+            let exponent_start = self.at;
             if let Some(b'+' | b'-') = self.peek() {
                 self.at += 1;
             }
             self.digits().then_some(())?;
+            exponent = Some(&text[exponent_start..self.at]);
         }
-        let text = &self.text[start..self.at];
-        // Only ASCII digits, signs, `.` and exponents: always UTF-8.
-        let number = std::str::from_utf8(text).ok()?;
+        let number = &text[start..self.at];
+        let integer = exponent.is_none() && fraction.is_empty();
+        // Correctly rounded, as serde_json with `float_roundtrip` reads it
+        // for the handler; one beyond the doubles it refuses, so this does
+        // too. (Up to 300 digits an integer never is.)
+        let double = if integer && number.len() <= 300 {
+            0.0
+        } else {
+            let double: f64 = std::str::from_utf8(number).ok()?.parse().ok()?;
+            if double.is_infinite() {
+                return None;
+            }
+            double
+        };
         if integer {
             // JSON's integers are written as their digits and nothing else,
             // which is the canonical form: exactly, up to 2^53, where a
             // double prints as its integer; and beyond, where idem keeps
-            // the digits a double would lose. serde_json refuses one
-            // beyond the doubles, so this does too.
-            if text.len() > 300 && number.parse::<f64>().ok()?.is_infinite() {
-                return None;
-            }
+            // the digits a double would lose.
             match number {
-                "-0" => self.out.push(b'0'),
-                _ => self.out.extend_from_slice(text),
+                b"-0" => self.out.push(b'0'),
+                _ => self.out.extend_from_slice(number),
             }
+        } else if self.numbers == Numbers::Exact {
+            write_decimal(negative, int, fraction, exponent, &mut self.out);
         } else {
-            // Correctly rounded, as serde_json with `float_roundtrip` reads
-            // it for the handler.
-            let double: f64 = number.parse().ok()?;
-            if double.is_infinite() {
-                return None;
-            }
             write_double(double, &mut self.out);
         }
         Some(())
+    }
+}
+
+/// Appends a JSON number that has a fraction or an exponent as ECMAScript
+/// writes a number (RFC 8785's form), but of the text's exact decimal
+/// value rather than of the double nearest to it ([`Numbers::Exact`]).
+///
+/// For every text that is the shortest spelling of its double, which is
+/// what serializers write (serde_json, JavaScript, Python, Go), these are
+/// [`write_double`]'s bytes: the same digits and exponent, formatted alike.
+/// A text with more digits than its double keeps them
+/// (`1.000000000000000001` is not `1`): the handler reads those digits,
+/// and two amounts must not share a fingerprint because one double holds
+/// both.
+fn write_decimal(
+    negative: bool,
+    int: &[u8],
+    fraction: &[u8],
+    exponent: Option<&[u8]>,
+    out: &mut Vec<u8>,
+) {
+    // The value is `digits` x 10^(exponent - fraction.len()), its digits
+    // the integer's and the fraction's, less leading and trailing zeros.
+    let digits: Vec<u8> = int.iter().chain(fraction).copied().collect();
+    let Some(first) = digits.iter().position(|&digit| digit != b'0') else {
+        out.push(b'0');
+        return;
+    };
+    let last = digits
+        .iter()
+        .rposition(|&digit| digit != b'0')
+        .unwrap_or(first);
+    let significant = &digits[first..=last];
+    // An exponent beyond any body's length only has to stay itself.
+    let exponent = exponent.map_or(0, |text| {
+        let (sign, digits) = match text.split_first() {
+            Some((b'-', digits)) => (-1, digits),
+            Some((b'+', digits)) => (1, digits),
+            _ => (1, text),
+        };
+        let magnitude = digits.iter().fold(0_i64, |value, &digit| {
+            (value * 10 + i64::from(digit - b'0')).min(1 << 50)
+        });
+        sign * magnitude
+    });
+    let k = significant.len() as i64;
+    // ECMAScript's n: the value is 0.significant x 10^n.
+    let n = k + exponent - fraction.len() as i64 + (digits.len() - 1 - last) as i64;
+    if negative {
+        out.push(b'-');
+    }
+    let zeros = |out: &mut Vec<u8>, count: i64| out.extend((0..count).map(|_| b'0'));
+    if k <= n && n <= 21 {
+        out.extend_from_slice(significant);
+        zeros(out, n - k);
+    } else if 0 < n && n <= 21 {
+        let (whole, rest) = significant.split_at(n as usize);
+        out.extend_from_slice(whole);
+        out.push(b'.');
+        out.extend_from_slice(rest);
+    } else if -6 < n && n <= 0 {
+        out.extend_from_slice(b"0.");
+        zeros(out, -n);
+        out.extend_from_slice(significant);
+    } else {
+        out.push(significant[0]);
+        if k > 1 {
+            out.push(b'.');
+            out.extend_from_slice(&significant[1..]);
+        }
+        let e = n - 1;
+        out.push(b'e');
+        out.push(if e < 0 { b'-' } else { b'+' });
+        out.extend_from_slice(e.unsigned_abs().to_string().as_bytes());
     }
 }
 
@@ -377,12 +547,14 @@ fn write_double(double: f64, out: &mut Vec<u8>) {
 /// the order of their UTF-8 bytes up to where they first differ, unless a
 /// character there is U+E000 or beyond (UTF-8 lead byte 0xEE or above),
 /// where UTF-16's surrogates sort supplementary characters first.
-fn name_order(a: &str, b: &str) -> Ordering {
-    let (x, y) = (a.as_bytes(), b.as_bytes());
+fn name_order(x: &[u8], y: &[u8]) -> Ordering {
     match x.iter().zip(y).position(|(p, q)| p != q) {
         None => x.len().cmp(&y.len()),
         Some(at) if x[at] < 0xee && y[at] < 0xee => x[at].cmp(&y[at]),
-        Some(_) => a.encode_utf16().cmp(b.encode_utf16()),
+        // Names are UTF-8 (checked as they were read): nothing is lost.
+        Some(_) => String::from_utf8_lossy(x)
+            .encode_utf16()
+            .cmp(String::from_utf8_lossy(y).encode_utf16()),
     }
 }
 
@@ -933,11 +1105,99 @@ mod tests {
         for a in names {
             for b in names {
                 assert_eq!(
-                    name_order(a, b),
+                    name_order(a.as_bytes(), b.as_bytes()),
                     a.encode_utf16().cmp(b.encode_utf16()),
                     "{a:?} {b:?}"
                 );
             }
+        }
+    }
+
+    fn exact(body: &str) -> String {
+        text(&canonicalize_numbers(body.as_bytes(), Numbers::Exact).unwrap())
+    }
+
+    /// This build's serde_json rounds numbers to doubles.
+    #[test]
+    fn this_build_reads_doubles() {
+        assert_eq!(Numbers::of_this_build(), Numbers::Doubles);
+    }
+
+    /// Where the handler reads exact digits, two numbers that one double
+    /// holds are two requests, and spellings of one decimal value are one.
+    #[test]
+    fn exact_numbers_keep_their_value() {
+        for (a, b) in [
+            ("[1.000000000000000001]", "[1]"),
+            ("[0.1000000000000000055511151231257827]", "[0.1]"),
+            ("[333333333.33333329]", "[333333333.3333333]"),
+            ("[1.152921504606847e18]", "[1152921504606846976.0]"),
+        ] {
+            assert_ne!(exact(a), exact(b), "{a} {b}");
+            assert_eq!(
+                canonicalize_numbers(a.as_bytes(), Numbers::Doubles),
+                canonicalize_numbers(b.as_bytes(), Numbers::Doubles),
+            );
+        }
+        for (spellings, form) in [
+            (&["1.5", "1.50", "15e-1", "0.15E1", "150E-2"][..], "1.5"),
+            (&["1e2", "1.00e2", "10E1", "100.0"], "100"),
+            (&["-0.0", "0e5", "0.0", "-0E-0"], "0"),
+            (&["1e21", "10e20", "1.0E+21"], "1e+21"),
+            (&["1e-7", "0.0000001", "100e-9"], "1e-7"),
+            (&["0.000001", "1e-6"], "0.000001"),
+            (
+                &["-123456789012345678901234.5"],
+                "-1.234567890123456789012345e+23",
+            ),
+            (&["1.000000000000000001"], "1.000000000000000001"),
+            (&["1.152921504606847e18"], "1152921504606847000"),
+            (&["4.2e-999999"], "4.2e-999999"),
+        ] {
+            for spelling in spellings {
+                assert_eq!(
+                    exact(&format!("[{spelling}]")),
+                    format!("[{form}]"),
+                    "{spelling}"
+                );
+            }
+        }
+        // Integers keep their digits in both, and beyond the doubles is
+        // refused in both, as serde_json refuses it.
+        assert_eq!(
+            exact("[20000000000000000001, -0]"),
+            "[20000000000000000001,0]"
+        );
+        assert_eq!(canonicalize_numbers(b"[1e400]", Numbers::Exact), None);
+    }
+
+    /// A double's ECMAScript spelling, which serializers write (serde_json
+    /// too, but for its `.0` and exponent style), has the same form either
+    /// way: RFC 8785's (but beyond 2^53, below 10^21, where the shortest
+    /// digits are not the double's own). Where two shortest spellings tie,
+    /// ECMAScript takes the even digit and others may not: those are two
+    /// decimals, so two requests, where the handler reads exact digits.
+    #[test]
+    fn shortest_spellings_are_rfc_8785_either_way() {
+        let mut rng = StdRng::seed_from_u64(754);
+        let mut compared = 0;
+        while compared < 20_000 {
+            let double = f64::from_bits(rng.random());
+            let magnitude = double.abs();
+            if !double.is_finite() || (magnitude > EXACT_INTEGERS && magnitude < EXPONENT_FORM) {
+                continue;
+            }
+            let ecmascript = ryu_js::Buffer::new().format_finite(double).to_owned();
+            let serde = serde_json::to_string(&double).unwrap();
+            for spelling in [ecmascript, serde] {
+                let body = format!("[{spelling}]");
+                assert_eq!(
+                    canonicalize_numbers(body.as_bytes(), Numbers::Exact),
+                    canonicalize_numbers(body.as_bytes(), Numbers::Doubles),
+                    "{spelling}"
+                );
+            }
+            compared += 1;
         }
     }
 }

@@ -7,7 +7,8 @@ pub use crate::canonical::canonicalize;
 
 /// SHA-256 over the method, path, query and body of a request.
 ///
-/// A JSON body (`application/json` or any `+json` type) is hashed in its
+/// A JSON body (a content type axum's `Json` takes: `application/json`,
+/// `application/*+json`, `application/json+*`) is hashed in its
 /// RFC 8785 canonical form, so key order and whitespace do not matter; any
 /// other body is hashed byte for byte. Each part is length-prefixed, so
 /// moving bytes between the path and the query yields another fingerprint.
@@ -107,8 +108,16 @@ fn is_json(headers: &HeaderMap) -> bool {
         .unwrap_or_default()
         .trim()
         .to_ascii_lowercase();
-    essence == "application/json"
-        || (essence.starts_with("application/") && essence.ends_with("+json"))
+    // What axum's `Json` takes as JSON: `application/json`, or an
+    // `application/` type whose subtype or suffix is `json`
+    // (`application/merge-patch+json`, `application/json+x`).
+    let Some(subtype) = essence.strip_prefix("application/") else {
+        return false;
+    };
+    match subtype.split_once('+') {
+        None => subtype == "json",
+        Some((name, suffix)) => name == "json" || (!name.is_empty() && suffix == "json"),
+    }
 }
 
 #[cfg(test)]
@@ -327,6 +336,17 @@ mod tests {
             post("/c", None, &text, br#"{"a":1,"b":2}"#),
             post("/c", None, &text, br#"{"b":2,"a":1}"#)
         );
+        // The content types axum's `Json` takes, and only those.
+        for (content_type, json) in [
+            ("application/json+x", true),
+            ("Application/Problem+JSON; charset=utf-8", true),
+            ("application/x-json", false),
+            ("application/+json", false),
+            ("text/json", false),
+        ] {
+            let headers = HeaderMap::from_iter([(CONTENT_TYPE, content_type.parse().unwrap())]);
+            assert_eq!(is_json(&headers), json, "{content_type}");
+        }
         // Broken JSON cannot be canonicalised; it is still fingerprinted.
         assert_ne!(
             post("/c", None, &json(), b"{"),
