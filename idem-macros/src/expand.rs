@@ -45,8 +45,8 @@ pub fn expand(item: &ItemFn, args: &Args, handler: &Handler) -> TokenStream {
         quote! {
             let (__idem_request, #local) =
                 match <__IdemS as __IdemFromParts<#ty>>::extract(__idem_request, &__idem_state).await {
-                    ::core::result::Result::Ok(extracted) => extracted,
-                    ::core::result::Result::Err(rejection) => return rejection,
+                    ::core::result::Result::Ok(__idem_extracted) => __idem_extracted,
+                    ::core::result::Result::Err(__idem_rejection) => return __idem_rejection,
                 };
         }
     });
@@ -101,8 +101,8 @@ pub fn expand(item: &ItemFn, args: &Args, handler: &Handler) -> TokenStream {
                         let (__idem_parts, __idem_body) = #private::into_parts(__idem_request);
                         let (__idem_prepared, __idem_request) =
                             match #private::prepare(&__idem_store, __idem_parts, __idem_body, &__IDEM_CONFIG).await {
-                                ::core::result::Result::Ok(prepared) => prepared,
-                                ::core::result::Result::Err(response) => return response,
+                                ::core::result::Result::Ok(__idem_prepared) => __idem_prepared,
+                                ::core::result::Result::Err(__idem_response) => return __idem_response,
                             };
                         #extract_body
                         #finish
@@ -188,20 +188,20 @@ fn helper_traits(private: &TokenStream) -> TokenStream {
     quote! {
         #[doc(hidden)]
         pub trait __IdemFromRef<T> {
-            fn from_ref(state: &Self) -> T;
+            fn from_ref(__idem_state: &Self) -> T;
         }
 
         impl<S, T: #private::FromRef<S>> __IdemFromRef<T> for S {
-            fn from_ref(state: &Self) -> T {
-                <T as #private::FromRef<S>>::from_ref(state)
+            fn from_ref(__idem_state: &Self) -> T {
+                <T as #private::FromRef<S>>::from_ref(__idem_state)
             }
         }
 
         #[doc(hidden)]
         pub trait __IdemFromParts<T> {
             fn extract(
-                request: #private::Request,
-                state: &Self,
+                __idem_request: #private::Request,
+                __idem_state: &Self,
             ) -> impl ::core::future::Future<
                 Output = ::core::result::Result<(#private::Request, T), #private::Response>,
             > + ::core::marker::Send;
@@ -213,16 +213,16 @@ fn helper_traits(private: &TokenStream) -> TokenStream {
             T: #private::FromRequestParts<S>,
         {
             async fn extract(
-                request: #private::Request,
-                state: &Self,
+                __idem_request: #private::Request,
+                __idem_state: &Self,
             ) -> ::core::result::Result<(#private::Request, T), #private::Response> {
-                let (mut parts, body) = request.into_parts();
-                match <T as #private::FromRequestParts<S>>::from_request_parts(&mut parts, state).await {
-                    ::core::result::Result::Ok(value) => {
-                        ::core::result::Result::Ok((#private::Request::from_parts(parts, body), value))
+                let (mut __idem_parts, __idem_body) = __idem_request.into_parts();
+                match <T as #private::FromRequestParts<S>>::from_request_parts(&mut __idem_parts, __idem_state).await {
+                    ::core::result::Result::Ok(__idem_value) => {
+                        ::core::result::Result::Ok((#private::Request::from_parts(__idem_parts, __idem_body), __idem_value))
                     }
-                    ::core::result::Result::Err(rejection) => {
-                        ::core::result::Result::Err(#private::IntoResponse::into_response(rejection))
+                    ::core::result::Result::Err(__idem_rejection) => {
+                        ::core::result::Result::Err(#private::IntoResponse::into_response(__idem_rejection))
                     }
                 }
             }
@@ -231,8 +231,8 @@ fn helper_traits(private: &TokenStream) -> TokenStream {
         #[doc(hidden)]
         pub trait __IdemFromRequest<T, M> {
             fn extract(
-                request: #private::Request,
-                state: &Self,
+                __idem_request: #private::Request,
+                __idem_state: &Self,
             ) -> impl ::core::future::Future<
                 Output = ::core::result::Result<T, #private::Response>,
             > + ::core::marker::Send;
@@ -244,10 +244,10 @@ fn helper_traits(private: &TokenStream) -> TokenStream {
             T: #private::FromRequest<S, M>,
         {
             async fn extract(
-                request: #private::Request,
-                state: &Self,
+                __idem_request: #private::Request,
+                __idem_state: &Self,
             ) -> ::core::result::Result<T, #private::Response> {
-                <T as #private::FromRequest<S, M>>::from_request(request, state)
+                <T as #private::FromRequest<S, M>>::from_request(__idem_request, __idem_state)
                     .await
                     .map_err(#private::IntoResponse::into_response)
             }
@@ -256,8 +256,8 @@ fn helper_traits(private: &TokenStream) -> TokenStream {
         #[doc(hidden)]
         pub trait __IdemFromBody<T> {
             fn extract(
-                request: #private::Request,
-                state: &Self,
+                __idem_request: #private::Request,
+                __idem_state: &Self,
             ) -> impl ::core::future::Future<
                 Output = ::core::result::Result<T, #private::Response>,
             > + ::core::marker::Send;
@@ -269,10 +269,10 @@ fn helper_traits(private: &TokenStream) -> TokenStream {
             T: #private::FromRequest<S>,
         {
             async fn extract(
-                request: #private::Request,
-                state: &Self,
+                __idem_request: #private::Request,
+                __idem_state: &Self,
             ) -> ::core::result::Result<T, #private::Response> {
-                <T as #private::FromRequest<S>>::from_request(request, state)
+                <T as #private::FromRequest<S>>::from_request(__idem_request, __idem_state)
                     .await
                     .map_err(#private::IntoResponse::into_response)
             }
@@ -359,9 +359,9 @@ impl Body {
             extract: quote! {
                 let #local =
                     match <__IdemS as #trait_<#ty #via>>::extract(__idem_request, &__idem_state).await {
-                        ::core::result::Result::Ok(value) => value,
-                        ::core::result::Result::Err(rejection) => {
-                            return __idem_prepared.rejected(rejection);
+                        ::core::result::Result::Ok(__idem_value) => __idem_value,
+                        ::core::result::Result::Err(__idem_rejection) => {
+                            return __idem_prepared.rejected(__idem_rejection);
                         }
                     };
             },
