@@ -3,8 +3,10 @@
 /// What can go wrong outside a request: configuring [`Idem`](crate::Idem),
 /// migrating its table, sweeping expired keys, or talking to the store.
 ///
-/// Errors keep their source, so `{:#}`/`source()` chains reach the driver's
-/// message.
+/// Errors keep their cause as their [`source`](std::error::Error::source),
+/// not in their display: a reporter that walks the chain (anyhow's `{:#}`,
+/// `tracing`'s error fields, your own loop over `source()`) reaches the
+/// driver's message.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {

@@ -208,11 +208,26 @@ impl<DB: Backend> Idem<DB> {
     }
 
     /// Spawns a task that sweeps expired keys every `every`, in batches of
-    /// 1,000 until none are left. Abort the returned handle to stop it.
+    /// 1,000 until none are left, and logs a warning for a sweep that
+    /// fails (it tries again at the next tick). Abort the returned handle
+    /// to stop it.
+    ///
+    /// The sweeper keeps this `Idem`'s configuration: spawn it once the
+    /// builder calls ([`table`](Self::table) and the rest) are done, as a
+    /// later one makes a new `Idem` the sweeper does not see.
+    ///
+    /// # Panics
+    ///
+    /// If `every` is zero, here rather than in the task (where nobody
+    /// would see it, and no sweep would ever run).
     pub fn spawn_sweeper(&self, every: Duration) -> tokio::task::JoinHandle<()> {
+        assert!(
+            !every.is_zero(),
+            "spawn_sweeper: `every` must be more than zero"
+        );
         let idem = self.clone();
+        let mut ticks = tokio::time::interval(every);
         tokio::spawn(async move {
-            let mut ticks = tokio::time::interval(every);
             loop {
                 ticks.tick().await;
                 loop {
@@ -220,7 +235,12 @@ impl<DB: Backend> Idem<DB> {
                         Ok(1000) => continue,
                         Ok(_) => break,
                         Err(error) => {
-                            tracing::warn!(error = %error, "sweeping expired idempotency keys failed");
+                            // `Error`'s display leaves its source to
+                            // reporters that walk the chain: name it.
+                            let cause = std::error::Error::source(&error)
+                                .map(ToString::to_string)
+                                .unwrap_or_default();
+                            tracing::warn!(error = %error, cause, "sweeping expired idempotency keys failed");
                             break;
                         }
                     }
@@ -352,5 +372,12 @@ pub(crate) mod tests {
         ] {
             assert!(!is_table_name(bad), "{bad}");
         }
+    }
+
+    /// A zero period panics where the sweeper is spawned, not in its task.
+    #[tokio::test]
+    #[should_panic(expected = "`every` must be more than zero")]
+    async fn a_zero_sweep_period_panics_at_the_call() {
+        drop(idem().spawn_sweeper(Duration::ZERO));
     }
 }

@@ -278,3 +278,44 @@ async fn a_handlers_own_commit_still_stores_the_response() {
         other => panic!("the key must replay: {other:?}"),
     }
 }
+
+/// Two private in-memory databases (`SqliteConnectOptions::new()`, both
+/// named `:memory:`) are two databases: a claim held on one does not make
+/// the same scope and key in use on the other (found by review: they
+/// shared their in-process slot).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn private_memory_databases_do_not_share_keys() {
+    use idem::{Backend, Claim, ClaimOutcome, Fingerprint};
+    use sqlx::sqlite::SqlitePoolOptions;
+
+    let mut pools = Vec::new();
+    for _ in 0..2 {
+        let pool = SqlitePoolOptions::new()
+            .max_connections(1)
+            .connect_with(SqliteConnectOptions::new())
+            .await
+            .expect("an in-memory database");
+        idem::Idem::new(pool.clone())
+            .migrate()
+            .await
+            .expect("migrate");
+        pools.push(pool);
+    }
+    let claim = Claim {
+        scope: "acct",
+        key: "k",
+        fingerprint: Fingerprint::from_bytes(&[7; 32]).unwrap(),
+        ttl: std::time::Duration::from_secs(60),
+        wait: std::time::Duration::ZERO,
+    };
+    let table = idem::DEFAULT_TABLE;
+    let ClaimOutcome::Claimed(_held) = sqlx::Sqlite::claim(&pools[0], table, &claim).await.unwrap()
+    else {
+        panic!("the first database's claim");
+    };
+    let other = sqlx::Sqlite::claim(&pools[1], table, &claim).await.unwrap();
+    assert!(
+        matches!(other, ClaimOutcome::Claimed(_)),
+        "the other database's key is free: {other:?}"
+    );
+}

@@ -374,6 +374,15 @@ pub(crate) fn hex(bytes: &[u8]) -> String {
     out
 }
 
+/// FNV-1a: a stable 64-bit name for any text (a statement's, an index's),
+/// not a secret.
+#[cfg(feature = "postgres")]
+pub(crate) fn fnv1a(bytes: impl IntoIterator<Item = u8>) -> u64 {
+    bytes.into_iter().fold(0xcbf2_9ce4_8422_2325, |hash, byte| {
+        (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
 /// Appends the hex form of `bytes` to `out`, two digits a byte: encoded a
 /// chunk at a time on the stack from a table of digit pairs, then appended
 /// whole (pushing digit by digit was a tenth of the wrapper's own CPU).

@@ -255,17 +255,50 @@ impl Backend for MySql {
     }
 
     async fn sweep(pool: &Pool<Self>, table: &str, batch: u32) -> Result<u64, sqlx::Error> {
-        // READ COMMITTED: the range delete takes no gap locks, so claims
-        // inserting new keys never wait for the sweeper. An explicit
-        // transaction, so a session with `autocommit` off commits the batch
-        // too, instead of going back to the pool holding its rows' locks.
-        let sql = format!(
+        // The batch's expired rows are locked first, skipping any a claim
+        // holds (a takeover whose handler is running): a plain `DELETE`
+        // waited for that handler, up to the lock wait (50 s by default),
+        // holding the rows it had deleted meanwhile, whose retries got 409
+        // all that time. READ COMMITTED: no gap locks, so claims inserting
+        // new keys never wait for the sweeper. An explicit transaction, so
+        // a session with `autocommit` off commits the batch too, instead of
+        // going back to the pool holding its rows' locks.
+        let select = format!(
             "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION; \
-             DELETE FROM {table} WHERE expires_at <= UTC_TIMESTAMP(6) LIMIT {batch}; COMMIT"
+             SELECT scope, `key` FROM {table} WHERE expires_at <= UTC_TIMESTAMP(6) \
+             LIMIT {batch} FOR UPDATE SKIP LOCKED"
         );
         let mut conn = pool.acquire().await?;
-        match sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut *conn).await {
-            Ok(done) => Ok(done.rows_affected()),
+        let swept = async {
+            let rows = sqlx::raw_sql(AssertSqlSafe(select))
+                .fetch_all(&mut *conn)
+                .await?
+                .iter()
+                .map(|row| Ok((row.try_get::<Vec<u8>, _>(0)?, row.try_get::<Vec<u8>, _>(1)?)))
+                .collect::<Result<Vec<_>, sqlx::Error>>()?;
+            if rows.is_empty() {
+                sqlx::raw_sql("COMMIT").execute(&mut *conn).await?;
+                return Ok(0);
+            }
+            let mut delete = format!("DELETE FROM {table} WHERE (scope, `key`) IN (");
+            for (index, (scope, key)) in rows.iter().enumerate() {
+                if index > 0 {
+                    delete.push_str(", ");
+                }
+                delete.push_str("(X'");
+                super::push_hex(&mut delete, scope);
+                delete.push_str("', X'");
+                super::push_hex(&mut delete, key);
+                delete.push_str("')");
+            }
+            delete.push_str("); COMMIT");
+            let done = sqlx::raw_sql(AssertSqlSafe(delete))
+                .execute(&mut *conn)
+                .await?;
+            Ok(done.rows_affected())
+        };
+        match swept.await {
+            Ok(swept) => Ok(swept),
             Err(error) => {
                 // The batch stopped inside its transaction: closing the
                 // connection rolls it back.
@@ -692,6 +725,61 @@ mod tests {
         assert_eq!(table.len(), 63);
         MySql::migrate(&pool, &table).await.expect("migrate");
         MySql::migrate(&pool, &table).await.expect("migrate again");
+        sqlx::raw_sql(AssertSqlSafe(format!("DROP TABLE {table}")))
+            .execute(&pool)
+            .await
+            .unwrap();
+    }
+
+    /// The sweeper skips an expired row a claim is taking over (its handler
+    /// running) instead of waiting for it: the other expired rows go at
+    /// once, and the taken-over row stays, live.
+    #[tokio::test]
+    async fn sweeps_skip_a_row_a_claim_holds() {
+        let pool = test_pool(3).await;
+        let table = format!("idem_sweep_{}", std::process::id());
+        sqlx::raw_sql(AssertSqlSafe(format!("DROP TABLE IF EXISTS {table}")))
+            .execute(&pool)
+            .await
+            .unwrap();
+        MySql::migrate(&pool, &table).await.expect("migrate");
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "INSERT INTO {table} (scope, `key`, fingerprint, status, created_at, expires_at) \
+             VALUES ('acct', 'k1', X'00', 201, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6) - INTERVAL 3 SECOND), \
+                    ('acct', 'k2', X'00', 201, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6) - INTERVAL 2 SECOND), \
+                    ('acct', 'k3', X'00', 201, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6) - INTERVAL 1 SECOND)"
+        )))
+        .execute(&pool)
+        .await
+        .unwrap();
+        let claim = Claim {
+            scope: "acct",
+            key: "k2",
+            fingerprint: crate::Fingerprint::from_bytes(&[1; 32]).unwrap(),
+            ttl: Duration::from_secs(60),
+            wait: Duration::ZERO,
+        };
+        let ClaimOutcome::Claimed(held) = MySql::claim(&pool, &table, &claim).await.unwrap() else {
+            panic!("the expired key is taken over");
+        };
+        let started = Instant::now();
+        let swept = MySql::sweep(&pool, &table, 1000).await.unwrap();
+        assert_eq!(swept, 2, "k1 and k3");
+        assert!(
+            started.elapsed() < Duration::from_secs(1),
+            "{:?}",
+            started.elapsed()
+        );
+        let mut held = held;
+        MySql::rollback(&mut held).await.unwrap();
+        held.release();
+        let left: Vec<Vec<u8>> = sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT `key` FROM {table} ORDER BY `key`"
+        )))
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+        assert_eq!(left, [b"k2".to_vec()], "the held row is left to the claim");
         sqlx::raw_sql(AssertSqlSafe(format!("DROP TABLE {table}")))
             .execute(&pool)
             .await

@@ -44,6 +44,8 @@
 //! Values are bound, not inlined: a "round trip" to SQLite is a hop to the
 //! connection's worker thread, not a network exchange.
 
+use std::path::Path;
+use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use sqlx::sqlite::{SqliteRow, SqliteTransactionManager};
@@ -105,11 +107,16 @@ impl Backend for Sqlite {
         table: &str,
         claim: &Claim<'_>,
     ) -> Result<ClaimOutcome<Self>, sqlx::Error> {
-        let database = pool
-            .connect_options()
-            .get_filename()
-            .to_string_lossy()
-            .into_owned();
+        // Attempts on one database file wait for each other in process; a
+        // private in-memory database (`SqliteConnectOptions::new()`, named
+        // `:memory:` whatever the pool) is its pool's alone.
+        let options = pool.connect_options();
+        let filename = options.get_filename();
+        let database = if filename.as_os_str().is_empty() || filename == Path::new(":memory:") {
+            format!("{:p}", Arc::as_ptr(&options))
+        } else {
+            filename.to_string_lossy().into_owned()
+        };
         let slot = Slot::new(&database, table, claim.scope, claim.key);
         let deadline = Instant::now() + claim.wait;
         let sql = Sql::new(table);

@@ -48,10 +48,20 @@ const SETTLE_ATTEMPTS: usize = 4;
 
 impl Backend for Postgres {
     async fn migrate(pool: &Pool<Self>, table: &str) -> Result<(), Error> {
-        let index = format!(
+        // Index names are the schema's, within 63 bytes: a longer one would
+        // be cut to the table's own name, `IF NOT EXISTS` would then skip
+        // it, and the sweeper would scan the whole table. A long table name
+        // gets a hashed one.
+        let index = match format!(
             "{}_expires_at_idx",
             table.rsplit('.').next().unwrap_or(table)
-        );
+        ) {
+            index if index.len() <= 63 => index,
+            _ => format!(
+                "idem_{:016x}_expires_at_idx",
+                crate::backend::fnv1a(table.bytes())
+            ),
+        };
         let ddl = format!(
             "CREATE TABLE IF NOT EXISTS {table} (
                 scope bytea NOT NULL,

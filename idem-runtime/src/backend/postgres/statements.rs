@@ -121,15 +121,11 @@ impl<'t> Statements<'t> {
 
     /// The statements as revision `revision` of this code names them.
     pub(super) fn at_revision(revision: &str, table: &'t str) -> Self {
-        // FNV-1a: a stable name for any table name, within PostgreSQL's
-        // 63-byte identifiers; only the name of a statement, not a secret.
-        // The revision is hashed in too: a session kept across a deploy (a
-        // session-mode pooler) may still hold an older statement under the
-        // old name, and must not run it as if it were the new one.
-        let named = revision.bytes().chain(table.bytes());
-        let hash = named.fold(0xcbf2_9ce4_8422_2325_u64, |hash, byte| {
-            (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3)
-        });
+        // A stable name for any table name, within PostgreSQL's 63-byte
+        // identifiers. The revision is hashed in too: a session kept across
+        // a deploy (a session-mode pooler) may still hold an older statement
+        // under the old name, and must not run it as if it were the new one.
+        let hash = crate::backend::fnv1a(revision.bytes().chain(table.bytes()));
         Self { table, hash }
     }
 

@@ -504,3 +504,30 @@ async fn taking_over_an_expired_key_waits_no_longer_than_wait() {
     assert_eq!(rows, [(vec![1; 32], true)], "one live row, the new claim's");
     drop_table(&pool, &table).await;
 }
+
+/// A table name of 63 bytes, the longest `Idem::table` takes, still gets
+/// its expiry index (its `<table>_expires_at_idx` would be cut to the
+/// table's own name, and skipped), and migrating again finds it.
+#[tokio::test]
+async fn the_longest_table_name_gets_its_expiry_index() {
+    let pool = test_pool(1, |options| options).await;
+    let prefix = format!("idem_long_{}_", std::process::id());
+    let table = format!("{prefix}{}", "x".repeat(63 - prefix.len()));
+    assert_eq!(table.len(), 63);
+    sqlx::raw_sql(AssertSqlSafe(format!("DROP TABLE IF EXISTS {table}")))
+        .execute(&pool)
+        .await
+        .unwrap();
+    for _ in 0..2 {
+        Postgres::migrate(&pool, &table).await.expect("migrate");
+    }
+    let indexes: Vec<String> = sqlx::query_scalar(
+        "SELECT indexdef FROM pg_indexes WHERE tablename = $1 AND indexdef LIKE '%(expires_at)'",
+    )
+    .bind(&table)
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(indexes.len(), 1, "{indexes:?}");
+    drop_table(&pool, &table).await;
+}
