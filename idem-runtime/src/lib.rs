@@ -42,6 +42,17 @@ pub mod __private {
     pub use axum::handler::Handler;
     pub use axum::response::{IntoResponse, Response};
 
+    /// How many duplicates of `(scope, key)` wait in this process for its
+    /// attempt in flight, holding no connection: a test's way to see one
+    /// wait.
+    pub fn waiting_duplicates<DB: crate::Backend>(
+        idem: &crate::Idem<DB>,
+        scope: &str,
+        key: &str,
+    ) -> usize {
+        crate::backend::waiting_duplicates(idem.pool(), idem.table_name(), scope, key)
+    }
+
     /// The future a generated handler returns.
     pub type BoxFuture = std::pin::Pin<Box<dyn std::future::Future<Output = Response> + Send>>;
 

@@ -90,3 +90,21 @@ all_engines!(
     sqlite: sqlx::Sqlite, feature = "sqlite";
     mysql: sqlx::MySql, feature = "mysql";
 );
+
+/// Engines whose writers do not wait for each other (not SQLite, where the
+/// held first attempt's write lock stops every other claim anyway).
+mod concurrent_writers {
+    #[cfg(feature = "postgres")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn postgres_waiting_duplicates_hold_no_connection() {
+        let pool = crate::engines::postgres::pool(2).await;
+        crate::suite::waiting_duplicates_hold_no_connection(pool).await;
+    }
+
+    #[cfg(feature = "mysql")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn mysql_waiting_duplicates_hold_no_connection() {
+        let pool = crate::engines::mysql::pool(2).await;
+        crate::suite::waiting_duplicates_hold_no_connection(pool).await;
+    }
+}

@@ -117,36 +117,86 @@ pub async fn in_flight_duplicates_get_409_or_wait<DB: TestDb>() {
             &format!("{caller}-w"),
         )
         .await;
+    // The first attempt goes on only once its duplicates are seen waiting:
+    // their answers then come after the wait, and must be the first
+    // attempt's. In this process a duplicate waits for the attempt in
+    // flight holding no connection (the store's single flight).
     let waiter = tokio::spawn(send(client.post("/effects/wait", "w2", BODY)));
-    // The first attempt goes on only once its duplicate is seen waiting in
-    // its claim, for the first attempt's key: its answer then comes after
-    // the wait, and must be the first attempt's.
+    let seen = one_waiter("a duplicate of w2 waiting in this process", async || {
+        let waiting = idem::__private::waiting_duplicates(&server.state.idem, &caller, "w2");
+        Some(i64::try_from(waiting).unwrap())
+    })
+    .await;
+    assert!(seen, "{}: no wait to see", DB::ENGINE);
+    // Another instance's duplicate (another pool: another process, in
+    // effect) waits in its claim, on the first attempt's row lock. SQLite
+    // shows no such wait: one file is one flight, whatever the pool.
+    let other = start::<DB>().await;
+    let other_client = other.client(&caller);
+    let across = tokio::spawn(send(other_client.post("/effects/wait", "w2", BODY)));
     let pool = server.state.idem.pool();
-    let seen = one_waiter("the duplicate's claim of w2", async || {
+    let seen = one_waiter("the other instance's claim of w2", async || {
         DB::claim_waiters(pool, &caller, "w2").await
     })
     .await;
-    // SQLite shows no such wait: there a duplicate waits in-process (the
-    // store's single flight) and the release may come before it claims, so
-    // on SQLite this part shows only that it replays, not that it waited.
     assert!(
         seen || DB::ENGINE == "sqlite",
         "{}: no wait to see",
         DB::ENGINE
     );
     hold_w.release.notify_one();
-    let waited = waiter.await.unwrap();
     let original_w = waiting_first.await.unwrap();
     assert_eq!(original_w.status, StatusCode::CREATED);
-    assert_eq!(waited.status, StatusCode::CREATED, "{waited:?}");
-    assert!(waited.replayed());
-    assert_eq!(waited.body, original_w.body);
+    for waited in [waiter.await.unwrap(), across.await.unwrap()] {
+        assert_eq!(waited.status, StatusCode::CREATED, "{waited:?}");
+        assert!(waited.replayed(), "{waited:?}");
+        assert_eq!(waited.body, original_w.body);
+    }
     assert_eq!(waiting.await.unwrap().status, StatusCode::CREATED);
 
     if let Some(first) = first {
         release_and_replay(&hold, first, &client).await;
     }
     assert_eq!(server.effects(&caller).await, 3, "k, w and w2 once each");
+}
+
+/// Duplicates that wait for a first attempt hold no pool connection: with
+/// a pool of two, the held first attempt has one, three duplicates allowed
+/// to wait are seen waiting, and a request of another key still gets the
+/// other connection and its answer while they wait (each duplicate held a
+/// connection through its claim's lock wait, so a few retries of one slow
+/// request starved every other caller). Then the duplicates replay.
+pub async fn waiting_duplicates_hold_no_connection<DB: TestDb>(pool: sqlx::Pool<DB>) {
+    let server = crate::harness::start_with::<DB>(pool).await;
+    let caller = unique("pooled");
+    let client = server.client(&caller);
+    let (hold, first) = server
+        .send_held(client.post("/effects/wait", "k", BODY), &caller)
+        .await;
+    let duplicates: Vec<_> = (0..3)
+        .map(|_| tokio::spawn(send(client.post("/effects/wait", "k", BODY))))
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while idem::__private::waiting_duplicates(&server.state.idem, &caller, "k") < 3 {
+        assert!(Instant::now() < deadline, "the duplicates never waited");
+        tokio::task::yield_now().await;
+    }
+    let other = tokio::time::timeout(
+        Duration::from_secs(10),
+        send(client.post("/effects", "other", BODY)),
+    )
+    .await
+    .expect("a request of another key is answered while duplicates wait");
+    assert_eq!(other.status, StatusCode::CREATED, "{other:?}");
+    hold.release.notify_one();
+    let original = first.await.unwrap();
+    assert_eq!(original.status, StatusCode::CREATED);
+    for duplicate in duplicates {
+        let answer = duplicate.await.unwrap();
+        assert!(answer.replayed(), "{answer:?}");
+        assert_eq!(answer.body, original.body);
+    }
+    assert_eq!(server.effects(&caller).await, 2, "k and other, once each");
 }
 
 /// Polls `waiters` (a `TestDb` count of lock waiters) until it counts one,

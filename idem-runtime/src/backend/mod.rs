@@ -18,8 +18,7 @@ use crate::response::StoredResponse;
 mod mysql;
 #[cfg(feature = "postgres")]
 mod postgres;
-#[cfg(feature = "sqlite")]
-mod single_flight;
+pub(crate) mod single_flight;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 
@@ -155,6 +154,45 @@ pub trait Backend: Database + sealed::Sealed {
         table: &str,
         batch: u32,
     ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
+
+    /// Names the database of `pool` for the in-process single flight
+    /// ([`single_flight`]): attempts of one key on one name wait for each
+    /// other in this process. By default the pool's own.
+    #[doc(hidden)]
+    fn flight_database(pool: &Pool<Self>) -> String {
+        format!("{:p}", std::sync::Arc::as_ptr(&pool.connect_options()))
+    }
+}
+
+/// Waits, holding no connection, while another attempt of `claim`'s key in
+/// this process is in flight, up to the claim's `wait`: the duplicates a
+/// first attempt keeps waiting then hold no pool connections (each held
+/// one while its claim waited on the row lock, so a few retries of one
+/// slow request could starve every other caller). The database still
+/// decides: the claim that follows has what is left of the wait, and the
+/// attempt that found no flight holds one (returned) until its
+/// transaction ends.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) async fn wait_in_process<'c, DB: Backend>(
+    pool: &Pool<DB>,
+    table: &str,
+    claim: &Claim<'c>,
+) -> (Option<single_flight::Flight>, Claim<'c>) {
+    let slot = single_flight::Slot::new(&DB::flight_database(pool), table, claim.scope, claim.key);
+    let deadline = tokio::time::Instant::now() + claim.wait;
+    let flight = match single_flight::enter(&slot) {
+        Ok(flight) => Some(flight),
+        Err(busy) => {
+            // Boxed: the timer would otherwise sit in every claim's future.
+            Box::pin(busy.ended_by(deadline)).await;
+            None
+        }
+    };
+    let left = Claim {
+        wait: deadline.saturating_duration_since(tokio::time::Instant::now()),
+        ..*claim
+    };
+    (flight, left)
 }
 
 /// A pooled connection that may be inside a transaction.
@@ -215,7 +253,6 @@ impl<DB: Database> OpenTx<DB> {
     /// Keeps `guard` alive exactly as long as the transaction: it is dropped
     /// after the connection is released or closed. An engine's in-process
     /// bookkeeping of a claim (SQLite's in-flight keys) rides here.
-    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
     pub(crate) fn hold(mut self, guard: impl Send + Sync + 'static) -> Self {
         self.guard = Some(Box::new(guard));
         self
@@ -283,6 +320,35 @@ pub(crate) trait ClaimAttempt<DB: Database>: Send {
         conn: OpenTx<DB>,
         number: usize,
     ) -> impl Future<Output = Result<ClaimOutcome<DB>, Failure>> + Send;
+}
+
+/// How many duplicates of `(scope, key)` wait in this process for its
+/// attempt in flight.
+pub(crate) fn waiting_duplicates<DB: Backend>(
+    pool: &Pool<DB>,
+    table: &str,
+    scope: &str,
+    key: &str,
+) -> usize {
+    single_flight::waiting(&single_flight::Slot::new(
+        &DB::flight_database(pool),
+        table,
+        scope,
+        key,
+    ))
+}
+
+/// A claimed key's connection holds this process's flight for the key, if
+/// the claim took one, until its transaction ends.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) fn held<DB: Database>(
+    outcome: ClaimOutcome<DB>,
+    flight: Option<single_flight::Flight>,
+) -> ClaimOutcome<DB> {
+    match (outcome, flight) {
+        (ClaimOutcome::Claimed(conn), Some(flight)) => ClaimOutcome::Claimed(conn.hold(flight)),
+        (outcome, _) => outcome,
+    }
 }
 
 /// Runs a claim: each attempt gets a fresh connection from `pool` and either

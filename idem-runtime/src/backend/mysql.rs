@@ -123,16 +123,18 @@ impl Backend for MySql {
                 claim.scope.len()
             )));
         }
-        let batch = Arc::new(claim_sql(table, claim));
-        super::claim_with_retries(
+        let (flight, claim) = super::wait_in_process(pool, table, claim).await;
+        let batch = Arc::new(claim_sql(table, &claim));
+        let outcome = super::claim_with_retries(
             pool,
             MySqlClaim {
                 batch,
                 table,
-                claim,
+                claim: &claim,
             },
         )
-        .await
+        .await;
+        Ok(super::held(outcome?, flight))
     }
 
     async fn peek(

@@ -1,5 +1,7 @@
-//! In-process single flight per key, for engines whose locks cannot tell a
-//! duplicate from any other writer (SQLite has one write lock per database).
+//! In-process single flight per key: for engines whose locks cannot tell a
+//! duplicate from any other writer (SQLite has one write lock per
+//! database), and so that duplicates waiting for a first attempt hold no
+//! pool connection (every engine).
 //!
 //! The first attempt of `(database, table, scope, key)` in this process
 //! holds a [`Flight`] until its transaction ends; a duplicate sees it and
@@ -8,7 +10,7 @@
 //! who owns the key, so a lost or stale flight can never cost an effect.
 
 use std::collections::HashMap;
-use std::sync::{LazyLock, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, LazyLock, Mutex, MutexGuard, PoisonError};
 
 use tokio::sync::watch;
 use tokio::time::Instant;
@@ -33,12 +35,20 @@ impl Slot {
     }
 }
 
-/// The flights in progress. The receiver of a slot wakes (with an error)
-/// when its [`Flight`] is dropped; no value is ever sent.
-static FLIGHTS: LazyLock<Mutex<HashMap<Slot, watch::Receiver<()>>>> =
-    LazyLock::new(Default::default);
+/// A flight in progress, as duplicates find it.
+#[derive(Debug, Clone)]
+struct Held {
+    /// Wakes (with an error) when its [`Flight`] is dropped; no value is
+    /// ever sent.
+    done: watch::Receiver<()>,
+    /// One more reference for each duplicate waiting ([`Busy`]).
+    waiters: Arc<()>,
+}
 
-fn flights() -> MutexGuard<'static, HashMap<Slot, watch::Receiver<()>>> {
+/// The flights in progress.
+static FLIGHTS: LazyLock<Mutex<HashMap<Slot, Held>>> = LazyLock::new(Default::default);
+
+fn flights() -> MutexGuard<'static, HashMap<Slot, Held>> {
     // The map stays consistent under a panic: every operation is one call.
     FLIGHTS.lock().unwrap_or_else(PoisonError::into_inner)
 }
@@ -46,7 +56,9 @@ fn flights() -> MutexGuard<'static, HashMap<Slot, watch::Receiver<()>>> {
 /// This process's attempt at a key; releases waiting duplicates when dropped.
 #[derive(Debug)]
 pub(crate) struct Flight {
-    slot: Slot,
+    /// Boxed: a flight is held across the claim's round trips, so it sits
+    /// in every claim's future.
+    slot: Box<Slot>,
     done: watch::Sender<()>,
 }
 
@@ -55,7 +67,7 @@ impl Drop for Flight {
         let mut flights = flights();
         let ours = flights
             .get(&self.slot)
-            .is_some_and(|held| held.same_channel(&self.done.subscribe()));
+            .is_some_and(|held| held.done.same_channel(&self.done.subscribe()));
         if ours {
             flights.remove(&self.slot);
         }
@@ -64,7 +76,7 @@ impl Drop for Flight {
 
 /// Another attempt of the key is in flight in this process.
 #[derive(Debug)]
-pub(crate) struct Busy(watch::Receiver<()>);
+pub(crate) struct Busy(Held);
 
 impl Busy {
     /// Waits for the attempt in flight to end; `false` if it is still
@@ -72,13 +84,22 @@ impl Busy {
     pub(crate) async fn ended_by(mut self, deadline: Instant) -> bool {
         // `changed` fails once the sender is gone, which is the only way
         // a flight ends.
-        tokio::time::timeout_at(deadline, self.0.changed())
+        tokio::time::timeout_at(deadline, self.0.done.changed())
             .await
             .is_ok()
     }
 }
 
+/// How many duplicates wait in this process for the attempt in flight for
+/// `slot` (a test's way to see one wait).
+pub(crate) fn waiting(slot: &Slot) -> usize {
+    flights()
+        .get(slot)
+        .map_or(0, |held| Arc::strong_count(&held.waiters) - 1)
+}
+
 /// The attempt in flight for `slot`, if any.
+#[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
 pub(crate) fn in_flight(slot: &Slot) -> Option<Busy> {
     flights().get(slot).cloned().map(Busy)
 }
@@ -89,10 +110,14 @@ pub(crate) fn enter(slot: &Slot) -> Result<Flight, Busy> {
     if let Some(held) = flights.get(slot) {
         return Err(Busy(held.clone()));
     }
-    let (done, held) = watch::channel(());
+    let (done, receiver) = watch::channel(());
+    let held = Held {
+        done: receiver,
+        waiters: Arc::new(()),
+    };
     flights.insert(slot.clone(), held);
     Ok(Flight {
-        slot: slot.clone(),
+        slot: Box::new(slot.clone()),
         done,
     })
 }

@@ -107,17 +107,7 @@ impl Backend for Sqlite {
         table: &str,
         claim: &Claim<'_>,
     ) -> Result<ClaimOutcome<Self>, sqlx::Error> {
-        // Attempts on one database file wait for each other in process; a
-        // private in-memory database (`SqliteConnectOptions::new()`, named
-        // `:memory:` whatever the pool) is its pool's alone.
-        let options = pool.connect_options();
-        let filename = options.get_filename();
-        let database = if filename.as_os_str().is_empty() || filename == Path::new(":memory:") {
-            format!("{:p}", Arc::as_ptr(&options))
-        } else {
-            filename.to_string_lossy().into_owned()
-        };
-        let slot = Slot::new(&database, table, claim.scope, claim.key);
+        let slot = Slot::new(&Self::flight_database(pool), table, claim.scope, claim.key);
         let deadline = Instant::now() + claim.wait;
         let sql = Sql::new(table);
         let flight = loop {
@@ -261,6 +251,20 @@ impl Backend for Sqlite {
 
     async fn rollback(conn: &mut sqlx::pool::PoolConnection<Self>) -> Result<(), sqlx::Error> {
         super::rollback_transaction(conn).await
+    }
+
+    /// Attempts on one database file wait for each other in process,
+    /// whatever their pool (the file has one write lock); a private
+    /// in-memory database (`SqliteConnectOptions::new()`, named `:memory:`
+    /// whatever the pool) is its pool's alone.
+    fn flight_database(pool: &Pool<Self>) -> String {
+        let options = pool.connect_options();
+        let filename = options.get_filename();
+        if filename.as_os_str().is_empty() || filename == Path::new(":memory:") {
+            format!("{:p}", Arc::as_ptr(&options))
+        } else {
+            filename.to_string_lossy().into_owned()
+        }
     }
 
     async fn sweep(pool: &Pool<Self>, table: &str, batch: u32) -> Result<u64, sqlx::Error> {

@@ -23,6 +23,14 @@ pub fn url() -> String {
     app::env_or(URL_VAR, "mysql://root@127.0.0.1:3306/test")
 }
 
+/// A pool of `size` on the test server, its tables migrated.
+pub async fn pool(size: u32) -> Pool<MySql> {
+    let options = MySqlPoolOptions::new().max_connections(size);
+    let pool = app::server_pool(options, "MySQL/MariaDB", URL_VAR, &url()).await;
+    app::prepare_once(&READY, &pool, EFFECTS_DDL).await;
+    pool
+}
+
 impl TestDb for MySql {
     const ENGINE: &'static str = "mysql";
     // `RETURNING` on INSERT is MariaDB's (10.5+); the suite runs on MariaDB.
@@ -120,10 +128,7 @@ impl TestDb for MySql {
     }
 
     async fn connect() -> Pool<Self> {
-        let options = MySqlPoolOptions::new().max_connections(40);
-        let pool = app::server_pool(options, "MySQL/MariaDB", URL_VAR, &url()).await;
-        app::prepare_once(&READY, &pool, EFFECTS_DDL).await;
-        pool
+        pool(40).await
     }
 
     fn unreachable_pool() -> Pool<Self> {

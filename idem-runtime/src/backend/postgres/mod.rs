@@ -118,8 +118,10 @@ impl Backend for Postgres {
         table: &str,
         claim: &Claim<'_>,
     ) -> Result<ClaimOutcome<Self>, sqlx::Error> {
-        let row = ClaimRow::new(table, claim);
-        super::claim_with_retries(pool, PgClaim { row }).await
+        let (flight, claim) = super::wait_in_process(pool, table, claim).await;
+        let row = ClaimRow::new(table, &claim);
+        let outcome = super::claim_with_retries(pool, PgClaim { row }).await;
+        Ok(super::held(outcome?, flight))
     }
 
     async fn peek(
