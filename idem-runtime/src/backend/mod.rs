@@ -155,12 +155,13 @@ pub trait Backend: Database + sealed::Sealed {
         batch: u32,
     ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
 
-    /// Names the database of `pool` for the in-process single flight
-    /// ([`single_flight`]): attempts of one key on one name wait for each
-    /// other in this process. By default the pool's own.
+    /// Writes the name of `pool`'s database for the in-process single
+    /// flight ([`single_flight`]): attempts of one key on one name wait for
+    /// each other in this process. By default the pool's own.
     #[doc(hidden)]
-    fn flight_database(pool: &Pool<Self>) -> String {
-        format!("{:p}", std::sync::Arc::as_ptr(&pool.connect_options()))
+    fn flight_database(pool: &Pool<Self>, out: &mut Vec<u8>) {
+        let options = std::sync::Arc::as_ptr(&pool.connect_options());
+        out.extend_from_slice(&(options as usize).to_le_bytes());
     }
 }
 
@@ -178,7 +179,8 @@ pub(crate) async fn wait_in_process<'c, DB: Backend>(
     table: &str,
     claim: &Claim<'c>,
 ) -> (Option<single_flight::Flight>, Claim<'c>) {
-    let slot = single_flight::Slot::new(&DB::flight_database(pool), table, claim.scope, claim.key);
+    let database = |out: &mut Vec<u8>| DB::flight_database(pool, out);
+    let slot = single_flight::Slot::new(database, table, claim.scope, claim.key);
     let deadline = tokio::time::Instant::now() + claim.wait;
     let flight = match single_flight::enter(&slot) {
         Ok(flight) => Some(flight),
@@ -330,12 +332,8 @@ pub(crate) fn waiting_duplicates<DB: Backend>(
     scope: &str,
     key: &str,
 ) -> usize {
-    single_flight::waiting(&single_flight::Slot::new(
-        &DB::flight_database(pool),
-        table,
-        scope,
-        key,
-    ))
+    let database = |out: &mut Vec<u8>| DB::flight_database(pool, out);
+    single_flight::waiting(&single_flight::Slot::new(database, table, scope, key))
 }
 
 /// A claimed key's connection holds this process's flight for the key, if

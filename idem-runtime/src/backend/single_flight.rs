@@ -10,34 +10,48 @@
 //! who owns the key, so a lost or stale flight can never cost an effect.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, MutexGuard, PoisonError};
 
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-/// One key in one table of one database.
+/// One key in one table of one database: the four, each length-prefixed,
+/// in one shared buffer (every first attempt builds one; a clone is a
+/// reference).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub(crate) struct Slot {
-    database: String,
-    table: String,
-    scope: String,
-    key: String,
-}
+pub(crate) struct Slot(Arc<[u8]>);
 
 impl Slot {
-    pub(crate) fn new(database: &str, table: &str, scope: &str, key: &str) -> Self {
-        Self {
-            database: database.to_owned(),
-            table: table.to_owned(),
-            scope: scope.to_owned(),
-            key: key.to_owned(),
+    /// `database` writes the database's name (see `Backend::flight_database`).
+    pub(crate) fn new(
+        database: impl FnOnce(&mut Vec<u8>),
+        table: &str,
+        scope: &str,
+        key: &str,
+    ) -> Self {
+        /// Appends what `write` writes, after its length.
+        fn part(bytes: &mut Vec<u8>, write: impl FnOnce(&mut Vec<u8>)) {
+            let at = bytes.len();
+            bytes.extend_from_slice(&[0; 8]);
+            write(bytes);
+            let len = (bytes.len() - at - 8) as u64;
+            bytes[at..at + 8].copy_from_slice(&len.to_le_bytes());
         }
+        let mut bytes = Vec::with_capacity(64 + table.len() + scope.len() + key.len());
+        part(&mut bytes, database);
+        for text in [table, scope, key] {
+            part(&mut bytes, |bytes| bytes.extend_from_slice(text.as_bytes()));
+        }
+        Self(bytes.into())
     }
 }
 
 /// A flight in progress, as duplicates find it.
 #[derive(Debug, Clone)]
 struct Held {
+    /// Its [`Flight`]'s.
+    id: u64,
     /// Wakes (with an error) when its [`Flight`] is dropped; no value is
     /// ever sent.
     done: watch::Receiver<()>,
@@ -56,18 +70,21 @@ fn flights() -> MutexGuard<'static, HashMap<Slot, Held>> {
 /// This process's attempt at a key; releases waiting duplicates when dropped.
 #[derive(Debug)]
 pub(crate) struct Flight {
-    /// Boxed: a flight is held across the claim's round trips, so it sits
-    /// in every claim's future.
-    slot: Box<Slot>,
-    done: watch::Sender<()>,
+    slot: Slot,
+    id: u64,
+    /// Closes when dropped, which wakes the waiters.
+    _done: watch::Sender<()>,
 }
+
+/// Tells flights apart (a slot is taken again once its flight is gone).
+static FLIGHT_IDS: AtomicU64 = AtomicU64::new(0);
 
 impl Drop for Flight {
     fn drop(&mut self) {
         let mut flights = flights();
         let ours = flights
             .get(&self.slot)
-            .is_some_and(|held| held.done.same_channel(&self.done.subscribe()));
+            .is_some_and(|held| held.id == self.id);
         if ours {
             flights.remove(&self.slot);
         }
@@ -111,14 +128,17 @@ pub(crate) fn enter(slot: &Slot) -> Result<Flight, Busy> {
         return Err(Busy(held.clone()));
     }
     let (done, receiver) = watch::channel(());
+    let id = FLIGHT_IDS.fetch_add(1, Ordering::Relaxed);
     let held = Held {
+        id,
         done: receiver,
         waiters: Arc::new(()),
     };
     flights.insert(slot.clone(), held);
     Ok(Flight {
-        slot: Box::new(slot.clone()),
-        done,
+        slot: slot.clone(),
+        id,
+        _done: done,
     })
 }
 
@@ -129,7 +149,7 @@ mod tests {
     use super::*;
 
     fn slot(key: &str) -> Slot {
-        Slot::new("db", "t", "scope", key)
+        Slot::new(|out| out.extend_from_slice(b"db"), "t", "scope", key)
     }
 
     #[tokio::test]

@@ -107,7 +107,8 @@ impl Backend for Sqlite {
         table: &str,
         claim: &Claim<'_>,
     ) -> Result<ClaimOutcome<Self>, sqlx::Error> {
-        let slot = Slot::new(&Self::flight_database(pool), table, claim.scope, claim.key);
+        let database = |out: &mut Vec<u8>| Self::flight_database(pool, out);
+        let slot = Slot::new(database, table, claim.scope, claim.key);
         let deadline = Instant::now() + claim.wait;
         let sql = Sql::new(table);
         let flight = loop {
@@ -257,13 +258,14 @@ impl Backend for Sqlite {
     /// whatever their pool (the file has one write lock); a private
     /// in-memory database (`SqliteConnectOptions::new()`, named `:memory:`
     /// whatever the pool) is its pool's alone.
-    fn flight_database(pool: &Pool<Self>) -> String {
+    fn flight_database(pool: &Pool<Self>, out: &mut Vec<u8>) {
         let options = pool.connect_options();
         let filename = options.get_filename();
         if filename.as_os_str().is_empty() || filename == Path::new(":memory:") {
-            format!("{:p}", Arc::as_ptr(&options))
+            out.extend_from_slice(b"memory:");
+            out.extend_from_slice(&(Arc::as_ptr(&options) as usize).to_le_bytes());
         } else {
-            filename.to_string_lossy().into_owned()
+            out.extend_from_slice(filename.as_os_str().as_encoded_bytes());
         }
     }
 
