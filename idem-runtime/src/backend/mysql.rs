@@ -540,6 +540,21 @@ mod tests {
         failure(error)
     }
 
+    /// A key table of this test process named after `name`, migrated
+    /// empty (a run killed before its cleanup, with the same process id,
+    /// left one).
+    async fn key_table(pool: &Pool<MySql>, name: &str) -> String {
+        let table = format!("idem_{name}_{}", std::process::id());
+        run(
+            &mut pool.acquire().await.unwrap(),
+            &format!("DROP TABLE IF EXISTS {table}"),
+        )
+        .await
+        .unwrap();
+        MySql::migrate(pool, &table).await.expect("migrate");
+        table
+    }
+
     async fn run(conn: &mut MySqlConnection, sql: &str) -> Result<(), sqlx::Error> {
         sqlx::raw_sql(AssertSqlSafe(sql.to_owned()))
             .execute(conn)
@@ -681,12 +696,7 @@ mod tests {
     #[tokio::test]
     async fn taking_over_an_expired_key_waits_no_longer_than_wait() {
         let pool = test_pool(3).await;
-        let table = format!("idem_takeover_{}", std::process::id());
-        sqlx::raw_sql(AssertSqlSafe(format!("DROP TABLE IF EXISTS {table}")))
-            .execute(&pool)
-            .await
-            .unwrap();
-        MySql::migrate(&pool, &table).await.expect("migrate");
+        let table = key_table(&pool, "takeover").await;
         sqlx::raw_sql(AssertSqlSafe(format!(
             "INSERT INTO {table} (scope, `key`, fingerprint, status, created_at, expires_at) \
              VALUES ('acct', 'old', X'00', 201, UTC_TIMESTAMP(6), \
@@ -739,12 +749,7 @@ mod tests {
     #[tokio::test]
     async fn sweeps_skip_a_row_a_claim_holds() {
         let pool = test_pool(3).await;
-        let table = format!("idem_sweep_{}", std::process::id());
-        sqlx::raw_sql(AssertSqlSafe(format!("DROP TABLE IF EXISTS {table}")))
-            .execute(&pool)
-            .await
-            .unwrap();
-        MySql::migrate(&pool, &table).await.expect("migrate");
+        let table = key_table(&pool, "sweep").await;
         sqlx::raw_sql(AssertSqlSafe(format!(
             "INSERT INTO {table} (scope, `key`, fingerprint, status, created_at, expires_at) \
              VALUES ('acct', 'k1', X'00', 201, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6) - INTERVAL 3 SECOND), \
