@@ -293,7 +293,9 @@ impl Backend for MySql {
                 super::push_hex(&mut delete, key);
                 delete.push_str("')");
             }
-            delete.push_str("); COMMIT");
+            // The rows are ours since the locking read; the expiry is
+            // checked again all the same. (A range read of the primary key.)
+            delete.push_str(") AND expires_at <= UTC_TIMESTAMP(6); COMMIT");
             let done = sqlx::raw_sql(AssertSqlSafe(delete))
                 .execute(&mut *conn)
                 .await?;
