@@ -418,17 +418,17 @@ impl<'a> Writer<'a> {
         }
         let number = &text[start..self.at];
         let integer = exponent.is_none() && fraction.is_empty();
-        // Correctly rounded, as serde_json with `float_roundtrip` reads it
-        // for the handler; one beyond the doubles it refuses, so this does
-        // too. (Up to 300 digits an integer never is.)
+        // Read by serde_json itself, as it reads the number for the handler
+        // (correctly rounded with `float_roundtrip`), and refused where it
+        // refuses one beyond the doubles. Not by `str::parse`: it stops
+        // counting an exponent at 65,536, so `1` and 65,536 zeros then
+        // `e-655360`, which is 1 to the handler, read as 0 (found by
+        // review: a wrong replay). Up to 300 digits an integer is never
+        // beyond the doubles, and its digits are its form.
         let double = if integer && number.len() <= 300 {
             0.0
         } else {
-            let double: f64 = std::str::from_utf8(number).ok()?.parse().ok()?;
-            if double.is_infinite() {
-                return None;
-            }
-            double
+            serde_json::from_slice::<f64>(number).ok()?
         };
         if integer {
             // JSON's integers are written as their digits and nothing else,
@@ -440,7 +440,7 @@ impl<'a> Writer<'a> {
                 _ => self.out.extend_from_slice(number),
             }
         } else if self.numbers == Numbers::Exact {
-            write_decimal(negative, int, fraction, exponent, &mut self.out);
+            write_decimal(negative, int, fraction, exponent, &mut self.out)?;
         } else {
             write_double(double, &mut self.out);
         }
@@ -459,37 +459,42 @@ impl<'a> Writer<'a> {
 /// (`1.000000000000000001` is not `1`): the handler reads those digits,
 /// and two amounts must not share a fingerprint because one double holds
 /// both.
+///
+/// `None` for an exponent beyond 2^50, which no body of a sane size can
+/// need and which would not fit the arithmetic: hashed byte for byte.
 fn write_decimal(
     negative: bool,
     int: &[u8],
     fraction: &[u8],
     exponent: Option<&[u8]>,
     out: &mut Vec<u8>,
-) {
+) -> Option<()> {
     // The value is `digits` x 10^(exponent - fraction.len()), its digits
     // the integer's and the fraction's, less leading and trailing zeros.
     let digits: Vec<u8> = int.iter().chain(fraction).copied().collect();
     let Some(first) = digits.iter().position(|&digit| digit != b'0') else {
         out.push(b'0');
-        return;
+        return Some(());
     };
     let last = digits
         .iter()
         .rposition(|&digit| digit != b'0')
         .unwrap_or(first);
     let significant = &digits[first..=last];
-    // An exponent beyond any body's length only has to stay itself.
-    let exponent = exponent.map_or(0, |text| {
-        let (sign, digits) = match text.split_first() {
-            Some((b'-', digits)) => (-1, digits),
-            Some((b'+', digits)) => (1, digits),
-            _ => (1, text),
-        };
-        let magnitude = digits.iter().fold(0_i64, |value, &digit| {
-            (value * 10 + i64::from(digit - b'0')).min(1 << 50)
-        });
-        sign * magnitude
-    });
+    let exponent = match exponent {
+        None => 0,
+        Some(text) => {
+            let (sign, digits) = match text.split_first() {
+                Some((b'-', digits)) => (-1, digits),
+                Some((b'+', digits)) => (1, digits),
+                _ => (1, text),
+            };
+            let magnitude = digits.iter().try_fold(0_i64, |value, &digit| {
+                Some(value * 10 + i64::from(digit - b'0')).filter(|&value| value <= 1 << 50)
+            })?;
+            sign * magnitude
+        }
+    };
     let k = significant.len() as i64;
     // ECMAScript's n: the value is 0.significant x 10^n.
     let n = k + exponent - fraction.len() as i64 + (digits.len() - 1 - last) as i64;
@@ -520,6 +525,7 @@ fn write_decimal(
         out.push(if e < 0 { b'-' } else { b'+' });
         out.extend_from_slice(e.unsigned_abs().to_string().as_bytes());
     }
+    Some(())
 }
 
 /// Appends a finite double as RFC 8785 writes it, except one beyond 2^53
@@ -1156,5 +1162,59 @@ mod tests {
             }
             compared += 1;
         }
+    }
+
+    /// Long digit runs against long exponents are read as serde_json reads
+    /// them for the handler (found by review: `str::parse` stops counting
+    /// an exponent at 65,536, so each of these read as another number, one
+    /// a wrong replay of `{"amount":1}`).
+    #[test]
+    fn long_exponents_are_read_as_the_handler_reads_them() {
+        let zeros = |count: usize| "0".repeat(count);
+        for body in [
+            format!("{{\"amount\":1{}e-655360}}", zeros(65_536)),
+            format!("{{\"amount\":0.{}1e655364}}", zeros(655_359)),
+            format!("{{\"amount\":0.{}1e6553600}}", zeros(65_535)),
+            format!("{{\"amount\":1{}e-700000}}", zeros(700_000)),
+        ] {
+            let handler = serde_json::from_str::<serde_json::Value>(&body)
+                .ok()
+                .map(|value| serde_json::to_vec(&value).unwrap());
+            assert_eq!(
+                canonicalize(body.as_bytes()),
+                previous::canonicalize(body.as_bytes()),
+                "{}",
+                &body[..40]
+            );
+            // The handler's reading, canonical, is the body's form.
+            assert_eq!(
+                canonicalize(body.as_bytes()),
+                handler.and_then(|text| canonicalize(&text)),
+                "{}",
+                &body[..40]
+            );
+        }
+        assert_ne!(
+            canonicalize(format!("{{\"amount\":1{}e-655360}}", zeros(65_536)).as_bytes()),
+            canonicalize(br#"{"amount":1}"#)
+        );
+    }
+
+    /// In exact mode an exponent beyond 2^50 is hashed byte for byte: capped,
+    /// `1e-1125899906842625` and `1e-99999999999999999999999` shared a form.
+    #[test]
+    fn exact_exponents_beyond_2_to_the_50_are_not_canonical() {
+        for body in [
+            &b"[1e-1125899906842625]"[..],
+            b"[1e-99999999999999999999999]",
+        ] {
+            assert_eq!(
+                canonicalize_numbers(body, Numbers::Exact),
+                None,
+                "{}",
+                text(body)
+            );
+        }
+        assert_eq!(exact("[1e-1125899906842624]"), "[1e-1125899906842624]");
     }
 }
