@@ -541,6 +541,13 @@ macro_rules! define_app {
                         hold.release.notified().await;
                         signal.0 = None;
                     }
+                    // Held, then a transient failure: rolled back.
+                    m if m.starts_with("hold-then-503:") => {
+                        let hold = holds.get(&m[14..]);
+                        hold.entered.notify_one();
+                        hold.release.notified().await;
+                        return Err(HandlerError::Refused(StatusCode::SERVICE_UNAVAILABLE));
+                    }
                     // A deliberate pause inside the transaction: it widens
                     // the window in which the chaos harness kills or cuts a
                     // request mid-flight.

@@ -165,38 +165,82 @@ pub async fn in_flight_duplicates_get_409_or_wait<DB: TestDb>() {
 /// to wait are seen waiting, and a request of another key still gets the
 /// other connection and its answer while they wait (each duplicate held a
 /// connection through its claim's lock wait, so a few retries of one slow
-/// request starved every other caller). Then the duplicates replay.
+/// request starved every other caller). The same after the first attempt
+/// rolls back: one duplicate claims (and is held in its turn), the others
+/// wait for it in process, not in the database. Then they replay.
 pub async fn waiting_duplicates_hold_no_connection<DB: TestDb>(pool: sqlx::Pool<DB>) {
     let server = crate::harness::start_with::<DB>(pool).await;
     let caller = unique("pooled");
     let client = server.client(&caller);
-    let (hold, first) = server
-        .send_held(client.post("/effects/wait", "k", BODY), &caller)
-        .await;
+    let waiting = |count: usize| {
+        let idem = &server.state.idem;
+        let caller = &caller;
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while idem::__private::waiting_duplicates(idem, caller, "k") < count {
+                assert!(Instant::now() < deadline, "{count} duplicates never waited");
+                tokio::task::yield_now().await;
+            }
+        }
+    };
+    let other_key = async |key: &str| {
+        let other = tokio::time::timeout(
+            Duration::from_secs(10),
+            send(client.post("/effects", key, BODY)),
+        )
+        .await
+        .expect("a request of another key is answered while duplicates wait");
+        assert_eq!(other.status, StatusCode::CREATED, "{other:?}");
+    };
+    let failing = server.state.holds.get(&format!("{caller}-fails"));
+    let first = tokio::spawn(send(
+        client
+            .post("/effects/wait", "k", BODY)
+            .header("x-test-mode", format!("hold-then-503:{caller}-fails")),
+    ));
+    failing.entered().await;
+    // The duplicates are held too when they run: the one that claims after
+    // the rollback stays in its handler until released.
+    let held = server.state.holds.get(&caller);
     let duplicates: Vec<_> = (0..3)
-        .map(|_| tokio::spawn(send(client.post("/effects/wait", "k", BODY))))
+        .map(|_| {
+            let request = client
+                .post("/effects/wait", "k", BODY)
+                .header("x-test-mode", format!("hold:{caller}"));
+            tokio::spawn(send(request))
+        })
         .collect();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while idem::__private::waiting_duplicates(&server.state.idem, &caller, "k") < 3 {
-        assert!(Instant::now() < deadline, "the duplicates never waited");
-        tokio::task::yield_now().await;
-    }
-    let other = tokio::time::timeout(
-        Duration::from_secs(10),
-        send(client.post("/effects", "other", BODY)),
-    )
-    .await
-    .expect("a request of another key is answered while duplicates wait");
-    assert_eq!(other.status, StatusCode::CREATED, "{other:?}");
-    hold.release.notify_one();
-    let original = first.await.unwrap();
-    assert_eq!(original.status, StatusCode::CREATED);
+    waiting(3).await;
+    other_key("other").await;
+    failing.release.notify_one();
+    assert_eq!(first.await.unwrap().status, StatusCode::SERVICE_UNAVAILABLE);
+    held.entered().await;
+    waiting(2).await;
+    other_key("another").await;
+    held.release.notify_one();
+    let mut answers = Vec::new();
     for duplicate in duplicates {
-        let answer = duplicate.await.unwrap();
-        assert!(answer.replayed(), "{answer:?}");
-        assert_eq!(answer.body, original.body);
+        answers.push(duplicate.await.unwrap());
     }
-    assert_eq!(server.effects(&caller).await, 2, "k and other, once each");
+    let original = answers
+        .iter()
+        .find(|answer| !answer.replayed())
+        .expect("one duplicate ran")
+        .clone();
+    assert_eq!(original.status, StatusCode::CREATED, "{original:?}");
+    for answer in &answers {
+        assert_eq!(answer.body, original.body, "{answer:?}");
+    }
+    assert_eq!(
+        answers.iter().filter(|answer| answer.replayed()).count(),
+        2,
+        "{answers:?}"
+    );
+    assert_eq!(
+        server.effects(&caller).await,
+        3,
+        "k, other and another, once each"
+    );
 }
 
 /// Polls `waiters` (a `TestDb` count of lock waiters) until it counts one,

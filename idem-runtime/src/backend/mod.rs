@@ -157,7 +157,11 @@ pub trait Backend: Database + sealed::Sealed {
 
     /// Writes the name of `pool`'s database for the in-process single
     /// flight ([`single_flight`]): attempts of one key on one name wait for
-    /// each other in this process. By default the pool's own.
+    /// each other in this process. By default the pool's own: the address
+    /// of its connect options, which a flight keeps alive, so no other pool
+    /// can take the address while the flight lives. (After
+    /// `Pool::set_connect_options` the pool has a new name; duplicates of
+    /// attempts begun before then wait in the database instead.)
     #[doc(hidden)]
     fn flight_database(pool: &Pool<Self>, out: &mut Vec<u8>) {
         let options = std::sync::Arc::as_ptr(&pool.connect_options());
@@ -182,12 +186,20 @@ pub(crate) async fn wait_in_process<'c, DB: Backend>(
     let database = |out: &mut Vec<u8>| DB::flight_database(pool, out);
     let slot = single_flight::Slot::new(database, table, claim.scope, claim.key);
     let deadline = tokio::time::Instant::now() + claim.wait;
-    let flight = match single_flight::enter(&slot) {
-        Ok(flight) => Some(flight),
-        Err(busy) => {
+    // A duplicate woken by the flight's end takes the slot in turn: if the
+    // attempt rolled back, one of them claims and the rest wait for it here
+    // too, not in the database holding connections (and a retry arriving
+    // later finds the new claimer's flight). After a commit each replays in
+    // one short round trip.
+    let flight = loop {
+        match single_flight::enter(&slot) {
+            Ok(flight) => break Some(flight.keep(pool.connect_options())),
             // Boxed: the timer would otherwise sit in every claim's future.
-            Box::pin(busy.ended_by(deadline)).await;
-            None
+            Err(busy) => {
+                if !Box::pin(busy.ended_by(deadline)).await {
+                    break None;
+                }
+            }
         }
     };
     let left = Claim {

@@ -282,24 +282,24 @@ impl Backend for MySql {
                 sqlx::raw_sql("COMMIT").execute(&mut *conn).await?;
                 return Ok(0);
             }
-            let mut delete = format!("DELETE FROM {table} WHERE (scope, `key`) IN (");
-            for (index, (scope, key)) in rows.iter().enumerate() {
-                if index > 0 {
-                    delete.push_str(", ");
-                }
-                delete.push_str("(X'");
-                super::push_hex(&mut delete, scope);
-                delete.push_str("', X'");
-                super::push_hex(&mut delete, key);
-                delete.push_str("')");
-            }
             // The rows are ours since the locking read; the expiry is
-            // checked again all the same. (A range read of the primary key.)
-            delete.push_str(") AND expires_at <= UTC_TIMESTAMP(6); COMMIT");
-            let done = sqlx::raw_sql(AssertSqlSafe(delete))
-                .execute(&mut *conn)
-                .await?;
-            Ok(done.rows_affected())
+            // checked again all the same. The primary key is forced: where
+            // expired rows are most of the table, MariaDB scans it instead,
+            // and waits on any claim's uncommitted row it meets. In
+            // statements of at most 1 MiB (a batch of long scopes would
+            // pass `max_allowed_packet`), all in the one transaction.
+            let mut statements = delete_statements(table, &rows, 1 << 20);
+            if let Some(last) = statements.last_mut() {
+                last.push_str("; COMMIT");
+            }
+            let mut swept = 0;
+            for statement in statements {
+                let done = sqlx::raw_sql(AssertSqlSafe(statement))
+                    .execute(&mut *conn)
+                    .await?;
+                swept += done.rows_affected();
+            }
+            Ok(swept)
         };
         match swept.await {
             Ok(swept) => Ok(swept),
@@ -311,6 +311,37 @@ impl Backend for MySql {
             }
         }
     }
+}
+
+/// The sweep's `DELETE`s of the locked `rows`, each at most about `limit`
+/// bytes of text.
+fn delete_statements(table: &str, rows: &[(Vec<u8>, Vec<u8>)], limit: usize) -> Vec<String> {
+    let head =
+        format!("DELETE t FROM {table} AS t FORCE INDEX (PRIMARY) WHERE (t.scope, t.`key`) IN (");
+    let tail = ") AND t.expires_at <= UTC_TIMESTAMP(6)";
+    let mut statements = Vec::new();
+    let mut statement = String::new();
+    for (scope, key) in rows {
+        if statement.is_empty() {
+            statement.push_str(&head);
+        } else {
+            statement.push_str(", ");
+        }
+        statement.push_str("(X'");
+        super::push_hex(&mut statement, scope);
+        statement.push_str("', X'");
+        super::push_hex(&mut statement, key);
+        statement.push_str("')");
+        if statement.len() >= limit {
+            statement.push_str(tail);
+            statements.push(std::mem::take(&mut statement));
+        }
+    }
+    if !statement.is_empty() {
+        statement.push_str(tail);
+        statements.push(statement);
+    }
+    statements
 }
 
 /// A claim on MySQL/MariaDB: its one multi-statement batch (shared by its
@@ -793,5 +824,67 @@ mod tests {
             .execute(&pool)
             .await
             .unwrap();
+    }
+
+    /// Where expired rows are the whole table, the sweep's `DELETE` still
+    /// reads the primary key (MariaDB scanned the table instead, met a
+    /// fresh key's uncommitted claim and waited for it, up to 50 s, found
+    /// by review); and a batch of long scopes is cut into statements of
+    /// about 1 MiB, every row in one of them.
+    #[tokio::test]
+    async fn sweeps_never_wait_for_a_fresh_claim() {
+        let pool = test_pool(3).await;
+        let table = key_table(&pool, "sweep_all").await;
+        run(
+            &mut pool.acquire().await.unwrap(),
+            &format!(
+                "INSERT INTO {table} (scope, `key`, fingerprint, status, created_at, expires_at) \
+                 SELECT 'acct', CONCAT('k-', seq), X'00', 201, UTC_TIMESTAMP(6), \
+                        UTC_TIMESTAMP(6) - INTERVAL 1 SECOND FROM seq_1_to_1000"
+            ),
+        )
+        .await
+        .unwrap();
+        let claim = Claim {
+            scope: "acct",
+            key: "fresh",
+            fingerprint: crate::Fingerprint::from_bytes(&[1; 32]).unwrap(),
+            ttl: Duration::from_secs(60),
+            wait: Duration::ZERO,
+        };
+        let ClaimOutcome::Claimed(mut held) = MySql::claim(&pool, &table, &claim).await.unwrap()
+        else {
+            panic!("a fresh key is claimed");
+        };
+        let started = Instant::now();
+        let swept = tokio::time::timeout(Duration::from_secs(5), MySql::sweep(&pool, &table, 1000))
+            .await
+            .expect("the sweep does not wait for the claim")
+            .unwrap();
+        assert_eq!(swept, 1000, "after {:?}", started.elapsed());
+        MySql::rollback(&mut held).await.unwrap();
+        held.release();
+
+        let rows: Vec<(Vec<u8>, Vec<u8>)> = (0..40)
+            .map(|i| (vec![b's'; 2048], format!("k-{i}").into_bytes()))
+            .collect();
+        let statements = delete_statements("t", &rows, 20_000);
+        assert!(statements.len() > 1);
+        assert!(
+            statements
+                .iter()
+                .all(|statement| statement.len() < 20_000 + 4200)
+        );
+        let keys: usize = statements
+            .iter()
+            .map(|statement| statement.matches("X'6b2d").count())
+            .sum();
+        assert_eq!(keys, 40);
+        run(
+            &mut pool.acquire().await.unwrap(),
+            &format!("DROP TABLE {table}"),
+        )
+        .await
+        .unwrap();
     }
 }

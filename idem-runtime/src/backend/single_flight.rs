@@ -74,6 +74,18 @@ pub(crate) struct Flight {
     id: u64,
     /// Closes when dropped, which wakes the waiters.
     _done: watch::Sender<()>,
+    /// What the slot's database name is the address of (see `keep`).
+    _kept: Option<Arc<dyn std::any::Any + Send + Sync>>,
+}
+
+impl Flight {
+    /// Keeps `named` alive as long as the flight: a slot named by an
+    /// address (a pool's connect options) cannot then be named by another
+    /// allocation while the flight lives.
+    pub(crate) fn keep(mut self, named: Arc<impl std::any::Any + Send + Sync>) -> Self {
+        self._kept = Some(named);
+        self
+    }
 }
 
 /// Tells flights apart (a slot is taken again once its flight is gone).
@@ -139,6 +151,7 @@ pub(crate) fn enter(slot: &Slot) -> Result<Flight, Busy> {
         slot: slot.clone(),
         id,
         _done: done,
+        _kept: None,
     })
 }
 

@@ -122,7 +122,7 @@ impl Backend for Sqlite {
                 return Ok(found);
             }
             match single_flight::enter(&slot) {
-                Ok(flight) => break flight,
+                Ok(flight) => break flight.keep(pool.connect_options()),
                 Err(busy) => {
                     if !busy.ended_by(deadline).await {
                         return Ok(ClaimOutcome::InUse);
