@@ -2,8 +2,9 @@
 # Instructions per request, counted by callgrind: the benchmark's server
 # process and the PostgreSQL backend serving it, per scenario. Unlike req/s
 # and CPU time, these counts do not move with the machine's load or clock
-# (a rerun gives the same figures to within a few hundred instructions), so
-# an A/B of a change to the wrapper's Rust or SQL is one run of each.
+# (PostgreSQL's to within a few hundred instructions; the server's within a
+# few thousand, its allocator and hash maps seeded anew by each run), so
+# an A/B of a change to the wrapper's Rust or SQL is a run or two of each.
 #
 #   benches/instructions.sh            # baseline, idempotent, replay, two_phase
 #   IDEM_IR_SCENARIOS=replay,read_floor benches/instructions.sh  # and a replay's floor
