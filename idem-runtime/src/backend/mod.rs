@@ -5,6 +5,7 @@
 //! transaction, store a response in the same commit, and end a transaction.
 
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::pool::PoolConnection;
@@ -163,10 +164,29 @@ pub trait Backend: Database + sealed::Sealed {
     /// `Pool::set_connect_options` the pool has a new name; duplicates of
     /// attempts begun before then wait in the database instead.)
     #[doc(hidden)]
-    fn flight_database(pool: &Pool<Self>, out: &mut Vec<u8>) {
-        let options = std::sync::Arc::as_ptr(&pool.connect_options());
-        out.extend_from_slice(&(options as usize).to_le_bytes());
+    fn flight_database(options: &Arc<ConnectOptions<Self>>, out: &mut Vec<u8>) {
+        out.extend_from_slice(&(Arc::as_ptr(options) as usize).to_le_bytes());
     }
+}
+
+/// A pool's connect options.
+pub(crate) type ConnectOptions<DB> = <<DB as Database>::Connection as sqlx::Connection>::Options;
+
+/// The single-flight slot of `(scope, key)` in `table` of `pool`'s
+/// database, and the connect options it is named after, for its flight to
+/// keep (see [`Backend::flight_database`]).
+pub(crate) fn flight_slot<DB: Backend>(
+    pool: &Pool<DB>,
+    table: &str,
+    scope: &str,
+    key: &str,
+) -> (single_flight::Slot, Arc<ConnectOptions<DB>>) {
+    let options = pool.connect_options();
+    let database = |out: &mut Vec<u8>| DB::flight_database(&options, out);
+    (
+        single_flight::Slot::new(database, table, scope, key),
+        options,
+    )
 }
 
 /// Waits, holding no connection, while another attempt of `claim`'s key in
@@ -183,8 +203,7 @@ pub(crate) async fn wait_in_process<'c, DB: Backend>(
     table: &str,
     claim: &Claim<'c>,
 ) -> (Option<single_flight::Flight>, Claim<'c>) {
-    let database = |out: &mut Vec<u8>| DB::flight_database(pool, out);
-    let slot = single_flight::Slot::new(database, table, claim.scope, claim.key);
+    let (slot, options) = flight_slot(pool, table, claim.scope, claim.key);
     let deadline = tokio::time::Instant::now() + claim.wait;
     // A duplicate woken by the flight's end takes the slot in turn: if the
     // attempt rolled back, one of them claims and the rest wait for it here
@@ -193,7 +212,7 @@ pub(crate) async fn wait_in_process<'c, DB: Backend>(
     // one short round trip.
     let flight = loop {
         match single_flight::enter(&slot) {
-            Ok(flight) => break Some(flight.keep(pool.connect_options())),
+            Ok(flight) => break Some(flight.keep(options)),
             // Boxed: the timer would otherwise sit in every claim's future.
             Err(busy) => {
                 if !Box::pin(busy.ended_by(deadline)).await {
@@ -344,8 +363,7 @@ pub(crate) fn waiting_duplicates<DB: Backend>(
     scope: &str,
     key: &str,
 ) -> usize {
-    let database = |out: &mut Vec<u8>| DB::flight_database(pool, out);
-    single_flight::waiting(&single_flight::Slot::new(database, table, scope, key))
+    single_flight::waiting(&flight_slot(pool, table, scope, key).0)
 }
 
 /// A claimed key's connection holds this process's flight for the key, if

@@ -48,12 +48,12 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use sqlx::sqlite::{SqliteRow, SqliteTransactionManager};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteRow, SqliteTransactionManager};
 use sqlx::{AssertSqlSafe, Pool, Row, SqlSafeStr, Sqlite};
 use sqlx_core::transaction::TransactionManager;
 use tokio::time::Instant;
 
-use super::single_flight::{self, Slot};
+use super::single_flight;
 use super::{Backend, Claim, ClaimOutcome, FinishError, OpenTx, abandon, finished};
 use crate::Error;
 use crate::response::StoredResponse;
@@ -107,8 +107,7 @@ impl Backend for Sqlite {
         table: &str,
         claim: &Claim<'_>,
     ) -> Result<ClaimOutcome<Self>, sqlx::Error> {
-        let database = |out: &mut Vec<u8>| Self::flight_database(pool, out);
-        let slot = Slot::new(database, table, claim.scope, claim.key);
+        let (slot, options) = super::flight_slot(pool, table, claim.scope, claim.key);
         let deadline = Instant::now() + claim.wait;
         let sql = Sql::new(table);
         let flight = loop {
@@ -122,7 +121,7 @@ impl Backend for Sqlite {
                 return Ok(found);
             }
             match single_flight::enter(&slot) {
-                Ok(flight) => break flight.keep(pool.connect_options()),
+                Ok(flight) => break flight.keep(options),
                 Err(busy) => {
                     if !busy.ended_by(deadline).await {
                         return Ok(ClaimOutcome::InUse);
@@ -258,12 +257,11 @@ impl Backend for Sqlite {
     /// whatever their pool (the file has one write lock); a private
     /// in-memory database (`SqliteConnectOptions::new()`, named `:memory:`
     /// whatever the pool) is its pool's alone.
-    fn flight_database(pool: &Pool<Self>, out: &mut Vec<u8>) {
-        let options = pool.connect_options();
+    fn flight_database(options: &Arc<SqliteConnectOptions>, out: &mut Vec<u8>) {
         let filename = options.get_filename();
         if filename.as_os_str().is_empty() || filename == Path::new(":memory:") {
             out.extend_from_slice(b"memory:");
-            out.extend_from_slice(&(Arc::as_ptr(&options) as usize).to_le_bytes());
+            out.extend_from_slice(&(Arc::as_ptr(options) as usize).to_le_bytes());
         } else {
             out.extend_from_slice(filename.as_os_str().as_encoded_bytes());
         }
