@@ -887,4 +887,50 @@ mod tests {
         .await
         .unwrap();
     }
+
+    /// A batch of expired rows of the longest scopes takes several `DELETE`
+    /// statements against the server: every one of them runs, in the
+    /// batch's one transaction, and commits; a live row among them stays.
+    #[tokio::test]
+    async fn sweeps_a_batch_of_long_scopes_in_several_statements() {
+        let pool = test_pool(2).await;
+        let table = key_table(&pool, "sweep_long").await;
+        let scope = crate::MAX_SCOPE_LEN;
+        run(
+            &mut pool.acquire().await.unwrap(),
+            &format!(
+                "INSERT INTO {table} (scope, `key`, fingerprint, status, created_at, expires_at) \
+                 SELECT REPEAT('s', {scope}), CONCAT('k-', seq), X'00', 201, UTC_TIMESTAMP(6), \
+                        UTC_TIMESTAMP(6) - INTERVAL 1 SECOND FROM seq_1_to_1000; \
+                 INSERT INTO {table} (scope, `key`, fingerprint, status, created_at, expires_at) \
+                 VALUES (REPEAT('s', {scope}), 'live', X'00', 201, UTC_TIMESTAMP(6), \
+                         UTC_TIMESTAMP(6) + INTERVAL 1 HOUR)"
+            ),
+        )
+        .await
+        .unwrap();
+        let rows: Vec<(Vec<u8>, Vec<u8>)> = (1..=1000)
+            .map(|i| (vec![b's'; scope], format!("k-{i}").into_bytes()))
+            .collect();
+        assert!(
+            delete_statements(&table, &rows, 1 << 20).len() >= 4,
+            "the sweep below needs several statements"
+        );
+
+        assert_eq!(MySql::sweep(&pool, &table, 1000).await.unwrap(), 1000);
+        // Read from a session of its own: the sweep committed.
+        let (left, live): (i64, Option<Vec<u8>>) = sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT COUNT(*), MAX(`key`) FROM {table}"
+        )))
+        .fetch_one(&test_pool(1).await)
+        .await
+        .unwrap();
+        assert_eq!((left, live.as_deref()), (1, Some(&b"live"[..])));
+        run(
+            &mut pool.acquire().await.unwrap(),
+            &format!("DROP TABLE {table}"),
+        )
+        .await
+        .unwrap();
+    }
 }
