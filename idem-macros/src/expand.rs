@@ -3,7 +3,8 @@
 //!
 //! Extractors and the store are reached through small traits implemented
 //! for the state (`__IdemS: __IdemFromParts<T>` rather than
-//! `T: FromRequestParts<__IdemS>`).
+//! `T: FromRequestParts<__IdemS>`), defined once in the runtime's
+//! `__private` module, so that handlers share their compiled extraction.
 //! While the router's state type is still being inferred at `post(handler)`,
 //! a bound whose self type is that state stays open, so rustc picks this
 //! impl and later names the extractor that fails, pointing at its
@@ -183,100 +184,12 @@ fn finish(item: &ItemFn, handler: &Handler, krate: &TokenStream) -> TokenStream 
 }
 
 /// The traits the `Handler` impl reaches the state, the extractors and the
-/// store through (see the module docs), private to its `const _` block.
+/// store through (see the module docs), defined once in the runtime and
+/// brought into its `const _` block.
 fn helper_traits(private: &TokenStream) -> TokenStream {
     quote! {
-        #[doc(hidden)]
-        pub trait __IdemFromRef<T> {
-            fn from_ref(__idem_state: &Self) -> T;
-        }
-
-        impl<S, T: #private::FromRef<S>> __IdemFromRef<T> for S {
-            fn from_ref(__idem_state: &Self) -> T {
-                <T as #private::FromRef<S>>::from_ref(__idem_state)
-            }
-        }
-
-        #[doc(hidden)]
-        pub trait __IdemFromParts<T> {
-            fn extract(
-                __idem_request: #private::Request,
-                __idem_state: &Self,
-            ) -> impl ::core::future::Future<
-                Output = ::core::result::Result<(#private::Request, T), #private::Response>,
-            > + ::core::marker::Send;
-        }
-
-        impl<S, T> __IdemFromParts<T> for S
-        where
-            S: ::core::marker::Send + ::core::marker::Sync,
-            T: #private::FromRequestParts<S>,
-        {
-            async fn extract(
-                __idem_request: #private::Request,
-                __idem_state: &Self,
-            ) -> ::core::result::Result<(#private::Request, T), #private::Response> {
-                let (mut __idem_parts, __idem_body) = __idem_request.into_parts();
-                match <T as #private::FromRequestParts<S>>::from_request_parts(&mut __idem_parts, __idem_state).await {
-                    ::core::result::Result::Ok(__idem_value) => {
-                        ::core::result::Result::Ok((#private::Request::from_parts(__idem_parts, __idem_body), __idem_value))
-                    }
-                    ::core::result::Result::Err(__idem_rejection) => {
-                        ::core::result::Result::Err(#private::IntoResponse::into_response(__idem_rejection))
-                    }
-                }
-            }
-        }
-
-        #[doc(hidden)]
-        pub trait __IdemFromRequest<T, M> {
-            fn extract(
-                __idem_request: #private::Request,
-                __idem_state: &Self,
-            ) -> impl ::core::future::Future<
-                Output = ::core::result::Result<T, #private::Response>,
-            > + ::core::marker::Send;
-        }
-
-        impl<S, T, M> __IdemFromRequest<T, M> for S
-        where
-            S: ::core::marker::Send + ::core::marker::Sync,
-            T: #private::FromRequest<S, M>,
-        {
-            async fn extract(
-                __idem_request: #private::Request,
-                __idem_state: &Self,
-            ) -> ::core::result::Result<T, #private::Response> {
-                <T as #private::FromRequest<S, M>>::from_request(__idem_request, __idem_state)
-                    .await
-                    .map_err(#private::IntoResponse::into_response)
-            }
-        }
-
-        #[doc(hidden)]
-        pub trait __IdemFromBody<T> {
-            fn extract(
-                __idem_request: #private::Request,
-                __idem_state: &Self,
-            ) -> impl ::core::future::Future<
-                Output = ::core::result::Result<T, #private::Response>,
-            > + ::core::marker::Send;
-        }
-
-        impl<S, T> __IdemFromBody<T> for S
-        where
-            S: ::core::marker::Send + ::core::marker::Sync,
-            T: #private::FromRequest<S>,
-        {
-            async fn extract(
-                __idem_request: #private::Request,
-                __idem_state: &Self,
-            ) -> ::core::result::Result<T, #private::Response> {
-                <T as #private::FromRequest<S>>::from_request(__idem_request, __idem_state)
-                    .await
-                    .map_err(#private::IntoResponse::into_response)
-            }
-        }
+        #[allow(unused_imports)]
+        use #private::{__IdemFromBody, __IdemFromParts, __IdemFromRef, __IdemFromRequest};
     }
 }
 

@@ -9,6 +9,7 @@
 mod backend;
 mod canonical;
 mod error;
+mod extract;
 mod fingerprint;
 mod idem;
 mod key;
@@ -37,6 +38,7 @@ pub use tx::Tx;
 /// What `#[idempotent]` expands to. Not a public API: it changes without notice.
 #[doc(hidden)]
 pub mod __private {
+    pub use crate::extract::{__IdemFromBody, __IdemFromParts, __IdemFromRef, __IdemFromRequest};
     pub use crate::protocol::{Answer, Config, KeyMode, Prepared, prepare, run};
     pub use axum::extract::{FromRef, FromRequest, FromRequestParts, Request};
     pub use axum::handler::Handler;

@@ -7,6 +7,7 @@
 use std::borrow::Cow;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
 use std::time::Duration;
 
 use axum::RequestExt;
@@ -198,9 +199,22 @@ impl Answer {
     }
 }
 
+/// The handler as the protocol below runs it: called once, with the
+/// request's transaction, its future boxed. Through this the protocol is
+/// compiled once per database rather than once per handler; the cost is one
+/// allocation per request that reaches the handler.
+type HandlerFuture<'f> = Pin<Box<dyn Future<Output = Answer> + Send + 'f>>;
+
+/// A handler behind [`HandlerFuture`]: an `FnMut` called at most once (a
+/// `&mut dyn FnMut` needs no allocation, a `Box<dyn FnOnce>` would).
+type DynHandler<'h, 'f, DB> = dyn FnMut(Tx<DB>) -> HandlerFuture<'f> + Send + 'h;
+
 /// Claims the key in `scope`, runs the handler once, stores its response in
 /// the handler's own commit, or answers from the store without running it.
-pub async fn run<DB, H, Fut>(
+///
+/// Generic over the handler only as a thin shim: the protocol itself,
+/// `run_dyn`, is instantiated once per database.
+pub async fn run<'f, DB, H, Fut>(
     idem: Idem<DB>,
     prepared: Prepared,
     scope: Cow<'_, str>,
@@ -208,9 +222,26 @@ pub async fn run<DB, H, Fut>(
 ) -> Response
 where
     DB: Backend,
-    H: FnOnce(Tx<DB>) -> Fut,
-    Fut: Future<Output = Answer> + Send,
+    H: FnOnce(Tx<DB>) -> Fut + Send,
+    Fut: Future<Output = Answer> + Send + 'f,
 {
+    let mut handler = Some(handler);
+    let mut call = |tx: Tx<DB>| -> HandlerFuture<'f> {
+        let handler = handler
+            .take()
+            .expect("the protocol calls a handler at most once");
+        Box::pin(handler(tx))
+    };
+    run_dyn(idem, prepared, scope, &mut call).await
+}
+
+/// `run`, with the handler behind a `dyn`.
+async fn run_dyn<'f, DB: Backend>(
+    idem: Idem<DB>,
+    prepared: Prepared,
+    scope: Cow<'_, str>,
+    handler: &mut DynHandler<'_, 'f, DB>,
+) -> Response {
     let span = prepared.span.clone();
     // Hashing costs nothing worth it when no subscriber wants the span.
     let traced = !span.is_disabled();
@@ -243,16 +274,11 @@ where
     response
 }
 
-async fn run_keyed<DB, H, Fut>(
+async fn run_keyed<'f, DB: Backend>(
     idem: &Idem<DB>,
     claim: &Claim<'_>,
-    handler: H,
-) -> (Outcome, Response)
-where
-    DB: Backend,
-    H: FnOnce(Tx<DB>) -> Fut,
-    Fut: Future<Output = Answer> + Send,
-{
+    handler: &mut DynHandler<'_, 'f, DB>,
+) -> (Outcome, Response) {
     if claim.scope.len() > MAX_SCOPE_LEN {
         // The scope comes from the server's own extractor, so no retry can
         // help: a 500, not a 503 with `Retry-After`.
@@ -375,12 +401,10 @@ async fn claim_or_read<DB: Backend>(
 
 /// A request without a key on a `key = "optional"` handler: one plain
 /// transaction, committed on a storable answer, nothing remembered.
-async fn run_without_key<DB, H, Fut>(idem: &Idem<DB>, handler: H) -> (Outcome, Response)
-where
-    DB: Backend,
-    H: FnOnce(Tx<DB>) -> Fut,
-    Fut: Future<Output = Answer> + Send,
-{
+async fn run_without_key<'f, DB: Backend>(
+    idem: &Idem<DB>,
+    handler: &mut DynHandler<'_, 'f, DB>,
+) -> (Outcome, Response) {
     let conn = match DB::begin(idem.pool()).await {
         Ok(conn) => conn,
         Err(error) => {
@@ -410,16 +434,11 @@ where
 
 /// Runs the handler on the claimed transaction and takes the connection
 /// back. A panic, or a `Tx` that outlives its handler, rolls back.
-async fn execute<DB, H, Fut>(
+async fn execute<'f, DB: Backend>(
     conn: OpenTx<DB>,
     key: Option<IdempotencyKey>,
-    handler: H,
-) -> Result<(Answer, OpenTx<DB>), Response>
-where
-    DB: Backend,
-    H: FnOnce(Tx<DB>) -> Fut,
-    Fut: Future<Output = Answer> + Send,
-{
+    handler: &mut DynHandler<'_, 'f, DB>,
+) -> Result<(Answer, OpenTx<DB>), Response> {
     let (tx, mut back) = Tx::new(conn, key);
     let outcome = AssertUnwindSafe(handler(tx)).catch_unwind().await;
     let mut conn = back.try_recv();
@@ -618,9 +637,10 @@ mod tests {
                 wait: Duration::ZERO,
             };
             let acquire = std::mem::size_of_val(&idem.pool().acquire());
-            let answer = || Answer::new(Response::default(), false);
-            let run =
-                std::mem::size_of_val(&run_keyed(idem, &claim, |_tx| async move { answer() }));
+            let mut answer = |_tx| -> HandlerFuture<'static> {
+                Box::pin(async move { Answer::new(Response::default(), false) })
+            };
+            let run = std::mem::size_of_val(&run_keyed(idem, &claim, &mut answer));
             (run, acquire)
         }
         let mut sizes = vec![("postgres", size(&idem()))];
