@@ -588,6 +588,16 @@ mod tests {
         table
     }
 
+    /// Drops a test's table, at its end.
+    async fn drop_table(pool: &Pool<MySql>, table: &str) {
+        run(
+            &mut pool.acquire().await.unwrap(),
+            &format!("DROP TABLE {table}"),
+        )
+        .await
+        .unwrap();
+    }
+
     async fn run(conn: &mut MySqlConnection, sql: &str) -> Result<(), sqlx::Error> {
         sqlx::raw_sql(AssertSqlSafe(sql.to_owned()))
             .execute(conn)
@@ -715,10 +725,7 @@ mod tests {
         assert!(matches!(failure(syntax), Failure::Fatal(_)));
         run(&mut b, "ROLLBACK").await.unwrap();
         drop((a, b, c));
-        sqlx::raw_sql(AssertSqlSafe(format!("DROP TABLE {table}")))
-            .execute(&pool)
-            .await
-            .unwrap();
+        drop_table(&pool, &table).await;
     }
 
     /// Taking over an expired key honours `wait` like any claim (the
@@ -754,10 +761,7 @@ mod tests {
         .await
         .unwrap();
         assert_eq!(rows, [(vec![1; 32], true)], "one live row, the new claim's");
-        sqlx::raw_sql(AssertSqlSafe(format!("DROP TABLE {table}")))
-            .execute(&pool)
-            .await
-            .unwrap();
+        drop_table(&pool, &table).await;
     }
 
     /// A table name as long as `Idem::table` takes (63 characters) migrates:
@@ -770,10 +774,7 @@ mod tests {
         assert_eq!(table.len(), 63);
         MySql::migrate(&pool, &table).await.expect("migrate");
         MySql::migrate(&pool, &table).await.expect("migrate again");
-        sqlx::raw_sql(AssertSqlSafe(format!("DROP TABLE {table}")))
-            .execute(&pool)
-            .await
-            .unwrap();
+        drop_table(&pool, &table).await;
     }
 
     /// The sweeper skips an expired row a claim is taking over (its handler
@@ -820,10 +821,7 @@ mod tests {
         .await
         .unwrap();
         assert_eq!(left, [b"k2".to_vec()], "the held row is left to the claim");
-        sqlx::raw_sql(AssertSqlSafe(format!("DROP TABLE {table}")))
-            .execute(&pool)
-            .await
-            .unwrap();
+        drop_table(&pool, &table).await;
     }
 
     /// Where expired rows are the whole table, the sweep's `DELETE` still
@@ -880,12 +878,7 @@ mod tests {
             .map(|statement| statement.matches("X'6b2d").count())
             .sum();
         assert_eq!(keys, 40);
-        run(
-            &mut pool.acquire().await.unwrap(),
-            &format!("DROP TABLE {table}"),
-        )
-        .await
-        .unwrap();
+        drop_table(&pool, &table).await;
     }
 
     /// A batch of expired rows of the longest scopes takes several `DELETE`
@@ -926,11 +919,6 @@ mod tests {
         .await
         .unwrap();
         assert_eq!((left, live.as_deref()), (1, Some(&b"live"[..])));
-        run(
-            &mut pool.acquire().await.unwrap(),
-            &format!("DROP TABLE {table}"),
-        )
-        .await
-        .unwrap();
+        drop_table(&pool, &table).await;
     }
 }
