@@ -7,7 +7,7 @@ use http::HeaderName;
 use sqlx::Pool;
 
 use crate::Error;
-use crate::backend::Backend;
+use crate::backend::{Acquire, Backend};
 use crate::recent::FinishedKeys;
 use crate::response::{DEFAULT_REPLAY_HEADERS, is_forbidden};
 
@@ -65,6 +65,7 @@ struct Inner<DB: Backend> {
     replay_headers: Vec<HeaderName>,
     max_response_bytes: usize,
     body_timeout: Duration,
+    acquire: Acquire,
     finished: FinishedKeys,
 }
 
@@ -83,6 +84,7 @@ impl<DB: Backend> std::fmt::Debug for Idem<DB> {
             .field("replay_headers", &self.inner.replay_headers)
             .field("max_response_bytes", &self.inner.max_response_bytes)
             .field("body_timeout", &self.inner.body_timeout)
+            .field("checked_acquire", &(self.inner.acquire == Acquire::Checked))
             .finish_non_exhaustive()
     }
 }
@@ -97,6 +99,7 @@ impl<DB: Backend> Idem<DB> {
                 replay_headers: DEFAULT_REPLAY_HEADERS.to_vec(),
                 max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
                 body_timeout: DEFAULT_BODY_TIMEOUT,
+                acquire: Acquire::Idle,
                 finished: FinishedKeys::new(),
             }),
         }
@@ -109,6 +112,7 @@ impl<DB: Backend> Idem<DB> {
             replay_headers: shared.replay_headers.clone(),
             max_response_bytes: shared.max_response_bytes,
             body_timeout: shared.body_timeout,
+            acquire: shared.acquire,
             finished: FinishedKeys::new(),
         });
         let mut inner = inner;
@@ -166,8 +170,41 @@ impl<DB: Backend> Idem<DB> {
         self.with(|inner| inner.body_timeout = timeout)
     }
 
+    /// Whether every request's connection passes the pool's own checks
+    /// on acquire: sqlx's `test_before_acquire` ping and a `before_acquire`
+    /// hook. Default `false`: `idem` takes an idle connection as it is
+    /// ([`Pool::try_acquire`]), one round trip fewer on every request,
+    /// because its own first statement on it (the claim, a replay's read,
+    /// a keyless request's `BEGIN`) tests it anyway. A connection that
+    /// statement finds gone (closed by the server, a restart, the network)
+    /// is closed and the statement runs again on a connection the pool
+    /// checks: nothing it did can have committed. With no idle connection
+    /// at hand, `idem` waits in [`Pool::acquire`] as usual.
+    ///
+    /// Set it when the pool's `before_acquire` hook must run for every
+    /// checkout (one that does more than test the connection).
+    ///
+    /// ```
+    /// # use idem_runtime as idem;
+    /// # async fn demo(pool: sqlx::PgPool) {
+    /// let idem = idem::Idem::new(pool).checked_acquire(true);
+    /// # }
+    /// ```
+    pub fn checked_acquire(self, checked: bool) -> Self {
+        let acquire = if checked {
+            Acquire::Checked
+        } else {
+            Acquire::Idle
+        };
+        self.with(|inner| inner.acquire = acquire)
+    }
+
     pub(crate) fn body_read_timeout(&self) -> Duration {
         self.inner.body_timeout
+    }
+
+    pub(crate) fn acquire(&self) -> Acquire {
+        self.inner.acquire
     }
 
     /// The pool keys are kept in.

@@ -21,7 +21,7 @@ mod response;
 mod scope;
 mod tx;
 
-pub use backend::{Backend, Claim, ClaimOutcome, FinishError, OpenTx};
+pub use backend::{Acquire, Backend, Claim, ClaimOutcome, FinishError, OpenTx};
 pub use error::Error;
 pub use fingerprint::{Fingerprint, canonicalize};
 pub use idem::{DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_TABLE, Idem};

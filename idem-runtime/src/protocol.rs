@@ -379,7 +379,14 @@ async fn claim_or_read<DB: Backend>(
     if finished.seen(claim.scope, claim.key) {
         // Boxed: most requests never take this branch, and sqlx's futures
         // would otherwise inflate every request's (see `OpenTx::acquire`).
-        match Box::pin(DB::peek(idem.pool(), idem.table_name(), claim)).await {
+        match Box::pin(DB::peek(
+            idem.pool(),
+            idem.acquire(),
+            idem.table_name(),
+            claim,
+        ))
+        .await
+        {
             Ok(Some(outcome)) => return Ok(outcome),
             Ok(None) => finished.forget(claim.scope, claim.key),
             // The server refused the read (a pooler that keeps no prepared
@@ -392,7 +399,7 @@ async fn claim_or_read<DB: Backend>(
             Err(error) => return Err(error),
         }
     }
-    let claimed = DB::claim(idem.pool(), idem.table_name(), claim).await;
+    let claimed = DB::claim(idem.pool(), idem.acquire(), idem.table_name(), claim).await;
     if let Ok(ClaimOutcome::Finished { .. }) = &claimed {
         finished.remember(claim.scope, claim.key);
     }
@@ -405,7 +412,7 @@ async fn run_without_key<'f, DB: Backend>(
     idem: &Idem<DB>,
     handler: &mut DynHandler<'_, 'f, DB>,
 ) -> (Outcome, Response) {
-    let conn = match DB::begin(idem.pool()).await {
+    let conn = match DB::begin(idem.pool(), idem.acquire()).await {
         Ok(conn) => conn,
         Err(error) => {
             tracing::warn!(error = %error, "database unavailable");

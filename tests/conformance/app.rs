@@ -101,6 +101,24 @@ pub trait TestDb: idem::Backend + Sized {
     fn in_transaction(
         conn: &mut Self::Connection,
     ) -> impl std::future::Future<Output = bool> + Send;
+    /// The server's id of the session behind `conn` (PostgreSQL's backend
+    /// pid, MySQL's connection id); `None` without a server (SQLite).
+    fn session_id(
+        conn: &mut Self::Connection,
+    ) -> impl std::future::Future<Output = Option<i64>> + Send {
+        let _ = conn;
+        async { None }
+    }
+    /// Ends session `id` from the server's side, as a restart, an idle
+    /// timeout or an administrator would, through `admin`; returns once the
+    /// server has ended it. Only engines with a server have sessions.
+    fn end_session(
+        admin: &sqlx::Pool<Self>,
+        id: i64,
+    ) -> impl std::future::Future<Output = ()> + Send {
+        let _ = (admin, id);
+        async { unreachable!("{} has no server sessions", Self::ENGINE) }
+    }
 }
 
 /// The `TestDb` methods every engine writes alike, but for its

@@ -33,8 +33,16 @@ pub async fn start<DB: TestDb>() -> Server<DB> {
 }
 
 pub async fn start_with<DB: TestDb>(pool: sqlx::Pool<DB>) -> Server<DB> {
+    start_configured(pool, |idem| idem).await
+}
+
+/// As [`start_with`], the store configured further by `configure`.
+pub async fn start_configured<DB: TestDb>(
+    pool: sqlx::Pool<DB>,
+    configure: impl FnOnce(idem::Idem<DB>) -> idem::Idem<DB>,
+) -> Server<DB> {
     let state = AppState {
-        idem: idem::Idem::new(pool).max_response_bytes(RESPONSE_CAP),
+        idem: configure(idem::Idem::new(pool).max_response_bytes(RESPONSE_CAP)),
         holds: Holds::default(),
     };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -91,9 +91,10 @@ all_engines!(
     mysql: sqlx::MySql, feature = "mysql";
 );
 
-/// Engines whose writers do not wait for each other (not SQLite, where the
-/// held first attempt's write lock stops every other claim anyway).
-mod concurrent_writers {
+/// Engines with a server: writers that do not wait for each other (not
+/// SQLite, where the held first attempt's write lock stops every other
+/// claim anyway), and sessions the server can end.
+mod server_engines {
     #[cfg(feature = "postgres")]
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn postgres_waiting_duplicates_hold_no_connection() {
@@ -106,5 +107,24 @@ mod concurrent_writers {
     async fn mysql_waiting_duplicates_hold_no_connection() {
         let pool = crate::engines::mysql::pool(2).await;
         crate::suite::waiting_duplicates_hold_no_connection(pool).await;
+    }
+    #[cfg(feature = "postgres")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn postgres_ended_idle_sessions_are_replaced() {
+        use crate::engines::postgres::pool;
+        for checked in [false, true] {
+            crate::suite::ended_idle_sessions_are_replaced(pool(1).await, pool(1).await, checked)
+                .await;
+        }
+    }
+
+    #[cfg(feature = "mysql")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn mysql_ended_idle_sessions_are_replaced() {
+        use crate::engines::mysql::pool;
+        for checked in [false, true] {
+            crate::suite::ended_idle_sessions_are_replaced(pool(1).await, pool(1).await, checked)
+                .await;
+        }
     }
 }

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use axum::http::StatusCode;
-use idem::{Backend, Claim, ClaimOutcome, Fingerprint, FinishError, StoredResponse};
+use idem::{Acquire, Backend, Claim, ClaimOutcome, Fingerprint, FinishError, StoredResponse};
 use sqlx::mysql::MySqlPoolOptions;
 use sqlx::{Executor, MySql};
 
@@ -72,7 +72,10 @@ async fn the_claim_restores_the_sessions_lock_wait() {
     let scope = unique("lockwait");
     let claim = claim(&scope, 7, Duration::from_millis(250));
 
-    let ClaimOutcome::Claimed(mut held) = MySql::claim(&pool, "idem_keys", &claim).await.unwrap()
+    let ClaimOutcome::Claimed(mut held) =
+        MySql::claim(&pool, Acquire::default(), "idem_keys", &claim)
+            .await
+            .unwrap()
     else {
         panic!("a fresh key is claimed")
     };
@@ -84,7 +87,9 @@ async fn the_claim_restores_the_sessions_lock_wait() {
 
     // The duplicate's insert times out on the held row: its connection is
     // reset before it goes back to the pool.
-    let duplicate = MySql::claim(&pool, "idem_keys", &claim).await.unwrap();
+    let duplicate = MySql::claim(&pool, Acquire::default(), "idem_keys", &claim)
+        .await
+        .unwrap();
     assert!(matches!(duplicate, ClaimOutcome::InUse), "{duplicate:?}");
     let mut other = pool.acquire().await.unwrap();
     assert_eq!(
@@ -112,7 +117,10 @@ async fn an_implicit_commit_still_stores_the_response() {
     let pool = MySql::connect().await;
     let scope = unique("implicit");
     let claim = claim(&scope, 9, Duration::ZERO);
-    let ClaimOutcome::Claimed(mut held) = MySql::claim(&pool, "idem_keys", &claim).await.unwrap()
+    let ClaimOutcome::Claimed(mut held) =
+        MySql::claim(&pool, Acquire::default(), "idem_keys", &claim)
+            .await
+            .unwrap()
     else {
         panic!("a fresh key is claimed")
     };
@@ -130,7 +138,10 @@ async fn an_implicit_commit_still_stores_the_response() {
         .expect("the response is stored on the committed claim");
     held.release();
 
-    match MySql::claim(&pool, "idem_keys", &claim).await.unwrap() {
+    match MySql::claim(&pool, Acquire::default(), "idem_keys", &claim)
+        .await
+        .unwrap()
+    {
         ClaimOutcome::Finished {
             fingerprint,
             response: stored,
@@ -155,7 +166,10 @@ async fn without_autocommit_a_rolled_back_claim_is_not_a_success() {
     let pool = session_pool("SET SESSION autocommit = 0".to_owned()).await;
     let scope = unique("noautocommit");
     let claim = claim(&scope, 5, Duration::ZERO);
-    let ClaimOutcome::Claimed(mut held) = MySql::claim(&pool, "idem_keys", &claim).await.unwrap()
+    let ClaimOutcome::Claimed(mut held) =
+        MySql::claim(&pool, Acquire::default(), "idem_keys", &claim)
+            .await
+            .unwrap()
     else {
         panic!("a fresh key is claimed")
     };
@@ -202,7 +216,9 @@ async fn a_sessions_select_limit_cannot_defeat_the_claim() {
         let scope = unique("selectlimit");
         let claim = claim(&scope, 6, Duration::ZERO);
         let ClaimOutcome::Claimed(mut held) =
-            MySql::claim(&pool, "idem_keys", &claim).await.unwrap()
+            MySql::claim(&pool, Acquire::default(), "idem_keys", &claim)
+                .await
+                .unwrap()
         else {
             panic!("limit {limit}: a fresh key is claimed")
         };
@@ -211,7 +227,10 @@ async fn a_sessions_select_limit_cannot_defeat_the_claim() {
             .await
             .unwrap_or_else(|error| panic!("limit {limit}: {error}"));
         held.release();
-        match MySql::claim(&pool, "idem_keys", &claim).await.unwrap() {
+        match MySql::claim(&pool, Acquire::default(), "idem_keys", &claim)
+            .await
+            .unwrap()
+        {
             ClaimOutcome::Finished {
                 response: stored, ..
             } => assert_eq!(stored, response, "limit {limit}"),
@@ -249,7 +268,9 @@ async fn without_autocommit_sweeps_and_reads_leave_no_transaction_open() {
     .unwrap();
 
     assert_eq!(MySql::sweep(&pool, &table, 100).await.unwrap(), 1);
-    let found = MySql::peek(&pool, &table, &live).await.unwrap();
+    let found = MySql::peek(&pool, Acquire::default(), &table, &live)
+        .await
+        .unwrap();
     assert!(
         matches!(found, Some(ClaimOutcome::Finished { .. })),
         "{found:?}"

@@ -178,7 +178,7 @@ async fn a_busy_write_lock_is_503_never_409() {
 /// commits, neither the claim nor the write.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deferred_foreign_key_broken_at_commit_ends_the_transaction() {
-    use idem::{Backend, Claim, ClaimOutcome, Fingerprint, FinishError, StoredResponse};
+    use idem::{Acquire, Backend, Claim, ClaimOutcome, Fingerprint, FinishError, StoredResponse};
     use sqlx::Sqlite;
 
     let file = TempDatabase::new("deferred");
@@ -198,7 +198,10 @@ async fn a_deferred_foreign_key_broken_at_commit_ends_the_transaction() {
         ttl: std::time::Duration::from_secs(60),
         wait: std::time::Duration::ZERO,
     };
-    let ClaimOutcome::Claimed(mut conn) = Sqlite::claim(&pool, "idem_keys", &claim).await.unwrap()
+    let ClaimOutcome::Claimed(mut conn) =
+        Sqlite::claim(&pool, Acquire::default(), "idem_keys", &claim)
+            .await
+            .unwrap()
     else {
         panic!("a fresh key is claimed")
     };
@@ -233,7 +236,7 @@ async fn a_deferred_foreign_key_broken_at_commit_ends_the_transaction() {
 /// wrong, is closed rather than pooled.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handlers_own_commit_still_stores_the_response() {
-    use idem::{Backend, Claim, ClaimOutcome, Fingerprint, StoredResponse};
+    use idem::{Acquire, Backend, Claim, ClaimOutcome, Fingerprint, StoredResponse};
     use sqlx::Sqlite;
 
     let file = TempDatabase::new("owncommit");
@@ -245,7 +248,10 @@ async fn a_handlers_own_commit_still_stores_the_response() {
         ttl: std::time::Duration::from_secs(60),
         wait: std::time::Duration::ZERO,
     };
-    let ClaimOutcome::Claimed(mut conn) = Sqlite::claim(&pool, "idem_keys", &claim).await.unwrap()
+    let ClaimOutcome::Claimed(mut conn) =
+        Sqlite::claim(&pool, Acquire::default(), "idem_keys", &claim)
+            .await
+            .unwrap()
     else {
         panic!("a fresh key is claimed")
     };
@@ -271,7 +277,10 @@ async fn a_handlers_own_commit_still_stores_the_response() {
         held.push(pooled);
     }
     drop(held);
-    match Sqlite::claim(&pool, "idem_keys", &claim).await.unwrap() {
+    match Sqlite::claim(&pool, Acquire::default(), "idem_keys", &claim)
+        .await
+        .unwrap()
+    {
         ClaimOutcome::Finished {
             response: stored, ..
         } => assert_eq!(stored, response),
@@ -285,7 +294,7 @@ async fn a_handlers_own_commit_still_stores_the_response() {
 /// shared their in-process slot).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn private_memory_databases_do_not_share_keys() {
-    use idem::{Backend, Claim, ClaimOutcome, Fingerprint};
+    use idem::{Acquire, Backend, Claim, ClaimOutcome, Fingerprint};
     use sqlx::sqlite::SqlitePoolOptions;
 
     let mut pools = Vec::new();
@@ -309,11 +318,16 @@ async fn private_memory_databases_do_not_share_keys() {
         wait: std::time::Duration::ZERO,
     };
     let table = idem::DEFAULT_TABLE;
-    let ClaimOutcome::Claimed(_held) = sqlx::Sqlite::claim(&pools[0], table, &claim).await.unwrap()
+    let ClaimOutcome::Claimed(_held) =
+        sqlx::Sqlite::claim(&pools[0], Acquire::default(), table, &claim)
+            .await
+            .unwrap()
     else {
         panic!("the first database's claim");
     };
-    let other = sqlx::Sqlite::claim(&pools[1], table, &claim).await.unwrap();
+    let other = sqlx::Sqlite::claim(&pools[1], Acquire::default(), table, &claim)
+        .await
+        .unwrap();
     assert!(
         matches!(other, ClaimOutcome::Claimed(_)),
         "the other database's key is free: {other:?}"

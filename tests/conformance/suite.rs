@@ -7,7 +7,7 @@ use futures::future::join_all;
 use reqwest::{Method, StatusCode};
 
 use crate::app::{Effect, Hold, TestDb};
-use crate::harness::{Answer, ChildServer, Client, send, start, unique};
+use crate::harness::{Answer, ChildServer, Client, send, start, start_configured, unique};
 
 pub use crate::expiry::{
     concurrent_retries_of_an_expired_key_make_one_effect, expired_keys_run_as_new,
@@ -813,4 +813,70 @@ pub async fn handler_statements_may_wait_on_locks<DB: TestDb>() {
     assert_eq!(answer.status, StatusCode::CREATED, "{answer:?}");
     assert!(send(client.post("/effects", "k", BODY)).await.replayed());
     assert_eq!(server.effects(&caller).await, 2);
+}
+
+/// An idle connection whose session the server ended (a restart, an idle
+/// timeout, an administrator) is replaced without the client noticing,
+/// whether `idem` takes idle connections as they are (the default: its
+/// first statement finds the session gone and runs again on a connection
+/// the pool checks) or through the pool's ping (`checked_acquire`). On a
+/// pool of one connection, whose session is ended before each: a first
+/// attempt, its replay and a keyless request each succeed, and the effect
+/// is written once per attempt that ran.
+pub async fn ended_idle_sessions_are_replaced<DB: TestDb>(
+    pool: sqlx::Pool<DB>,
+    admin: sqlx::Pool<DB>,
+    checked: bool,
+) {
+    assert_eq!(pool.options().get_max_connections(), 1);
+    let server = start_configured(pool.clone(), |idem| idem.checked_acquire(checked)).await;
+    let caller = unique("ended");
+    let client = server.client(&caller);
+    for step in ["first attempt", "replay", "keyless"] {
+        let ended = end_idle_session(&pool, &admin).await;
+        let request = match step {
+            "keyless" => client
+                .request(Method::POST, "/effects/optional")
+                .header("content-type", "application/json")
+                .body(BODY),
+            _ => client.post("/effects", "k", BODY),
+        };
+        let answer = send(request).await;
+        assert_eq!(
+            answer.status,
+            StatusCode::CREATED,
+            "{step} after its session ended (checked_acquire {checked}): {answer:?}"
+        );
+        assert_eq!(answer.replayed(), step == "replay", "{step}");
+        let now = pool_session(&pool).await;
+        assert_ne!(now, ended, "{step} ran on the ended session");
+    }
+    assert_eq!(server.effects(&caller).await, 2);
+}
+
+/// Ends the session of the one idle connection of `pool` from the server,
+/// leaving the connection in the pool; returns the session's id.
+async fn end_idle_session<DB: TestDb>(pool: &sqlx::Pool<DB>, admin: &sqlx::Pool<DB>) -> i64 {
+    let id = pool_session(pool).await;
+    DB::end_session(admin, id).await;
+    id
+}
+
+/// The session of `pool`'s one connection, once it is back and idle.
+async fn pool_session<DB: TestDb>(pool: &sqlx::Pool<DB>) -> i64 {
+    let idle = || async {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while pool.num_idle() < 1 {
+            assert!(Instant::now() < deadline, "the connection never came back");
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    };
+    idle().await;
+    let mut conn = pool.acquire().await.unwrap();
+    let id = DB::session_id(&mut conn)
+        .await
+        .expect("an engine with a server");
+    drop(conn);
+    idle().await;
+    id
 }

@@ -192,7 +192,17 @@ impl Drop for Service {
 
 impl Service {
     pub async fn start(pool: PgPool, keys: &str, table: &str) -> Service {
-        let idem = Idem::new(pool.clone()).table(keys).expect("table name");
+        Service::start_configured(pool, keys, table, |idem| idem).await
+    }
+
+    /// As [`Service::start`], the store configured further by `configure`.
+    pub async fn start_configured(
+        pool: PgPool,
+        keys: &str,
+        table: &str,
+        configure: impl FnOnce(Idem<Postgres>) -> Idem<Postgres>,
+    ) -> Service {
+        let idem = configure(Idem::new(pool.clone()).table(keys).expect("table name"));
         idem.migrate().await.expect("migrate");
         let state = AppState {
             idem,
@@ -241,13 +251,21 @@ pub struct Proxied {
 
 impl Proxied {
     pub async fn start(prefix: &str) -> Proxied {
+        Proxied::start_configured(prefix, |idem| idem).await
+    }
+
+    /// As [`Proxied::start`], the store configured further by `configure`.
+    pub async fn start_configured(
+        prefix: &str,
+        configure: impl FnOnce(Idem<Postgres>) -> Idem<Postgres>,
+    ) -> Proxied {
         let (admin, upstream) = direct().await;
         let table = unique(&format!("{prefix}_effects"));
         let keys = unique(&format!("{prefix}_keys"));
         create_table(&admin, &table).await;
         let proxy = PgProxy::start(upstream).await;
         let pool = through(&proxy).await;
-        let service = Service::start(pool.clone(), &keys, &table).await;
+        let service = Service::start_configured(pool.clone(), &keys, &table, configure).await;
         Proxied {
             admin,
             table,

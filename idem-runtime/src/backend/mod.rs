@@ -96,6 +96,65 @@ mod sealed {
     pub trait Sealed {}
 }
 
+/// How a request's first statement gets its connection from the pool
+/// (see [`Idem::checked_acquire`](crate::Idem::checked_acquire)).
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Acquire {
+    /// An idle connection is taken as it is (`Pool::try_acquire`), without
+    /// the pool's ping: the statement itself tests it, and one found gone
+    /// is replaced by a checked connection and the statement run again.
+    /// Without an idle connection, as `Checked`.
+    #[default]
+    Idle,
+    /// Every connection through `Pool::acquire`: the pool's
+    /// `test_before_acquire` ping and `before_acquire` hook.
+    Checked,
+}
+
+/// Whether `error` says the connection itself was gone (closed by the
+/// server, a restart, the network), not that a statement failed.
+///
+/// PostgreSQL's class 08 and `57P01`..`57P03` (a backend terminated while
+/// idle leaves its `FATAL` to be read by the next statement), MySQL's
+/// `08S01` (server shutdown) and `70100` (connection killed).
+pub(crate) fn is_gone(error: &sqlx::Error) -> bool {
+    match error {
+        sqlx::Error::Io(_) | sqlx::Error::WorkerCrashed => true,
+        sqlx::Error::Database(db) => db.code().is_some_and(|code| {
+            code.starts_with("08") || matches!(&*code, "57P01" | "57P02" | "57P03" | "70100")
+        }),
+        _ => false,
+    }
+}
+
+/// Runs `first`, a connection's first round trip, on a connection taken
+/// as `acquire` says; if an idle connection taken untested was gone, once
+/// more on a checked one. `first` owns the connection (it releases it, or
+/// drops it to close it) and must leave nothing behind when it fails:
+/// nothing it does may commit.
+pub(crate) async fn on_connection<DB, T, Fut>(
+    pool: &Pool<DB>,
+    acquire: Acquire,
+    mut first: impl FnMut(OpenTx<DB>) -> Fut,
+) -> Result<T, sqlx::Error>
+where
+    DB: Database,
+    Fut: Future<Output = Result<T, sqlx::Error>>,
+{
+    let (conn, untested) = OpenTx::checkout(pool, acquire).await?;
+    match first(conn).await {
+        Err(error) if untested && is_gone(&error) => replaced(&error),
+        done => return done,
+    }
+    first(OpenTx::acquire(pool).await?).await
+}
+
+/// Notes an idle connection found gone by its first statement.
+fn replaced(error: &sqlx::Error) {
+    tracing::debug!(%error, "an idle connection was gone; its first statement runs again on a checked one");
+}
+
 /// A database engine `idem` can keep keys in.
 ///
 /// Implemented for the sqlx database types of the enabled features
@@ -111,6 +170,7 @@ pub trait Backend: Database + sealed::Sealed {
     #[doc(hidden)]
     fn claim(
         pool: &Pool<Self>,
+        acquire: Acquire,
         table: &str,
         claim: &Claim<'_>,
     ) -> impl Future<Output = Result<ClaimOutcome<Self>, sqlx::Error>> + Send;
@@ -123,13 +183,17 @@ pub trait Backend: Database + sealed::Sealed {
     #[doc(hidden)]
     fn peek(
         pool: &Pool<Self>,
+        acquire: Acquire,
         table: &str,
         claim: &Claim<'_>,
     ) -> impl Future<Output = Result<Option<ClaimOutcome<Self>>, sqlx::Error>> + Send;
 
     /// Opens a plain transaction (a request without a key, `key = "optional"`).
     #[doc(hidden)]
-    fn begin(pool: &Pool<Self>) -> impl Future<Output = Result<OpenTx<Self>, sqlx::Error>> + Send;
+    fn begin(
+        pool: &Pool<Self>,
+        acquire: Acquire,
+    ) -> impl Future<Output = Result<OpenTx<Self>, sqlx::Error>> + Send;
 
     /// Stores the response on the claimed row and commits, in as few round
     /// trips as the engine allows. `None` commits without storing. Neither
@@ -283,6 +347,23 @@ impl<DB: Database> OpenTx<DB> {
         Ok(Self::new(Box::pin(pool.acquire()).await?))
     }
 
+    /// A connection for a statement that tests it itself: with
+    /// [`Acquire::Idle`], an idle one taken as it is (no ping, one round
+    /// trip fewer), and then `true`, so that a failure saying it was gone
+    /// ([`is_gone`]) can be retried on a checked one. Otherwise, or with no
+    /// idle connection, one through `Pool::acquire`.
+    pub(crate) async fn checkout(
+        pool: &Pool<DB>,
+        acquire: Acquire,
+    ) -> Result<(Self, bool), sqlx::Error> {
+        if acquire == Acquire::Idle
+            && let Some(conn) = pool.try_acquire()
+        {
+            return Ok((Self::new(conn), true));
+        }
+        Ok((Self::acquire(pool).await?, false))
+    }
+
     /// Keeps `guard` alive exactly as long as the transaction: it is dropped
     /// after the connection is released or closed. An engine's in-process
     /// bookkeeping of a claim (SQLite's in-flight keys) rides here.
@@ -295,6 +376,15 @@ impl<DB: Database> OpenTx<DB> {
     /// has ended (committed or rolled back).
     pub fn release(mut self) {
         drop(self.conn.take());
+    }
+
+    /// After a statement outside any transaction: returns the connection
+    /// to the pool, unless the statement found it gone ([`is_gone`]), in
+    /// which case it is closed.
+    pub(crate) fn release_unless_gone<T>(self, result: &Result<T, sqlx::Error>) {
+        if !matches!(result, Err(error) if is_gone(error)) {
+            self.release();
+        }
     }
 }
 
@@ -379,20 +469,27 @@ pub(crate) fn held<DB: Database>(
     }
 }
 
-/// Runs a claim: each attempt gets a fresh connection from `pool` and either
-/// settles or says how it failed. The retry policy PostgreSQL and MySQL
+/// Runs a claim: each attempt gets a fresh connection from `pool` (taken as
+/// `acquire` says) and either settles or says how it failed. The retry policy PostgreSQL and MySQL
 /// share (SQLite serializes claims in the process and never retries).
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) async fn claim_with_retries<DB: Database>(
     pool: &Pool<DB>,
+    mut acquire: Acquire,
     mut claim: impl ClaimAttempt<DB>,
 ) -> Result<ClaimOutcome<DB>, sqlx::Error> {
     let mut number = 1;
     loop {
-        let conn = OpenTx::acquire(pool).await?;
+        let (conn, untested) = OpenTx::checkout(pool, acquire).await?;
         match claim.attempt(conn, number).await {
             Ok(outcome) => return Ok(outcome),
             Err(Failure::InUse) => return Ok(ClaimOutcome::InUse),
+            // Nothing a claim attempt does commits: on another connection
+            // it starts afresh. Not counted as an attempt.
+            Err(Failure::Retry(error) | Failure::Fatal(error)) if untested && is_gone(&error) => {
+                replaced(&error);
+                acquire = Acquire::Checked;
+            }
             Err(Failure::Retry(_)) if number < CLAIM_ATTEMPTS => number += 1,
             Err(Failure::Retry(error) | Failure::Fatal(error)) => return Err(error),
         }
@@ -531,7 +628,7 @@ pub(crate) mod takeover_test {
 
     use sqlx::Pool;
 
-    use super::{Backend, Claim, ClaimOutcome};
+    use super::{Acquire, Backend, Claim, ClaimOutcome};
     use crate::fingerprint::Fingerprint;
     use crate::response::StoredResponse;
 
@@ -557,13 +654,19 @@ pub(crate) mod takeover_test {
         release: impl Future<Output = ()>,
     ) {
         let claim = claim();
-        let outcome = tokio::time::timeout(Duration::from_secs(5), DB::claim(pool, table, &claim))
-            .await
-            .expect("the claim waited for the row's holder, not `wait`")
-            .expect("claim");
+        let outcome = tokio::time::timeout(
+            Duration::from_secs(5),
+            DB::claim(pool, Acquire::default(), table, &claim),
+        )
+        .await
+        .expect("the claim waited for the row's holder, not `wait`")
+        .expect("claim");
         assert!(matches!(outcome, ClaimOutcome::InUse), "{outcome:?}");
         release.await;
-        match DB::claim(pool, table, &claim).await.expect("claim") {
+        match DB::claim(pool, Acquire::default(), table, &claim)
+            .await
+            .expect("claim")
+        {
             ClaimOutcome::Claimed(mut conn) => {
                 let response = StoredResponse {
                     status: http::StatusCode::CREATED,

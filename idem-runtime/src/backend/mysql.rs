@@ -52,7 +52,7 @@ use sqlx::pool::PoolConnection;
 use sqlx::{AssertSqlSafe, MySql, Pool, Row, SqlSafeStr};
 use sqlx_core::transaction::TransactionManager;
 
-use super::{Backend, Claim, ClaimOutcome, Failure, FinishError, OpenTx, finished, hex};
+use super::{Acquire, Backend, Claim, ClaimOutcome, Failure, FinishError, OpenTx, finished, hex};
 use crate::Error;
 use crate::response::StoredResponse;
 
@@ -114,6 +114,7 @@ impl Backend for MySql {
 
     async fn claim(
         pool: &Pool<Self>,
+        acquire: Acquire,
         table: &str,
         claim: &Claim<'_>,
     ) -> Result<ClaimOutcome<Self>, sqlx::Error> {
@@ -127,6 +128,7 @@ impl Backend for MySql {
         let batch = Arc::new(claim_sql(table, &claim));
         let outcome = super::claim_with_retries(
             pool,
+            acquire,
             MySqlClaim {
                 batch,
                 table,
@@ -139,6 +141,7 @@ impl Backend for MySql {
 
     async fn peek(
         pool: &Pool<Self>,
+        acquire: Acquire,
         table: &str,
         claim: &Claim<'_>,
     ) -> Result<Option<ClaimOutcome<Self>>, sqlx::Error> {
@@ -152,16 +155,30 @@ impl Backend for MySql {
              WHERE {} AND status IS NOT NULL AND expires_at > UTC_TIMESTAMP(6); COMMIT",
             matches(claim)
         );
-        let row = sqlx::raw_sql(AssertSqlSafe(sql))
-            .fetch_optional(pool)
-            .await?;
+        let row = super::on_connection(pool, acquire, |mut conn| {
+            let sql = sql.clone();
+            async move {
+                let row = sqlx::raw_sql(AssertSqlSafe(sql))
+                    .fetch_optional(&mut **conn)
+                    .await;
+                // A read that failed part-way may leave the `COMMIT` unsent
+                // on a session with `autocommit` off: closed, not returned.
+                if row.is_ok() {
+                    conn.release();
+                }
+                row
+            }
+        })
+        .await?;
         Ok(row.as_ref().map(read_row).transpose()?.flatten())
     }
 
-    async fn begin(pool: &Pool<Self>) -> Result<OpenTx<Self>, sqlx::Error> {
-        let mut conn = OpenTx::acquire(pool).await?;
-        MySqlTransactionManager::begin(&mut conn, None).await?;
-        Ok(conn)
+    async fn begin(pool: &Pool<Self>, acquire: Acquire) -> Result<OpenTx<Self>, sqlx::Error> {
+        super::on_connection(pool, acquire, |mut conn| async move {
+            MySqlTransactionManager::begin(&mut conn, None).await?;
+            Ok(conn)
+        })
+        .await
     }
 
     async fn finish(
@@ -378,7 +395,10 @@ impl super::ClaimAttempt<MySql> for MySqlClaim<'_> {
             Err(error) => error,
         };
         if number(&error) != Some(ER_TOO_MANY_ROWS) {
-            reset(conn).await;
+            // A connection that was gone is closed (dropped), not reset.
+            if !super::is_gone(&error) {
+                reset(conn).await;
+            }
             return Err(failure(error));
         }
         // The batch stopped at its last statement, in the transaction it
@@ -800,7 +820,10 @@ mod tests {
             ttl: Duration::from_secs(60),
             wait: Duration::ZERO,
         };
-        let ClaimOutcome::Claimed(held) = MySql::claim(&pool, &table, &claim).await.unwrap() else {
+        let ClaimOutcome::Claimed(held) = MySql::claim(&pool, Acquire::default(), &table, &claim)
+            .await
+            .unwrap()
+        else {
             panic!("the expired key is taken over");
         };
         let started = Instant::now();
@@ -850,7 +873,10 @@ mod tests {
             ttl: Duration::from_secs(60),
             wait: Duration::ZERO,
         };
-        let ClaimOutcome::Claimed(mut held) = MySql::claim(&pool, &table, &claim).await.unwrap()
+        let ClaimOutcome::Claimed(mut held) =
+            MySql::claim(&pool, Acquire::default(), &table, &claim)
+                .await
+                .unwrap()
         else {
             panic!("a fresh key is claimed");
         };

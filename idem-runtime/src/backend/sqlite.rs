@@ -54,7 +54,7 @@ use sqlx_core::transaction::TransactionManager;
 use tokio::time::Instant;
 
 use super::single_flight;
-use super::{Backend, Claim, ClaimOutcome, FinishError, OpenTx, abandon, finished};
+use super::{Acquire, Backend, Claim, ClaimOutcome, FinishError, OpenTx, abandon, finished};
 use crate::Error;
 use crate::response::StoredResponse;
 
@@ -104,6 +104,7 @@ impl Backend for Sqlite {
 
     async fn claim(
         pool: &Pool<Self>,
+        acquire: Acquire,
         table: &str,
         claim: &Claim<'_>,
     ) -> Result<ClaimOutcome<Self>, sqlx::Error> {
@@ -117,7 +118,7 @@ impl Backend for Sqlite {
                 }
                 continue;
             }
-            if let Some(found) = replay(pool, &sql, claim).await? {
+            if let Some(found) = replay(pool, acquire, &sql, claim).await? {
                 return Ok(found);
             }
             match single_flight::enter(&slot) {
@@ -130,7 +131,7 @@ impl Backend for Sqlite {
             }
         };
 
-        let mut conn = begin_immediate(pool).await?;
+        let mut conn = begin_immediate(pool, acquire).await?;
         let now = now_ms();
         let row = sqlx::query(AssertSqlSafe(sql.claim))
             .bind(claim.scope.as_bytes())
@@ -164,16 +165,17 @@ impl Backend for Sqlite {
 
     async fn peek(
         pool: &Pool<Self>,
+        acquire: Acquire,
         table: &str,
         claim: &Claim<'_>,
     ) -> Result<Option<ClaimOutcome<Self>>, sqlx::Error> {
         // The claim starts with this same read; hinted or not, a finished
         // key never takes the write lock.
-        replay(pool, &Sql::new(table), claim).await
+        replay(pool, acquire, &Sql::new(table), claim).await
     }
 
-    async fn begin(pool: &Pool<Self>) -> Result<OpenTx<Self>, sqlx::Error> {
-        begin_immediate(pool).await
+    async fn begin(pool: &Pool<Self>, acquire: Acquire) -> Result<OpenTx<Self>, sqlx::Error> {
+        begin_immediate(pool, acquire).await
     }
 
     async fn finish(
@@ -284,20 +286,28 @@ impl Backend for Sqlite {
 /// sqlx's transaction manager so that sqlx counts it: a handler's nested
 /// `begin()` is then a savepoint, not a second `BEGIN` (which SQLite
 /// refuses).
-async fn begin_immediate(pool: &Pool<Sqlite>) -> Result<OpenTx<Sqlite>, sqlx::Error> {
-    let mut conn = OpenTx::acquire(pool).await?;
-    match SqliteTransactionManager::begin(&mut conn, Some("BEGIN IMMEDIATE".into_sql_str())).await {
-        Ok(()) => Ok(conn),
-        Err(error) => {
-            // A busy BEGIN IMMEDIATE starts no transaction (the lock is
-            // taken before autocommit is switched off): the connection is
-            // clean. After any other failure, `OpenTx` closes it.
-            if is_busy(&error) {
-                conn.release();
+async fn begin_immediate(
+    pool: &Pool<Sqlite>,
+    acquire: Acquire,
+) -> Result<OpenTx<Sqlite>, sqlx::Error> {
+    super::on_connection(pool, acquire, |mut conn| async move {
+        let begun =
+            SqliteTransactionManager::begin(&mut conn, Some("BEGIN IMMEDIATE".into_sql_str()))
+                .await;
+        match begun {
+            Ok(()) => Ok(conn),
+            Err(error) => {
+                // A busy BEGIN IMMEDIATE starts no transaction (the lock is
+                // taken before autocommit is switched off): the connection
+                // is clean. After any other failure, `OpenTx` closes it.
+                if is_busy(&error) {
+                    conn.release();
+                }
+                Err(error)
             }
-            Err(error)
         }
-    }
+    })
+    .await
 }
 
 /// A finished, unexpired row read without the write lock: the fast path of
@@ -305,15 +315,21 @@ async fn begin_immediate(pool: &Pool<Sqlite>) -> Result<OpenTx<Sqlite>, sqlx::Er
 /// this read sees is final.
 async fn replay(
     pool: &Pool<Sqlite>,
+    acquire: Acquire,
     sql: &Sql,
     claim: &Claim<'_>,
 ) -> Result<Option<ClaimOutcome<Sqlite>>, sqlx::Error> {
-    let row = sqlx::query(AssertSqlSafe(sql.replay.clone()))
-        .bind(claim.scope.as_bytes())
-        .bind(claim.key.as_bytes())
-        .bind(now_ms())
-        .fetch_optional(pool)
-        .await?;
+    let row = super::on_connection(pool, acquire, |mut conn| async move {
+        let row = sqlx::query(AssertSqlSafe(sql.replay.clone()))
+            .bind(claim.scope.as_bytes())
+            .bind(claim.key.as_bytes())
+            .bind(now_ms())
+            .fetch_optional(&mut **conn)
+            .await;
+        conn.release_unless_gone(&row);
+        row
+    })
+    .await?;
     match row.as_ref().map(read_row).transpose()? {
         Some(Found::Finished(found)) => Ok(Some(found)),
         _ => Ok(None),

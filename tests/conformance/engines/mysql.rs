@@ -91,6 +91,41 @@ impl TestDb for MySql {
         open != 0
     }
 
+    async fn session_id(conn: &mut MySqlConnection) -> Option<i64> {
+        let id: u64 = sqlx::query_scalar("SELECT CONNECTION_ID()")
+            .fetch_one(conn)
+            .await
+            .unwrap();
+        Some(i64::try_from(id).unwrap())
+    }
+
+    async fn end_session(admin: &Pool<Self>, id: i64) {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("KILL CONNECTION {id}")))
+            .execute(admin)
+            .await
+            .unwrap();
+        // KILL only marks the thread; it is gone once the process list no
+        // longer shows it.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            let left: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM information_schema.PROCESSLIST WHERE ID = ?",
+            )
+            .bind(id)
+            .fetch_one(admin)
+            .await
+            .unwrap();
+            if left == 0 {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "connection {id} did not end"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    }
+
     async fn end_by_error(conn: &mut sqlx::MySqlConnection, id: i64) -> sqlx::Error {
         // InnoDB ends a whole transaction only as a deadlock's victim. Another
         // session takes a row of its own, then waits for this transaction's

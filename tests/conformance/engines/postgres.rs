@@ -115,6 +115,25 @@ impl TestDb for Postgres {
         .expect_err("the effect's id is taken")
     }
 
+    async fn session_id(conn: &mut sqlx::PgConnection) -> Option<i64> {
+        let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+            .fetch_one(conn)
+            .await
+            .unwrap();
+        Some(pid.into())
+    }
+
+    async fn end_session(admin: &Pool<Self>, id: i64) {
+        // The backend sends its client `FATAL` (57P01) and exits; the
+        // timeout makes the call wait for the exit.
+        let ended: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1, 10000)")
+            .bind(i32::try_from(id).unwrap())
+            .fetch_one(admin)
+            .await
+            .unwrap();
+        assert!(ended, "backend {id} did not end");
+    }
+
     async fn connect() -> Pool<Self> {
         pool(40).await
     }

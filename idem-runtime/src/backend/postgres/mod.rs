@@ -19,7 +19,7 @@ use sqlx::{AssertSqlSafe, Pool, Postgres, Row, SqlSafeStr};
 use sqlx_core::transaction::TransactionManager;
 
 use self::statements::{ClaimRow, PEEK};
-use super::{Backend, Claim, ClaimOutcome, Failure, FinishError, OpenTx};
+use super::{Acquire, Backend, Claim, ClaimOutcome, Failure, FinishError, OpenTx};
 use crate::Error;
 use crate::fingerprint::Fingerprint;
 use crate::response::StoredResponse;
@@ -115,27 +115,34 @@ impl Backend for Postgres {
 
     async fn claim(
         pool: &Pool<Self>,
+        acquire: Acquire,
         table: &str,
         claim: &Claim<'_>,
     ) -> Result<ClaimOutcome<Self>, sqlx::Error> {
         let (flight, claim) = super::wait_in_process(pool, table, claim).await;
         let row = ClaimRow::new(table, &claim);
-        let outcome = super::claim_with_retries(pool, PgClaim { row }).await;
+        let outcome = super::claim_with_retries(pool, acquire, PgClaim { row }).await;
         Ok(super::held(outcome?, flight))
     }
 
     async fn peek(
         pool: &Pool<Self>,
+        acquire: Acquire,
         table: &str,
         claim: &Claim<'_>,
     ) -> Result<Option<ClaimOutcome<Self>>, sqlx::Error> {
         // An ordinary sqlx query: prepared and cached by sqlx per
         // connection, as the pool's own configuration says.
-        let row = sqlx::query(AssertSqlSafe(PEEK.replace("{table}", table)))
-            .bind(claim.scope.as_bytes())
-            .bind(claim.key.as_bytes())
-            .fetch_optional(pool)
-            .await?;
+        let row = super::on_connection(pool, acquire, |mut conn| async move {
+            let row = sqlx::query(AssertSqlSafe(PEEK.replace("{table}", table)))
+                .bind(claim.scope.as_bytes())
+                .bind(claim.key.as_bytes())
+                .fetch_optional(&mut **conn)
+                .await;
+            conn.release_unless_gone(&row);
+            row
+        })
+        .await?;
         Ok(match row.as_ref().map(read_row).transpose()? {
             Some(Found::Finished(fingerprint, response)) => Some(ClaimOutcome::Finished {
                 fingerprint,
@@ -145,10 +152,12 @@ impl Backend for Postgres {
         })
     }
 
-    async fn begin(pool: &Pool<Self>) -> Result<OpenTx<Self>, sqlx::Error> {
-        let mut conn = OpenTx::acquire(pool).await?;
-        PgTransactionManager::begin(&mut conn, None).await?;
-        Ok(conn)
+    async fn begin(pool: &Pool<Self>, acquire: Acquire) -> Result<OpenTx<Self>, sqlx::Error> {
+        super::on_connection(pool, acquire, |mut conn| async move {
+            PgTransactionManager::begin(&mut conn, None).await?;
+            Ok(conn)
+        })
+        .await
     }
 
     async fn finish(
@@ -285,7 +294,10 @@ impl super::ClaimAttempt<Postgres> for PgClaim<'_> {
             }
             Err(error) => error,
         };
-        super::abandon(conn).await;
+        // A connection that was gone is closed (dropped), not rolled back.
+        if !super::is_gone(&error) {
+            super::abandon(conn).await;
+        }
         Err(if has_code(&error, &[LOCK_NOT_AVAILABLE]) {
             // A timeout this short can also be a brief wait on another lock
             // (extending the table, say) rather than a duplicate: look once

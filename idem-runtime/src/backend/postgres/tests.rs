@@ -113,7 +113,8 @@ async fn claims_are_retried_only_when_the_engine_asks() {
             script: script.iter().copied().collect(),
             attempts: Vec::new(),
         };
-        let outcome = crate::backend::claim_with_retries(&pool, &mut claim).await;
+        let outcome =
+            crate::backend::claim_with_retries(&pool, crate::Acquire::default(), &mut claim).await;
         let got = match outcome {
             Ok(ClaimOutcome::Claimed(mut conn)) => {
                 // A live connection, handed over by the last attempt.
@@ -280,7 +281,7 @@ async fn an_older_revisions_statements_are_never_run() {
         ttl: Duration::from_secs(60),
         wait: Duration::ZERO,
     };
-    let conn = match Postgres::claim(&pool, &table, &claim).await {
+    let conn = match Postgres::claim(&pool, Acquire::default(), &table, &claim).await {
         Ok(ClaimOutcome::Claimed(conn)) => conn,
         other => panic!("the key was not claimed: {other:?}"),
     };
@@ -327,7 +328,9 @@ async fn a_committed_row_without_a_response_is_in_use() {
         ttl: Duration::from_secs(60),
         wait: Duration::ZERO,
     };
-    let outcome = Postgres::claim(&pool, &table, &claim).await.expect("claim");
+    let outcome = Postgres::claim(&pool, Acquire::default(), &table, &claim)
+        .await
+        .expect("claim");
     assert!(matches!(outcome, ClaimOutcome::InUse), "{outcome:?}");
     // The one connection came back to the pool, out of any transaction.
     let status: Option<i16> = sqlx::query_scalar(AssertSqlSafe(format!(
@@ -438,7 +441,10 @@ async fn a_deferred_constraint_broken_at_commit_ends_the_transaction() {
         headers: Vec::new(),
         body: "{}".into(),
     };
-    let ClaimOutcome::Claimed(mut conn) = Postgres::claim(&pool, &table, &claim).await.unwrap()
+    let ClaimOutcome::Claimed(mut conn) =
+        Postgres::claim(&pool, Acquire::default(), &table, &claim)
+            .await
+            .unwrap()
     else {
         panic!("a fresh key is claimed")
     };
