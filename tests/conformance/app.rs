@@ -119,6 +119,15 @@ pub trait TestDb: idem::Backend + Sized {
         let _ = (admin, id);
         async { unreachable!("{} has no server sessions", Self::ENGINE) }
     }
+    /// Whether session `id` is still open on the server, asked through
+    /// `admin`. Only engines with a server have sessions.
+    fn session_open(
+        admin: &sqlx::Pool<Self>,
+        id: i64,
+    ) -> impl std::future::Future<Output = bool> + Send {
+        let _ = (admin, id);
+        async { unreachable!("{} has no server sessions", Self::ENGINE) }
+    }
 }
 
 /// The `TestDb` methods every engine writes alike, but for its

@@ -111,10 +111,15 @@ mod server_engines {
     #[cfg(feature = "postgres")]
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn postgres_ended_idle_sessions_are_replaced() {
-        use crate::engines::postgres::pool;
+        use crate::engines::postgres::{pool, pool_ending_idle_sessions};
+        use crate::suite::{Ending, ended_idle_sessions_are_replaced};
         for checked in [false, true] {
-            crate::suite::ended_idle_sessions_are_replaced(pool(1).await, pool(1).await, checked)
-                .await;
+            let (ended, admin) = (pool(1).await, pool(1).await);
+            ended_idle_sessions_are_replaced(ended, admin, checked, Ending::Terminated).await;
+            // `idle_session_timeout` ends a session with `FATAL` 57P05.
+            let idle = std::time::Duration::from_millis(100);
+            let (ended, admin) = (pool_ending_idle_sessions(idle).await, pool(1).await);
+            ended_idle_sessions_are_replaced(ended, admin, checked, Ending::IdleTimeout).await;
         }
     }
 
@@ -122,9 +127,10 @@ mod server_engines {
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn mysql_ended_idle_sessions_are_replaced() {
         use crate::engines::mysql::pool;
+        use crate::suite::{Ending, ended_idle_sessions_are_replaced};
         for checked in [false, true] {
-            crate::suite::ended_idle_sessions_are_replaced(pool(1).await, pool(1).await, checked)
-                .await;
+            let (ended, admin) = (pool(1).await, pool(1).await);
+            ended_idle_sessions_are_replaced(ended, admin, checked, Ending::Terminated).await;
         }
     }
 }

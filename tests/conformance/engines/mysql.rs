@@ -106,24 +106,17 @@ impl TestDb for MySql {
             .unwrap();
         // KILL only marks the thread; it is gone once the process list no
         // longer shows it.
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        loop {
-            let left: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM information_schema.PROCESSLIST WHERE ID = ?",
-            )
-            .bind(id)
-            .fetch_one(admin)
-            .await
-            .unwrap();
-            if left == 0 {
-                return;
-            }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "connection {id} did not end"
-            );
-            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-        }
+        crate::suite::until_session_ends::<Self>(admin, id).await;
+    }
+
+    async fn session_open(admin: &Pool<Self>, id: i64) -> bool {
+        let open: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM information_schema.PROCESSLIST WHERE ID = ?")
+                .bind(id)
+                .fetch_one(admin)
+                .await
+                .unwrap();
+        open > 0
     }
 
     async fn end_by_error(conn: &mut sqlx::MySqlConnection, id: i64) -> sqlx::Error {

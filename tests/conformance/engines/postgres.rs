@@ -40,6 +40,19 @@ pub async fn pool(size: u32) -> PgPool {
     pool
 }
 
+/// A pool of one connection whose session the server ends once it has
+/// been idle for `idle` (`idle_session_timeout`), with the tables.
+pub async fn pool_ending_idle_sessions(idle: std::time::Duration) -> PgPool {
+    pool(1).await.close().await;
+    let options: sqlx::postgres::PgConnectOptions = url().parse().unwrap();
+    let timeout = idle.as_millis().to_string();
+    PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(options.options([("idle_session_timeout", timeout.as_str())]))
+        .await
+        .unwrap()
+}
+
 impl TestDb for Postgres {
     const ENGINE: &'static str = "postgres";
     const INSERT_EFFECT: &'static str = "INSERT INTO idem_service_effects (scope, key, note, nonce) VALUES ($1, $2, $3, $4) RETURNING id";
@@ -132,6 +145,14 @@ impl TestDb for Postgres {
             .await
             .unwrap();
         assert!(ended, "backend {id} did not end");
+    }
+
+    async fn session_open(admin: &Pool<Self>, id: i64) -> bool {
+        sqlx::query_scalar("SELECT EXISTS (SELECT FROM pg_stat_activity WHERE pid = $1)")
+            .bind(i32::try_from(id).unwrap())
+            .fetch_one(admin)
+            .await
+            .unwrap()
     }
 
     async fn connect() -> Pool<Self> {
