@@ -486,8 +486,9 @@ pub(crate) fn held<DB: Database>(
 }
 
 /// Runs a claim: each attempt gets a fresh connection from `pool` (taken as
-/// `acquire` says) and either settles or says how it failed. The retry policy PostgreSQL and MySQL
-/// share (SQLite serializes claims in the process and never retries).
+/// `acquire` says) and either settles or says how it failed. The retry
+/// policy PostgreSQL and MySQL share (SQLite serializes claims in the
+/// process and never retries).
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) async fn claim_with_retries<DB: Database>(
     pool: &Pool<DB>,
