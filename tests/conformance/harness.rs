@@ -88,19 +88,25 @@ impl<DB: TestDb> Server<DB> {
     /// test to look at the state each was returned in.
     pub async fn pooled_connections(&self) -> Vec<sqlx::pool::PoolConnection<DB>> {
         let pool = self.state.idem.pool();
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while pool.num_idle() < pool.size() as usize {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "a connection never came back"
-            );
-            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
-        }
+        until_idle(pool).await;
         let mut connections = Vec::new();
         for _ in 0..pool.size() {
             connections.push(pool.acquire().await.unwrap());
         }
         connections
+    }
+}
+
+/// Returns once every connection of `pool` is back in it (sqlx hands one
+/// back in a task of its own, after its user has let go), within 10 s.
+pub async fn until_idle<DB: sqlx::Database>(pool: &sqlx::Pool<DB>) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while pool.num_idle() < pool.size() as usize {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "a connection never came back"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(2)).await;
     }
 }
 

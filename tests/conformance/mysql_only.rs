@@ -9,7 +9,7 @@ use sqlx::mysql::MySqlPoolOptions;
 use sqlx::{Executor, MySql};
 
 use crate::app::TestDb;
-use crate::harness::unique;
+use crate::harness::{unique, until_idle};
 
 /// The lock wait the pool's sessions are configured with.
 const SESSION_LOCK_WAIT: u64 = 7;
@@ -336,12 +336,8 @@ async fn a_claim_that_waited_keeps_its_connection() {
     .await
     .unwrap();
     let session = async || {
-        // The pool's one idle connection, once it is back.
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while pool.num_idle() < 1 {
-            assert!(std::time::Instant::now() < deadline, "no idle connection");
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
+        // The pool's one connection, once it is back.
+        until_idle(&pool).await;
         let mut conn = pool.try_acquire().expect("an idle connection");
         let id: u64 = sqlx::query_scalar("SELECT CONNECTION_ID()")
             .fetch_one(&mut *conn)

@@ -7,7 +7,9 @@ use futures::future::join_all;
 use reqwest::{Method, StatusCode};
 
 use crate::app::{Effect, Hold, TestDb};
-use crate::harness::{Answer, ChildServer, Client, send, start, start_configured, unique};
+use crate::harness::{
+    Answer, ChildServer, Client, send, start, start_configured, unique, until_idle,
+};
 
 pub use crate::expiry::{
     concurrent_retries_of_an_expired_key_make_one_effect, expired_keys_run_as_new,
@@ -888,19 +890,12 @@ pub async fn until_session_ends<DB: TestDb>(admin: &sqlx::Pool<DB>, id: i64) {
 
 /// The session of `pool`'s one connection, once it is back and idle.
 async fn pool_session<DB: TestDb>(pool: &sqlx::Pool<DB>) -> i64 {
-    let idle = || async {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while pool.num_idle() < 1 {
-            assert!(Instant::now() < deadline, "the connection never came back");
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
-    };
-    idle().await;
+    until_idle(pool).await;
     let mut conn = pool.acquire().await.unwrap();
     let id = DB::session_id(&mut conn)
         .await
         .expect("an engine with a server");
     drop(conn);
-    idle().await;
+    until_idle(pool).await;
     id
 }
