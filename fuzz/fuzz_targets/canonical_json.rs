@@ -4,7 +4,7 @@
 #![no_main]
 
 use http::{HeaderMap, HeaderValue, Method, header::CONTENT_TYPE};
-use idem_runtime::{Fingerprint, canonicalize};
+use idem_runtime::__private::{Fingerprint, canonicalize};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

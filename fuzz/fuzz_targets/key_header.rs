@@ -4,7 +4,8 @@
 #![no_main]
 
 use http::{HeaderMap, HeaderValue};
-use idem_runtime::{IDEMPOTENCY_KEY, MAX_KEY_LEN, parse_key, parse_key_value};
+use idem_runtime::{IDEMPOTENCY_KEY, MAX_KEY_LEN};
+use idem_runtime::__private::{parse_key, parse_key_value};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

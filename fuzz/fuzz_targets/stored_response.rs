@@ -3,7 +3,7 @@
 //! the same headers.
 #![no_main]
 
-use idem_runtime::{StoredResponse, decode_headers};
+use idem_runtime::__private::{StoredResponse, decode_headers};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

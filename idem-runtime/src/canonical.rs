@@ -14,7 +14,7 @@ use std::cmp::Ordering;
 /// Members in the order of their names' UTF-16 code units, strings escaped
 /// as JSON requires and no further, numbers as ECMAScript prints the
 /// double, except integers beyond 2^53: those keep their digits (see
-/// [`Fingerprint`](crate::Fingerprint)). Where serde_json's
+/// [`Fingerprint`](crate::fingerprint::Fingerprint)). Where serde_json's
 /// `arbitrary_precision` is on in the build, so that handlers read a
 /// number's exact digits, a number with a fraction or an exponent is
 /// written as its exact decimal value instead (`1.000000000000000001` is

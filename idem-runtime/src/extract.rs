@@ -13,13 +13,22 @@
 use axum::extract::{FromRef, FromRequest, FromRequestParts, Request};
 use axum::response::{IntoResponse, Response};
 
-/// The store (or anything else) taken from the state by [`FromRef`].
+/// The store taken from the state by [`FromRef`]. The blanket impl is not
+/// recommended in diagnostics, so a state without the store is reported
+/// with this trait's message, not as axum's `FromRef` bound.
 #[doc(hidden)]
+#[diagnostic::on_unimplemented(
+    message = "the router's state `{Self}` holds no `{T}`",
+    label = "an `#[idempotent]` handler takes its key store from the router's state",
+    note = "add a field of type `{T}` to `{Self}` and derive `Clone, FromRef` on it \
+            (axum's `macros` feature), or implement `FromRef<{Self}> for {T}`"
+)]
 pub trait __IdemFromRef<T> {
     /// `T::from_ref(state)`.
     fn from_ref(state: &Self) -> T;
 }
 
+#[diagnostic::do_not_recommend]
 impl<S, T: FromRef<S>> __IdemFromRef<T> for S {
     fn from_ref(state: &Self) -> T {
         T::from_ref(state)

@@ -22,7 +22,7 @@ use tracing::{Instrument, Span};
 
 use crate::Idem;
 use crate::backend::{
-    Backend, Claim, ClaimOutcome, FinishError, OpenTx, abandon, transaction_depth,
+    Backend, Claim, ClaimOutcome, FinishError, OpenTx, StoreError, abandon, transaction_depth,
 };
 use crate::fingerprint::Fingerprint;
 use crate::key::{IdempotencyKey, parse_key};
@@ -374,7 +374,7 @@ async fn run_keyed<'f, DB: Backend>(
 async fn claim_or_read<DB: Backend>(
     idem: &Idem<DB>,
     claim: &Claim<'_>,
-) -> Result<ClaimOutcome<DB>, sqlx::Error> {
+) -> Result<ClaimOutcome<DB>, StoreError> {
     let finished = idem.finished_keys();
     if finished.seen(claim.scope, claim.key) {
         // Boxed: most requests never take this branch, and sqlx's futures
@@ -391,7 +391,7 @@ async fn claim_or_read<DB: Backend>(
             Ok(None) => finished.forget(claim.scope, claim.key),
             // The server refused the read (a pooler that keeps no prepared
             // statements, say): the claim may still work.
-            Err(sqlx::Error::Database(error)) => {
+            Err(StoreError::Database(sqlx::Error::Database(error))) => {
                 tracing::debug!(%error, "reading a finished key failed; claiming it");
                 finished.forget(claim.scope, claim.key);
             }

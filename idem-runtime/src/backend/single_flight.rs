@@ -16,6 +16,10 @@ use std::sync::{Arc, LazyLock, Mutex, MutexGuard, PoisonError};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+use sqlx::Pool;
+
+use super::{Backend, ConnectOptions};
+
 /// One key in one table of one database: the four, each length-prefixed,
 /// in one shared buffer (every first attempt builds one; a clone is a
 /// reference).
@@ -128,7 +132,6 @@ pub(crate) fn waiting(slot: &Slot) -> usize {
 }
 
 /// The attempt in flight for `slot`, if any.
-#[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
 pub(crate) fn in_flight(slot: &Slot) -> Option<Busy> {
     flights().get(slot).cloned().map(Busy)
 }
@@ -153,6 +156,31 @@ pub(crate) fn enter(slot: &Slot) -> Result<Flight, Busy> {
         _done: done,
         _kept: None,
     })
+}
+
+/// The single-flight slot of `(scope, key)` in `table` of `pool`'s
+/// database, and the connect options it is named after, for its flight to
+/// keep (see [`Backend::flight_database`]).
+pub(crate) fn flight_slot<DB: Backend>(
+    pool: &Pool<DB>,
+    table: &str,
+    scope: &str,
+    key: &str,
+) -> (Slot, Arc<ConnectOptions<DB>>) {
+    let options = pool.connect_options();
+    let database = |out: &mut Vec<u8>| DB::flight_database(&options, out);
+    (Slot::new(database, table, scope, key), options)
+}
+
+/// How many duplicates of `(scope, key)` wait in this process for its
+/// attempt in flight.
+pub(crate) fn waiting_duplicates<DB: Backend>(
+    pool: &Pool<DB>,
+    table: &str,
+    scope: &str,
+    key: &str,
+) -> usize {
+    waiting(&flight_slot(pool, table, scope, key).0)
 }
 
 #[cfg(test)]

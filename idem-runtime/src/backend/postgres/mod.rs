@@ -18,15 +18,17 @@ use sqlx::postgres::{PgRow, PgTransactionManager};
 use sqlx::{AssertSqlSafe, Pool, Postgres, Row, SqlSafeStr};
 use sqlx_core::transaction::TransactionManager;
 
-use self::statements::{ClaimRow, PEEK};
-use super::{Acquire, Backend, Claim, ClaimOutcome, Failure, FinishError, OpenTx};
+use self::sql::{ClaimRow, PEEK, fnv1a};
+use super::claim::Failure;
+use super::contract::decode_finished;
+use super::{Acquire, Backend, Claim, ClaimOutcome, FinishError, OpenTx, StoreError};
 use crate::Error;
 use crate::fingerprint::Fingerprint;
 use crate::response::StoredResponse;
 
-mod statements;
+mod sql;
 
-impl super::sealed::Sealed for Postgres {}
+impl super::contract::sealed::Sealed for Postgres {}
 
 const LOCK_NOT_AVAILABLE: &str = "55P03";
 const UNIQUE_VIOLATION: &str = "23505";
@@ -57,10 +59,7 @@ impl Backend for Postgres {
             table.rsplit('.').next().unwrap_or(table)
         ) {
             index if index.len() <= 63 => index,
-            _ => format!(
-                "idem_{:016x}_expires_at_idx",
-                crate::backend::fnv1a(table.bytes())
-            ),
+            _ => format!("idem_{:016x}_expires_at_idx", fnv1a(table.bytes())),
         };
         let ddl = format!(
             "CREATE TABLE IF NOT EXISTS {table} (
@@ -118,11 +117,11 @@ impl Backend for Postgres {
         acquire: Acquire,
         table: &str,
         claim: &Claim<'_>,
-    ) -> Result<ClaimOutcome<Self>, sqlx::Error> {
-        let (flight, claim) = super::wait_in_process(pool, table, claim).await;
+    ) -> Result<ClaimOutcome<Self>, StoreError> {
+        let (flight, claim) = super::claim::wait_in_process(pool, table, claim).await;
         let row = ClaimRow::new(table, &claim);
-        let outcome = super::claim_with_retries(pool, acquire, PgClaim { row }).await;
-        Ok(super::held(outcome?, flight))
+        let outcome = super::claim::claim_with_retries(pool, acquire, PgClaim { row }).await;
+        Ok(super::claim::held(outcome?, flight))
     }
 
     async fn peek(
@@ -130,10 +129,10 @@ impl Backend for Postgres {
         acquire: Acquire,
         table: &str,
         claim: &Claim<'_>,
-    ) -> Result<Option<ClaimOutcome<Self>>, sqlx::Error> {
+    ) -> Result<Option<ClaimOutcome<Self>>, StoreError> {
         // An ordinary sqlx query: prepared and cached by sqlx per
         // connection, as the pool's own configuration says.
-        let row = super::on_connection(pool, acquire, |mut conn| async move {
+        let row = super::connection::on_connection(pool, acquire, |mut conn| async move {
             let row = sqlx::query(AssertSqlSafe(PEEK.replace("{table}", table)))
                 .bind(claim.scope.as_bytes())
                 .bind(claim.key.as_bytes())
@@ -153,7 +152,7 @@ impl Backend for Postgres {
     }
 
     async fn begin(pool: &Pool<Self>, acquire: Acquire) -> Result<OpenTx<Self>, sqlx::Error> {
-        super::on_connection(pool, acquire, |mut conn| async move {
+        super::connection::on_connection(pool, acquire, |mut conn| async move {
             PgTransactionManager::begin(&mut conn, None).await?;
             Ok(conn)
         })
@@ -195,11 +194,7 @@ impl Backend for Postgres {
             // committed nothing of the claim's; the client must not be told
             // the work is done. The connection's state is unknown: closed.
             conn.close_on_drop();
-            return Err(FinishError::Ended(sqlx::Error::Protocol(
-                "the idempotency claim's row was gone at the finish: the handler's \
-                 transaction had ended"
-                    .into(),
-            )));
+            return Err(FinishError::Ended(StoreError::ClaimGone));
         }
         // The commit landed, and the text opened an empty transaction in
         // its place: the one sqlx counts. sqlx's rollback of it is queued,
@@ -210,7 +205,16 @@ impl Backend for Postgres {
     }
 
     async fn rollback(conn: &mut PoolConnection<Self>) -> Result<(), sqlx::Error> {
-        super::rollback_transaction(conn).await
+        super::connection::rollback_transaction(conn).await
+    }
+
+    /// Also `57P01`..`57P03` and `57P05`: a backend terminated, or ended by
+    /// `idle_session_timeout`, while idle leaves its `FATAL` to be read by
+    /// the next statement.
+    fn session_gone(error: &dyn sqlx::error::DatabaseError) -> bool {
+        error.code().is_some_and(|code| {
+            code.starts_with("08") || matches!(&*code, "57P01" | "57P02" | "57P03" | "57P05")
+        })
     }
 
     async fn sweep(pool: &Pool<Self>, table: &str, batch: u32) -> Result<u64, sqlx::Error> {
@@ -247,9 +251,9 @@ fn finish_error(error: sqlx::Error) -> FinishError {
         sqlx::Error::Database(db) if db.code().is_some_and(|code| code.starts_with("23") || code.starts_with("54"))
     );
     if integrity || has_code(&error, &[IN_FAILED_TRANSACTION]) {
-        FinishError::Ended(error)
+        FinishError::Ended(error.into())
     } else {
-        FinishError::Store(error)
+        FinishError::Store(error.into())
     }
 }
 
@@ -272,7 +276,7 @@ struct PgClaim<'c> {
     row: ClaimRow<'c>,
 }
 
-impl super::ClaimAttempt<Postgres> for PgClaim<'_> {
+impl super::claim::ClaimAttempt<Postgres> for PgClaim<'_> {
     async fn attempt(
         &mut self,
         mut conn: OpenTx<Postgres>,
@@ -295,10 +299,10 @@ impl super::ClaimAttempt<Postgres> for PgClaim<'_> {
             Err(error) => error,
         };
         // A connection that was gone is closed (dropped), not rolled back.
-        if !super::is_gone(&error) {
-            super::abandon(conn).await;
+        if !error.is_gone::<Postgres>() {
+            super::connection::abandon(conn).await;
         }
-        Err(if has_code(&error, &[LOCK_NOT_AVAILABLE]) {
+        Err(if store_has_code(&error, &[LOCK_NOT_AVAILABLE]) {
             // A timeout this short can also be a brief wait on another lock
             // (extending the table, say) rather than a duplicate: look once
             // more before telling a fresh key it is in use.
@@ -307,7 +311,7 @@ impl super::ClaimAttempt<Postgres> for PgClaim<'_> {
             } else {
                 Failure::InUse
             }
-        } else if has_code(&error, &[SERIALIZATION_FAILURE, DEADLOCK_DETECTED]) {
+        } else if store_has_code(&error, &[SERIALIZATION_FAILURE, DEADLOCK_DETECTED]) {
             // CockroachDB and YugabyteDB ask clients to retry these; the
             // claim has done nothing yet, so retrying it is always safe.
             Failure::Retry(error)
@@ -328,7 +332,7 @@ const SHORT_WAIT: std::time::Duration = std::time::Duration::from_millis(50);
 async fn claim_on(
     conn: &mut OpenTx<Postgres>,
     row: &mut ClaimRow<'_>,
-) -> Result<Settled, sqlx::Error> {
+) -> Result<Settled, StoreError> {
     let settled = claim_with_fallback(conn, row).await;
     conn.inlined = !row.prepared;
     settled
@@ -337,9 +341,9 @@ async fn claim_on(
 async fn claim_with_fallback(
     conn: &mut PoolConnection<Postgres>,
     row: &mut ClaimRow<'_>,
-) -> Result<Settled, sqlx::Error> {
+) -> Result<Settled, StoreError> {
     match settle(conn, row, "").await {
-        Err(error) if has_code(&error, &[UNDEFINED_STATEMENT]) => {}
+        Err(error) if store_has_code(&error, &[UNDEFINED_STATEMENT]) => {}
         settled => return settled,
     }
     // The failed `EXECUTE` aborted the transaction; end it, and ask which
@@ -360,15 +364,17 @@ async fn claim_with_fallback(
         Ok(present) => {
             let prepare = row.statements.prepare_missing(&present);
             match settle(conn, row, &prepare).await {
-                Err(error) if has_code(&error, &[UNDEFINED_STATEMENT, DUPLICATE_STATEMENT]) => {
+                Err(error)
+                    if store_has_code(&error, &[UNDEFINED_STATEMENT, DUPLICATE_STATEMENT]) =>
+                {
                     error
                 }
                 settled => return settled,
             }
         }
         // A server without the view: the lookup's error is no claim's.
-        Err(sqlx::Error::Database(error)) => sqlx::Error::Database(error),
-        Err(error) => return Err(error),
+        Err(sqlx::Error::Database(error)) => sqlx::Error::Database(error).into(),
+        Err(error) => return Err(error.into()),
     };
     tracing::debug!(%error, "prepared statements not kept; inlining idem's arguments");
     sqlx::raw_sql("ROLLBACK").execute(&mut **conn).await?;
@@ -399,7 +405,7 @@ async fn settle(
     conn: &mut PoolConnection<Postgres>,
     row: &ClaimRow<'_>,
     prelude: &str,
-) -> Result<Settled, sqlx::Error> {
+) -> Result<Settled, StoreError> {
     let mut claim = row.begin_and_insert(prelude);
     for _ in 0..SETTLE_ATTEMPTS {
         let begun =
@@ -407,7 +413,7 @@ async fn settle(
         match begun {
             Ok(()) => return Ok(Settled::Ours),
             Err(error) if has_code(&error, &[UNIQUE_VIOLATION]) => {}
-            Err(error) => return Err(error),
+            Err(error) => return Err(error.into()),
         }
         let rows = sqlx::raw_sql(AssertSqlSafe(row.end_and_select()))
             .fetch_all(&mut **conn)
@@ -421,9 +427,7 @@ async fn settle(
             }
         };
     }
-    Err(sqlx::Error::Protocol(
-        "idempotency row changed repeatedly during its claim".into(),
-    ))
+    Err(StoreError::Unsettled)
 }
 
 /// What a read of a taken key saw.
@@ -443,28 +447,28 @@ enum Settled {
     Finished(Fingerprint, StoredResponse),
 }
 
-fn read_row(row: &PgRow) -> Result<Found, sqlx::Error> {
+fn read_row(row: &PgRow) -> Result<Found, StoreError> {
     if row.try_get::<bool, _>("expired")? {
         return Ok(Found::Expired);
     }
     let Some(status) = row.try_get::<Option<i16>, _>("status")? else {
         return Ok(Found::Unfinished);
     };
-    let corrupt = || sqlx::Error::Decode("corrupt stored idempotent response".into());
-    let fingerprint =
-        Fingerprint::from_bytes(&row.try_get::<Vec<u8>, _>("fingerprint")?).ok_or_else(corrupt)?;
-    let headers: Vec<u8> = row
-        .try_get::<Option<Vec<u8>>, _>("headers")?
-        .unwrap_or_default();
-    let body: Vec<u8> = row
-        .try_get::<Option<Vec<u8>>, _>("body")?
-        .unwrap_or_default();
-    let response = StoredResponse::decode(status.into(), &headers, body).ok_or_else(corrupt)?;
+    let (fingerprint, response) = decode_finished(
+        status.into(),
+        &row.try_get::<Vec<u8>, _>("fingerprint")?,
+        row.try_get("headers")?,
+        row.try_get("body")?,
+    )?;
     Ok(Found::Finished(fingerprint, response))
 }
 
 fn has_code(error: &sqlx::Error, codes: &[&str]) -> bool {
     matches!(error, sqlx::Error::Database(db) if db.code().is_some_and(|code| codes.contains(&&*code)))
+}
+
+fn store_has_code(error: &StoreError, codes: &[&str]) -> bool {
+    matches!(error, StoreError::Database(error) if has_code(error, codes))
 }
 
 #[cfg(test)]

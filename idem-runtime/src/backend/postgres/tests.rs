@@ -71,7 +71,7 @@ struct Scripted {
     attempts: Vec<usize>,
 }
 
-impl crate::backend::ClaimAttempt<Postgres> for &mut Scripted {
+impl crate::backend::claim::ClaimAttempt<Postgres> for &mut Scripted {
     async fn attempt(
         &mut self,
         conn: OpenTx<Postgres>,
@@ -94,8 +94,8 @@ impl crate::backend::ClaimAttempt<Postgres> for &mut Scripted {
 #[tokio::test]
 async fn claims_are_retried_only_when_the_engine_asks() {
     let pool = test_pool(1, |options| options).await;
-    let retry = || Failure::Retry(sqlx::Error::PoolTimedOut);
-    let fatal = || Failure::Fatal(sqlx::Error::RowNotFound);
+    let retry = || Failure::Retry(sqlx::Error::PoolTimedOut.into());
+    let fatal = || Failure::Fatal(StoreError::Vanished);
     let in_use = || Failure::InUse;
     let cases: [(&[Step], &str, &[usize]); 5] = [
         (&[Some(retry), Some(retry), None], "claimed", &[1, 2, 3]),
@@ -113,8 +113,12 @@ async fn claims_are_retried_only_when_the_engine_asks() {
             script: script.iter().copied().collect(),
             attempts: Vec::new(),
         };
-        let outcome =
-            crate::backend::claim_with_retries(&pool, crate::Acquire::default(), &mut claim).await;
+        let outcome = crate::backend::claim::claim_with_retries(
+            &pool,
+            crate::backend::Acquire::default(),
+            &mut claim,
+        )
+        .await;
         let got = match outcome {
             Ok(ClaimOutcome::Claimed(mut conn)) => {
                 // A live connection, handed over by the last attempt.
@@ -261,13 +265,13 @@ async fn inlined_statements_claim_finish_replay_and_take_over() {
 async fn an_older_revisions_statements_are_never_run() {
     let pool = test_pool(1, |options| options).await;
     let table = table(&pool, "revision").await;
-    let older = statements::Statements::at_revision("1:", &table);
+    let older = sql::Statements::at_revision("1:", &table);
     // An older claim that would claim nothing: run, it would send this
     // key round the "taken, then vanished" loop until the claim failed.
     let mut conn = pool.acquire().await.unwrap();
     sqlx::raw_sql(AssertSqlSafe(format!(
         "PREPARE {} (bytea, bytea, bytea, bigint) AS SELECT WHERE false",
-        older.name(&statements::CLAIM)
+        older.name(&sql::CLAIM)
     )))
     .execute(&mut *conn)
     .await
@@ -294,14 +298,14 @@ async fn an_older_revisions_statements_are_never_run() {
     .unwrap();
     assert_eq!(status, Some(201));
     // Both revisions' statements sit side by side in the one session.
-    let current = statements::Statements::new(&table).name(&statements::CLAIM);
+    let current = sql::Statements::new(&table).name(&sql::CLAIM);
     let prepared: Vec<String> = sqlx::query_scalar(
         "SELECT name FROM pg_prepared_statements WHERE name LIKE '%\\_claim' ORDER BY name",
     )
     .fetch_all(&pool)
     .await
     .unwrap();
-    let mut expected = vec![older.name(&statements::CLAIM), current];
+    let mut expected = vec![older.name(&sql::CLAIM), current];
     expected.sort();
     assert_eq!(prepared, expected);
     drop_table(&pool, &table).await;
@@ -500,7 +504,7 @@ async fn taking_over_an_expired_key_waits_no_longer_than_wait() {
     .await
     .unwrap();
     let release = async move { holder.rollback().await.unwrap() };
-    crate::backend::takeover_test::in_use_then_taken_over(&pool, &table, release).await;
+    crate::backend::test_support::in_use_then_taken_over(&pool, &table, release).await;
     let rows: Vec<(Vec<u8>, bool)> = sqlx::query_as(AssertSqlSafe(format!(
         "SELECT fingerprint, expires_at > now() FROM {table} WHERE key = 'old'"
     )))

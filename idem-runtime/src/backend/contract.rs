@@ -1,0 +1,233 @@
+//! The storage contract: what a claim asks, what it finds, and the trait
+//! each engine implements.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::pool::PoolConnection;
+use sqlx::{Database, Pool};
+
+use super::{Acquire, OpenTx};
+use crate::Error;
+use crate::fingerprint::Fingerprint;
+use crate::response::StoredResponse;
+
+/// One claim of `(scope, key)`: what a backend needs to insert the row.
+#[derive(Debug, Clone, Copy)]
+pub struct Claim<'a> {
+    /// The caller the key belongs to.
+    pub scope: &'a str,
+    /// The validated key.
+    pub key: &'a str,
+    /// The request's fingerprint.
+    pub fingerprint: Fingerprint,
+    /// How long the stored response is kept.
+    pub ttl: Duration,
+    /// How long to wait for a concurrent attempt before answering 409.
+    pub wait: Duration,
+}
+
+/// What a claim found.
+#[derive(Debug)]
+pub enum ClaimOutcome<DB: Database> {
+    /// The key is ours: the connection holds an open transaction in which
+    /// the claim row is the first write.
+    Claimed(OpenTx<DB>),
+    /// A previous attempt finished; its transaction is already closed.
+    Finished {
+        /// The fingerprint that attempt was made with.
+        fingerprint: Fingerprint,
+        /// Its stored response.
+        response: StoredResponse,
+    },
+    /// Another attempt holds the key and did not finish within `wait`.
+    InUse,
+}
+
+/// Why the key store failed: the database's own errors, and the
+/// conditions `idem` finds itself in what the database answered.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The database refused or lost a statement.
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+    /// A stored response did not decode (a row `idem` did not write).
+    #[error("corrupt stored idempotent response")]
+    Corrupt,
+    /// The claim's row was gone at the finish: the handler's transaction
+    /// had ended (rolled back by the engine, or by the handler itself).
+    #[error(
+        "the idempotency claim's row was gone at the finish: the handler's transaction had ended"
+    )]
+    ClaimGone,
+    /// The key's row changed under the claim more often than it reads again.
+    #[error("idempotency row changed repeatedly during its claim")]
+    Unsettled,
+    /// The key's row vanished (swept) between the claim's write and its read.
+    #[error("idempotency row vanished during its claim")]
+    Vanished,
+    /// A scope longer than the engine's key column takes.
+    #[error("idempotency scope is {len} bytes; the key store takes at most {max}")]
+    ScopeTooLong {
+        /// The scope's length in bytes.
+        len: usize,
+        /// The most the store takes.
+        max: usize,
+    },
+}
+
+impl StoreError {
+    /// Whether the connection was gone rather than a statement failing
+    /// (see [`is_gone`](super::connection::is_gone)).
+    pub(crate) fn is_gone<DB: Backend>(&self) -> bool {
+        matches!(self, Self::Database(error) if super::connection::is_gone::<DB>(error))
+    }
+}
+
+/// Why [`Backend::finish`] did not commit.
+#[derive(Debug, thiserror::Error)]
+pub enum FinishError {
+    /// The request's transaction had already failed or ended before the
+    /// finish: a statement of the handler's failed (PostgreSQL then refuses
+    /// every statement until the rollback; InnoDB and SQLite roll some
+    /// failures back whole), and the handler answered as if it had not.
+    /// Nothing of the transaction commits.
+    #[error("the transaction had already failed: {0}")]
+    Ended(#[source] StoreError),
+    /// The store failed the finish: a lost connection, a refused commit.
+    /// The commit may have landed, in which case a retry replays it.
+    #[error(transparent)]
+    Store(StoreError),
+}
+
+impl From<sqlx::Error> for FinishError {
+    fn from(error: sqlx::Error) -> Self {
+        Self::Store(error.into())
+    }
+}
+
+pub(crate) mod sealed {
+    pub trait Sealed {}
+}
+
+/// A database engine `idem` can keep keys in.
+///
+/// Implemented for the sqlx database types of the enabled features
+/// (`sqlx::Postgres` with `postgres`, `sqlx::Sqlite` with `sqlite`,
+/// `sqlx::MySql` with `mysql`); sealed, because every engine must keep
+/// the atomic contract, which the conformance suite checks.
+pub trait Backend: Database + sealed::Sealed {
+    /// Creates the key table and its expiry index if they do not exist.
+    #[doc(hidden)]
+    fn migrate(pool: &Pool<Self>, table: &str) -> impl Future<Output = Result<(), Error>> + Send;
+
+    /// Opens a transaction and claims the key as its first write.
+    #[doc(hidden)]
+    fn claim(
+        pool: &Pool<Self>,
+        acquire: Acquire,
+        table: &str,
+        claim: &Claim<'_>,
+    ) -> impl Future<Output = Result<ClaimOutcome<Self>, StoreError>> + Send;
+
+    /// Reads the key's stored response, if it is finished and unexpired,
+    /// with one indexed read outside any transaction: the fast path for a
+    /// retry of a key this process saw finish. `None`, or a database error
+    /// (the server refused the read), sends the request through
+    /// [`Backend::claim`], the authority.
+    #[doc(hidden)]
+    fn peek(
+        pool: &Pool<Self>,
+        acquire: Acquire,
+        table: &str,
+        claim: &Claim<'_>,
+    ) -> impl Future<Output = Result<Option<ClaimOutcome<Self>>, StoreError>> + Send;
+
+    /// Opens a plain transaction (a request without a key, `key = "optional"`).
+    #[doc(hidden)]
+    fn begin(
+        pool: &Pool<Self>,
+        acquire: Acquire,
+    ) -> impl Future<Output = Result<OpenTx<Self>, sqlx::Error>> + Send;
+
+    /// Stores the response on the claimed row and commits, in as few round
+    /// trips as the engine allows. `None` commits without storing. Neither
+    /// commits a transaction that has already failed or ended.
+    #[doc(hidden)]
+    fn finish(
+        conn: &mut OpenTx<Self>,
+        table: &str,
+        claim: Option<&Claim<'_>>,
+        response: Option<&StoredResponse>,
+    ) -> impl Future<Output = Result<(), FinishError>> + Send;
+
+    /// Rolls the open transaction back.
+    #[doc(hidden)]
+    fn rollback(
+        conn: &mut PoolConnection<Self>,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+
+    /// Deletes up to `batch` expired rows; returns how many went.
+    #[doc(hidden)]
+    fn sweep(
+        pool: &Pool<Self>,
+        table: &str,
+        batch: u32,
+    ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
+
+    /// Whether a database error says the session is gone rather than that a
+    /// statement failed. By default SQLSTATE class 08 (connection
+    /// exception).
+    #[doc(hidden)]
+    fn session_gone(error: &dyn sqlx::error::DatabaseError) -> bool {
+        error.code().is_some_and(|code| code.starts_with("08"))
+    }
+
+    /// Writes the name of `pool`'s database for the in-process single
+    /// flight ([`single_flight`](super::single_flight)): attempts of one key on one name wait for
+    /// each other in this process. By default the pool's own: the address
+    /// of its connect options, which a flight keeps alive, so no other pool
+    /// can take the address while the flight lives. (After
+    /// `Pool::set_connect_options` the pool has a new name; duplicates of
+    /// attempts begun before then wait in the database instead.)
+    #[doc(hidden)]
+    fn flight_database(options: &Arc<ConnectOptions<Self>>, out: &mut Vec<u8>) {
+        out.extend_from_slice(&(Arc::as_ptr(options) as usize).to_le_bytes());
+    }
+}
+
+/// A pool's connect options.
+pub(crate) type ConnectOptions<DB> = <<DB as Database>::Connection as sqlx::Connection>::Options;
+
+/// A finished row read from its `status`, `fingerprint`, `headers` and
+/// `body`.
+pub(crate) fn finished<DB: Database>(
+    status: i64,
+    fingerprint: &[u8],
+    headers: Option<Vec<u8>>,
+    body: Option<Vec<u8>>,
+) -> Result<ClaimOutcome<DB>, StoreError> {
+    let (fingerprint, response) = decode_finished(status, fingerprint, headers, body)?;
+    Ok(ClaimOutcome::Finished {
+        fingerprint,
+        response,
+    })
+}
+
+/// A finished row's fingerprint and response, as every engine reads them.
+pub(crate) fn decode_finished(
+    status: i64,
+    fingerprint: &[u8],
+    headers: Option<Vec<u8>>,
+    body: Option<Vec<u8>>,
+) -> Result<(Fingerprint, StoredResponse), StoreError> {
+    let fingerprint = Fingerprint::from_bytes(fingerprint).ok_or(StoreError::Corrupt)?;
+    let response = StoredResponse::decode(
+        status,
+        &headers.unwrap_or_default(),
+        body.unwrap_or_default(),
+    )
+    .ok_or(StoreError::Corrupt)?;
+    Ok((fingerprint, response))
+}

@@ -1,0 +1,138 @@
+//! MySQL/MariaDB's statements. Every value is inlined as hex (`X'..'`)
+//! or as an integer we formatted: no client-controlled character reaches SQL.
+
+use super::{OURS, SAVED_LOCK_WAIT, STATUS, TWO_ROWS};
+use crate::backend::Claim;
+use crate::backend::sql::push_hex;
+use crate::response::StoredResponse;
+
+/// The sweep's `DELETE`s of the locked `rows`, each at most about `limit`
+/// bytes of text.
+pub(super) fn delete_statements(
+    table: &str,
+    rows: &[(Vec<u8>, Vec<u8>)],
+    limit: usize,
+) -> Vec<String> {
+    let head =
+        format!("DELETE t FROM {table} AS t FORCE INDEX (PRIMARY) WHERE (t.scope, t.`key`) IN (");
+    let tail = ") AND t.expires_at <= UTC_TIMESTAMP(6)";
+    let mut statements = Vec::new();
+    let mut statement = String::new();
+    for (scope, key) in rows {
+        if statement.is_empty() {
+            statement.push_str(&head);
+        } else {
+            statement.push_str(", ");
+        }
+        statement.push_str("(X'");
+        push_hex(&mut statement, scope);
+        statement.push_str("', X'");
+        push_hex(&mut statement, key);
+        statement.push_str("')");
+        if statement.len() >= limit {
+            statement.push_str(tail);
+            statements.push(std::mem::take(&mut statement));
+        }
+    }
+    if !statement.is_empty() {
+        statement.push_str(tail);
+        statements.push(statement);
+    }
+    statements
+}
+
+/// The claim's round trip. An expired row is taken over inside the upsert:
+/// MySQL applies the assignments left to right, so `expires_at` goes last
+/// and every condition before it still sees the old expiry.
+///
+/// The row the upsert writes carries a token of this claim's in `headers`
+/// until the finish stores the real ones: an unfinished row without it was
+/// left alone by the upsert, because an earlier attempt committed it (its
+/// handler's own `COMMIT`, or a statement that commits implicitly) and
+/// then failed, with its effects in and no response. That key is in use
+/// until it expires, as on every engine: running the handler again could
+/// do its effects twice. (The row count cannot tell: sqlx's connections
+/// count a row found unchanged as one, like a row inserted.)
+pub(super) fn claim_sql(table: &str, claim: &Claim<'_>) -> String {
+    let token = hex(&rand::random::<[u8; 16]>());
+    let now = "UTC_TIMESTAMP(6)";
+    let expires = format!("{now} + INTERVAL {} MICROSECOND", claim.ttl.as_micros());
+    let expired = format!("expires_at <= {now}");
+    let fingerprint = hex(claim.fingerprint.as_bytes());
+    let wait = claim.wait;
+    let lock_wait_secs = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
+    let bounded = if wait.subsec_nanos() > 0 {
+        format!(
+            "/*M!100300 SET STATEMENT max_statement_time = {}.{:06} FOR */ ",
+            wait.as_secs(),
+            wait.subsec_micros()
+        )
+    } else {
+        String::new()
+    };
+    format!(
+        "SET {SAVED_LOCK_WAIT} = @@SESSION.innodb_lock_wait_timeout, {STATUS} = NULL, \
+             {OURS} = FALSE, SESSION innodb_lock_wait_timeout = {lock_wait_secs}; \
+         START TRANSACTION; \
+         {bounded}INSERT INTO {table} (scope, `key`, fingerprint, headers, created_at, expires_at) \
+             VALUES (X'{scope}', X'{key}', X'{fingerprint}', X'{token}', {now}, {expires}) \
+             ON DUPLICATE KEY UPDATE \
+             fingerprint = IF({expired}, X'{fingerprint}', fingerprint), \
+             status = IF({expired}, NULL, status), \
+             headers = IF({expired}, X'{token}', headers), \
+             body = IF({expired}, NULL, body), \
+             created_at = IF({expired}, {now}, created_at), \
+             expires_at = IF({expired}, {expires}, expires_at); \
+         SET SESSION innodb_lock_wait_timeout = {SAVED_LOCK_WAIT}; \
+         SELECT status, headers <=> X'{token}' INTO {STATUS}, {OURS} FROM {table} \
+             WHERE {matches} LIMIT 1 FOR UPDATE; \
+         SELECT 1 INTO @idem_taken FROM {TWO_ROWS} \
+             WHERE o = 1 OR {STATUS} IS NOT NULL OR NOT {OURS} LIMIT 2",
+        scope = hex(claim.scope.as_bytes()),
+        key = hex(claim.key.as_bytes()),
+        matches = matches(claim),
+    )
+}
+
+/// The finish's `UPDATE` of the claim's row, which spares a finished row
+/// (a concurrent retry's, claimed after this transaction was rolled back).
+/// `late`: the expiry counts from now (see `OpenTx::outlived`).
+pub(super) fn store(
+    table: &str,
+    claim: &Claim<'_>,
+    response: &StoredResponse,
+    late: bool,
+) -> String {
+    let expiry = if late {
+        format!(
+            ", expires_at = UTC_TIMESTAMP(6) + INTERVAL {} MICROSECOND",
+            claim.ttl.as_micros()
+        )
+    } else {
+        String::new()
+    };
+    format!(
+        "UPDATE {table} SET status = {}, headers = X'{}', body = X'{}'{expiry} \
+         WHERE {} AND status IS NULL",
+        response.status.as_u16(),
+        hex(&response.encode_headers()),
+        hex(&response.body),
+        matches(claim),
+    )
+}
+
+pub(super) fn matches(claim: &Claim<'_>) -> String {
+    format!(
+        "scope = X'{}' AND `key` = X'{}'",
+        hex(claim.scope.as_bytes()),
+        hex(claim.key.as_bytes())
+    )
+}
+
+/// The hex form used to inline binary values into simple-protocol SQL:
+/// only `[0-9a-f]` reaches the statement, so nothing can inject.
+pub(super) fn hex(bytes: &[u8]) -> String {
+    let mut out = String::with_capacity(bytes.len() * 2);
+    push_hex(&mut out, bytes);
+    out
+}

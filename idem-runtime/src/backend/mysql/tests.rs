@@ -1,0 +1,379 @@
+//! MySQL/MariaDB's claim, sweep and migration against the server.
+
+use std::time::{Duration, Instant};
+
+use sqlx::MySqlConnection;
+use sqlx::mysql::MySqlPoolOptions;
+
+use super::*;
+
+/// A pool on the test server; fails loudly without one.
+async fn test_pool(max_connections: u32) -> Pool<MySql> {
+    let url = std::env::var("IDEM_TEST_MYSQL_URL")
+        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_owned());
+    MySqlPoolOptions::new()
+        .max_connections(max_connections)
+        .connect(&url)
+        .await
+        .unwrap_or_else(|error| panic!("MySQL/MariaDB is required at {url}: {error}"))
+}
+
+/// `error`, which must carry the server's `code`, as the claim sorts it.
+fn sorted(error: sqlx::Error, code: u16) -> Failure {
+    assert_eq!(number(&error), Some(code), "{error}");
+    failure(error)
+}
+
+/// A key table of this test process named after `name`, migrated
+/// empty (a run killed before its cleanup, with the same process id,
+/// left one).
+async fn key_table(pool: &Pool<MySql>, name: &str) -> String {
+    let table = format!("idem_{name}_{}", std::process::id());
+    run(
+        &mut pool.acquire().await.unwrap(),
+        &format!("DROP TABLE IF EXISTS {table}"),
+    )
+    .await
+    .unwrap();
+    MySql::migrate(pool, &table).await.expect("migrate");
+    table
+}
+
+/// Drops a test's table, at its end.
+async fn drop_table(pool: &Pool<MySql>, table: &str) {
+    run(
+        &mut pool.acquire().await.unwrap(),
+        &format!("DROP TABLE {table}"),
+    )
+    .await
+    .unwrap();
+}
+
+async fn run(conn: &mut MySqlConnection, sql: &str) -> Result<(), sqlx::Error> {
+    sqlx::raw_sql(AssertSqlSafe(sql.to_owned()))
+        .execute(conn)
+        .await
+        .map(drop)
+}
+
+/// Longer than the 0.1 s `INNODB_TRX` must go unread before InnoDB
+/// refreshes it.
+const INNODB_TRX_REFRESH: Duration = Duration::from_millis(150);
+
+/// The server's own errors, met as a claim meets them, sorted as the
+/// claim's retry loop needs: a deadlock is tried again, a lock wait that
+/// ran out (whole seconds, or MariaDB's statement time) is a 409, and
+/// anything else fails the claim.
+#[tokio::test]
+async fn deadlocks_are_retried_and_lock_waits_are_in_use() {
+    let pool = test_pool(3).await;
+    let table = format!("idem_failures_{}", std::process::id());
+    let [first, second] =
+        [1, 2].map(|id| format!("SELECT id FROM {table} WHERE id = {id} FOR UPDATE"));
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "DROP TABLE IF EXISTS {table}; \
+         CREATE TABLE {table} (id int PRIMARY KEY) ENGINE = InnoDB; \
+         INSERT INTO {table} VALUES (1), (2)"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+
+    // a holds row 1 and b row 2; a asks for row 2 and waits ...
+    let mut a = pool.acquire().await.unwrap();
+    let mut b = pool.acquire().await.unwrap();
+    run(&mut a, &format!("START TRANSACTION; {first}"))
+        .await
+        .unwrap();
+    run(&mut b, &format!("START TRANSACTION; {second}"))
+        .await
+        .unwrap();
+    let a_thread: u64 = sqlx::query_scalar("SELECT CONNECTION_ID()")
+        .fetch_one(&mut *a)
+        .await
+        .unwrap();
+    let waiting = tokio::spawn(async move {
+        let result = run(&mut a, &second).await;
+        (a, result)
+    });
+    // ... as the server's lock queue shows (no event tells, so it is
+    // polled until a is in it). InnoDB refreshes `INNODB_TRX` only once
+    // it has gone unread for 0.1 s: polled more often than that, it
+    // shows the first read's snapshot for ever (this test failed so
+    // when a first read came before a's wait). ...
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let waits: i64 = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM information_schema.INNODB_TRX \
+             WHERE trx_state = 'LOCK WAIT' AND trx_mysql_thread_id = ?",
+        )
+        .bind(a_thread)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        if waits == 1 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "a never waited for b's row");
+        tokio::time::sleep(INNODB_TRX_REFRESH).await;
+    }
+    // ... and b asks for row 1: a cycle, and InnoDB picks a victim.
+    let b_result = run(&mut b, &first).await;
+    let (mut a, a_result) = waiting.await.unwrap();
+    let mut errors: Vec<_> = [a_result, b_result]
+        .into_iter()
+        .filter_map(Result::err)
+        .collect();
+    assert_eq!(errors.len(), 1, "one of the two is the deadlock's victim");
+    assert!(matches!(
+        sorted(errors.remove(0), ER_LOCK_DEADLOCK),
+        Failure::Retry(_)
+    ));
+    for conn in [&mut a, &mut b] {
+        run(conn, "ROLLBACK").await.unwrap();
+    }
+
+    // b holds row 1: c's lock waits for it run out.
+    run(&mut b, &format!("START TRANSACTION; {first}"))
+        .await
+        .unwrap();
+    let mut c = pool.acquire().await.unwrap();
+    let timed_out = run(
+        &mut c,
+        &format!("SET SESSION innodb_lock_wait_timeout = 0; START TRANSACTION; {first}"),
+    )
+    .await
+    .expect_err("row 1 is b's");
+    assert!(matches!(
+        sorted(timed_out, ER_LOCK_WAIT_TIMEOUT),
+        Failure::InUse
+    ));
+    run(
+        &mut c,
+        "ROLLBACK; SET SESSION innodb_lock_wait_timeout = DEFAULT",
+    )
+    .await
+    .unwrap();
+    let mariadb: bool = sqlx::query_scalar("SELECT VERSION() LIKE '%MariaDB%'")
+        .fetch_one(&mut *c)
+        .await
+        .unwrap();
+    if mariadb {
+        let interrupted = run(
+            &mut c,
+            &format!("START TRANSACTION; SET STATEMENT max_statement_time = 0.05 FOR {first}"),
+        )
+        .await
+        .expect_err("row 1 is b's");
+        assert!(matches!(
+            sorted(interrupted, ER_STATEMENT_TIMEOUT),
+            Failure::InUse
+        ));
+        run(&mut c, "ROLLBACK").await.unwrap();
+    }
+
+    let syntax = run(&mut c, "SELEC 1").await.expect_err("not SQL");
+    assert!(matches!(failure(syntax), Failure::Fatal(_)));
+    run(&mut b, "ROLLBACK").await.unwrap();
+    drop((a, b, c));
+    drop_table(&pool, &table).await;
+}
+
+/// Taking over an expired key honours `wait` like any claim (the
+/// upsert's lock wait is bounded as the insert's is): while another
+/// transaction holds the expired row, the claim is told the key is in
+/// use, instead of waiting for that transaction to end. Once the row is
+/// free, the key is taken over, in place.
+#[tokio::test]
+async fn taking_over_an_expired_key_waits_no_longer_than_wait() {
+    let pool = test_pool(3).await;
+    let table = key_table(&pool, "takeover").await;
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "INSERT INTO {table} (scope, `key`, fingerprint, status, created_at, expires_at) \
+         VALUES ('acct', 'old', X'00', 201, UTC_TIMESTAMP(6), \
+                 UTC_TIMESTAMP(6) - INTERVAL 1 SECOND)"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let mut holder = pool.acquire().await.unwrap();
+    run(
+        &mut holder,
+        &format!("START TRANSACTION; SELECT 1 FROM {table} WHERE `key` = 'old' FOR UPDATE"),
+    )
+    .await
+    .unwrap();
+    let release = async move { run(&mut holder, "ROLLBACK").await.unwrap() };
+    crate::backend::test_support::in_use_then_taken_over(&pool, &table, release).await;
+    let rows: Vec<(Vec<u8>, bool)> = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT fingerprint, expires_at > UTC_TIMESTAMP(6) FROM {table} WHERE `key` = 'old'"
+    )))
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(rows, [(vec![1; 32], true)], "one live row, the new claim's");
+    drop_table(&pool, &table).await;
+}
+
+/// A table name as long as `Idem::table` takes (63 characters) migrates:
+/// its index gets a short name instead of one past MySQL's 64.
+#[tokio::test]
+async fn the_longest_table_name_migrates() {
+    let pool = test_pool(1).await;
+    let prefix = format!("idem_long_{}_", std::process::id());
+    let table = format!("{prefix}{}", "x".repeat(63 - prefix.len()));
+    assert_eq!(table.len(), 63);
+    MySql::migrate(&pool, &table).await.expect("migrate");
+    MySql::migrate(&pool, &table).await.expect("migrate again");
+    drop_table(&pool, &table).await;
+}
+
+/// The sweeper skips an expired row a claim is taking over (its handler
+/// running) instead of waiting for it: the other expired rows go at
+/// once, and the taken-over row stays, live.
+#[tokio::test]
+async fn sweeps_skip_a_row_a_claim_holds() {
+    let pool = test_pool(3).await;
+    let table = key_table(&pool, "sweep").await;
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "INSERT INTO {table} (scope, `key`, fingerprint, status, created_at, expires_at) \
+         VALUES ('acct', 'k1', X'00', 201, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6) - INTERVAL 3 SECOND), \
+                ('acct', 'k2', X'00', 201, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6) - INTERVAL 2 SECOND), \
+                ('acct', 'k3', X'00', 201, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6) - INTERVAL 1 SECOND)"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let claim = Claim {
+        scope: "acct",
+        key: "k2",
+        fingerprint: crate::fingerprint::Fingerprint::from_bytes(&[1; 32]).unwrap(),
+        ttl: Duration::from_secs(60),
+        wait: Duration::ZERO,
+    };
+    let ClaimOutcome::Claimed(held) = MySql::claim(&pool, Acquire::default(), &table, &claim)
+        .await
+        .unwrap()
+    else {
+        panic!("the expired key is taken over");
+    };
+    let started = Instant::now();
+    let swept = MySql::sweep(&pool, &table, 1000).await.unwrap();
+    assert_eq!(swept, 2, "k1 and k3");
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        started.elapsed()
+    );
+    let mut held = held;
+    MySql::rollback(&mut held).await.unwrap();
+    held.release();
+    let left: Vec<Vec<u8>> = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT `key` FROM {table} ORDER BY `key`"
+    )))
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(left, [b"k2".to_vec()], "the held row is left to the claim");
+    drop_table(&pool, &table).await;
+}
+
+/// Where expired rows are the whole table, the sweep's `DELETE` still
+/// reads the primary key (MariaDB scanned the table instead, met a
+/// fresh key's uncommitted claim and waited for it, up to 50 s, found
+/// by review); and a batch of long scopes is cut into statements of
+/// about 1 MiB, every row in one of them.
+#[tokio::test]
+async fn sweeps_never_wait_for_a_fresh_claim() {
+    let pool = test_pool(3).await;
+    let table = key_table(&pool, "sweep_all").await;
+    run(
+        &mut pool.acquire().await.unwrap(),
+        &format!(
+            "INSERT INTO {table} (scope, `key`, fingerprint, status, created_at, expires_at) \
+             SELECT 'acct', CONCAT('k-', seq), X'00', 201, UTC_TIMESTAMP(6), \
+                    UTC_TIMESTAMP(6) - INTERVAL 1 SECOND FROM seq_1_to_1000"
+        ),
+    )
+    .await
+    .unwrap();
+    let claim = Claim {
+        scope: "acct",
+        key: "fresh",
+        fingerprint: crate::fingerprint::Fingerprint::from_bytes(&[1; 32]).unwrap(),
+        ttl: Duration::from_secs(60),
+        wait: Duration::ZERO,
+    };
+    let ClaimOutcome::Claimed(mut held) = MySql::claim(&pool, Acquire::default(), &table, &claim)
+        .await
+        .unwrap()
+    else {
+        panic!("a fresh key is claimed");
+    };
+    let started = Instant::now();
+    let swept = tokio::time::timeout(Duration::from_secs(5), MySql::sweep(&pool, &table, 1000))
+        .await
+        .expect("the sweep does not wait for the claim")
+        .unwrap();
+    assert_eq!(swept, 1000, "after {:?}", started.elapsed());
+    MySql::rollback(&mut held).await.unwrap();
+    held.release();
+
+    let rows: Vec<(Vec<u8>, Vec<u8>)> = (0..40)
+        .map(|i| (vec![b's'; 2048], format!("k-{i}").into_bytes()))
+        .collect();
+    let statements = delete_statements("t", &rows, 20_000);
+    assert!(statements.len() > 1);
+    assert!(
+        statements
+            .iter()
+            .all(|statement| statement.len() < 20_000 + 4200)
+    );
+    let keys: usize = statements
+        .iter()
+        .map(|statement| statement.matches("X'6b2d").count())
+        .sum();
+    assert_eq!(keys, 40);
+    drop_table(&pool, &table).await;
+}
+
+/// A batch of expired rows of the longest scopes takes several `DELETE`
+/// statements against the server: every one of them runs, in the
+/// batch's one transaction, and commits; a live row among them stays.
+#[tokio::test]
+async fn sweeps_a_batch_of_long_scopes_in_several_statements() {
+    let pool = test_pool(2).await;
+    let table = key_table(&pool, "sweep_long").await;
+    let scope = crate::MAX_SCOPE_LEN;
+    run(
+        &mut pool.acquire().await.unwrap(),
+        &format!(
+            "INSERT INTO {table} (scope, `key`, fingerprint, status, created_at, expires_at) \
+             SELECT REPEAT('s', {scope}), CONCAT('k-', seq), X'00', 201, UTC_TIMESTAMP(6), \
+                    UTC_TIMESTAMP(6) - INTERVAL 1 SECOND FROM seq_1_to_1000; \
+             INSERT INTO {table} (scope, `key`, fingerprint, status, created_at, expires_at) \
+             VALUES (REPEAT('s', {scope}), 'live', X'00', 201, UTC_TIMESTAMP(6), \
+                     UTC_TIMESTAMP(6) + INTERVAL 1 HOUR)"
+        ),
+    )
+    .await
+    .unwrap();
+    let rows: Vec<(Vec<u8>, Vec<u8>)> = (1..=1000)
+        .map(|i| (vec![b's'; scope], format!("k-{i}").into_bytes()))
+        .collect();
+    assert!(
+        delete_statements(&table, &rows, 1 << 20).len() >= 4,
+        "the sweep below needs several statements"
+    );
+
+    assert_eq!(MySql::sweep(&pool, &table, 1000).await.unwrap(), 1000);
+    // Read from a session of its own: the sweep committed.
+    let (left, live): (i64, Option<Vec<u8>>) = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT COUNT(*), MAX(`key`) FROM {table}"
+    )))
+    .fetch_one(&test_pool(1).await)
+    .await
+    .unwrap();
+    assert_eq!((left, live.as_deref()), (1, Some(&b"live"[..])));
+    drop_table(&pool, &table).await;
+}

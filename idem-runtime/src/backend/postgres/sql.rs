@@ -1,0 +1,448 @@
+//! The SQL text of PostgreSQL's claim, read, expiry and finish, written
+//! straight into the one buffer each round trip sends.
+//!
+//! Every request builds two such texts (the claim riding on `BEGIN`, the
+//! stored response on `COMMIT`), so they are written in place: the values
+//! go in as hex literals as they are read, with no intermediate strings.
+
+use std::fmt::Write as _;
+
+use crate::backend::Claim;
+use crate::backend::sql::push_hex;
+use crate::response::StoredResponse;
+
+/// One of `idem`'s statements on the key table, written once with `$n`
+/// parameters: prepared per connection and run with `EXECUTE`, so the
+/// server parses and plans it once per connection instead of per request
+/// (that planning was most of the wrapper's database CPU).
+pub(super) struct Statement {
+    /// Tells this statement apart among a table's statements.
+    suffix: &'static str,
+    /// The parameter types, in order.
+    types: &'static str,
+    /// The text, `{table}` standing for the table.
+    text: &'static str,
+}
+
+/// The claim: it succeeds when the key is ours, and fails with a unique
+/// violation when another attempt finished it (after waiting for that
+/// attempt's outcome, as long as the lock timeout lets it). It answers by
+/// succeeding or failing, not by a row count, because it runs as sqlx's own
+/// `BEGIN`, whose results sqlx does not hand back.
+pub(super) const CLAIM: Statement = Statement {
+    suffix: "claim",
+    types: "bytea, bytea, bytea, bigint",
+    text: "INSERT INTO {table} (scope, key, fingerprint, expires_at) \
+           VALUES ($1, $2, $3, now() + $4 * interval '1 millisecond')",
+};
+
+pub(super) const SELECT: Statement = Statement {
+    suffix: "select",
+    types: "bytea, bytea",
+    text: "SELECT status, fingerprint, headers, body, expires_at <= now() AS expired \
+           FROM {table} WHERE scope = $1 AND key = $2",
+};
+
+/// A finished, unexpired row, read outside the claim (`Backend::peek`);
+/// run by sqlx, not among the `PREPARE`d statements.
+pub(super) const PEEK: &str = "SELECT status, fingerprint, headers, body, false AS expired \
+                    FROM {table} WHERE scope = $1 AND key = $2 \
+                    AND status IS NOT NULL AND expires_at > now()";
+
+/// Deletes the key's row if it has expired, in the transaction of the
+/// claim that takes the key anew. Of two attempts doing so at once, the
+/// second waits (up to `wait`) for the first's lock on the row; if the
+/// first commits meanwhile, the second deletes nothing and its insert meets
+/// the first's row, which it then reads.
+pub(super) const EXPIRE: Statement = Statement {
+    suffix: "expire",
+    types: "bytea, bytea",
+    text: "DELETE FROM {table} WHERE scope = $1 AND key = $2 AND expires_at <= now()",
+};
+
+/// Stores the response on the claim's row, which is unfinished: a
+/// finished row in its place (another attempt's, or an expired one that a
+/// handler's own `ROLLBACK` brought back) is spared, the update then
+/// matches nothing, and the finish fails (see `Postgres::finish`).
+pub(super) const FINISH: Statement = Statement {
+    suffix: "finish",
+    types: "bytea, bytea, smallint, bytea, bytea",
+    text: "UPDATE {table} SET status = $3, headers = $4, body = $5 \
+           WHERE scope = $1 AND key = $2 AND status IS NULL",
+};
+
+/// The finish of a request that ran long against its `ttl`
+/// (`OpenTx::outlived`): its expiry counts from the response. Rare, so not
+/// prepared: the arguments are inlined.
+const FINISH_LATE: Statement = Statement {
+    suffix: "finish_late",
+    types: "bytea, bytea, smallint, bytea, bytea, bigint",
+    text: "UPDATE {table} SET status = $3, headers = $4, body = $5, \
+           expires_at = clock_timestamp() + $6 * interval '1 millisecond' \
+           WHERE scope = $1 AND key = $2 AND status IS NULL",
+};
+
+/// Changes whenever a statement's text or answer changes (2: the claim
+/// answers with its row count, not the row; 3: the claim fails on a taken
+/// key, and an expired row is deleted rather than taken over in place; 4:
+/// the finish spares a finished row).
+const STATEMENTS_REVISION: &str = "4:";
+
+/// One argument of a statement.
+#[derive(Clone, Copy)]
+enum Arg<'a> {
+    Bytes(&'a [u8]),
+    Int(u128),
+}
+
+impl Arg<'_> {
+    fn push(self, out: &mut String) {
+        match self {
+            Arg::Bytes(bytes) => push_bytea(out, bytes),
+            Arg::Int(int) => write!(out, "{int}").expect("writing to a String"),
+        }
+    }
+}
+
+/// The statements of one key table, named after it: `Idem`s on different
+/// tables can share a pool without their statements colliding, and the
+/// names keep clear of sqlx's own (`sqlx_s_*`).
+#[derive(Clone, Copy)]
+pub(super) struct Statements<'t> {
+    table: &'t str,
+    hash: u64,
+}
+
+impl<'t> Statements<'t> {
+    const ALL: [Statement; 4] = [CLAIM, SELECT, EXPIRE, FINISH];
+
+    pub(super) fn new(table: &'t str) -> Self {
+        Self::at_revision(STATEMENTS_REVISION, table)
+    }
+
+    /// The statements as revision `revision` of this code names them.
+    pub(super) fn at_revision(revision: &str, table: &'t str) -> Self {
+        // A stable name for any table name, within PostgreSQL's 63-byte
+        // identifiers. The revision is hashed in too: a session kept across
+        // a deploy (a session-mode pooler) may still hold an older statement
+        // under the old name, and must not run it as if it were the new one.
+        let hash = fnv1a(revision.bytes().chain(table.bytes()));
+        Self { table, hash }
+    }
+
+    /// `idem_<16 hex digits>_<suffix>`.
+    fn push_name(&self, out: &mut String, statement: &Statement) {
+        out.push_str("idem_");
+        push_hex(out, &self.hash.to_be_bytes());
+        out.push('_');
+        out.push_str(statement.suffix);
+    }
+
+    pub(super) fn name(&self, statement: &Statement) -> String {
+        let mut name = String::with_capacity(32);
+        self.push_name(&mut name, statement);
+        name
+    }
+
+    pub(super) fn names(&self) -> Vec<String> {
+        Self::ALL
+            .iter()
+            .map(|statement| self.name(statement))
+            .collect()
+    }
+
+    fn text(&self, statement: &Statement) -> String {
+        statement.text.replace("{table}", self.table)
+    }
+
+    /// `PREPARE`s for the statements not among `present`.
+    pub(super) fn prepare_missing(&self, present: &[String]) -> String {
+        Self::ALL
+            .iter()
+            .filter(|statement| !present.contains(&self.name(statement)))
+            .map(|statement| {
+                format!(
+                    "PREPARE {} ({}) AS {}; ",
+                    self.name(statement),
+                    statement.types,
+                    self.text(statement)
+                )
+            })
+            .collect()
+    }
+
+    /// Appends `statement` run with `args`: through its prepared statement,
+    /// or with the arguments in place of `$n`.
+    fn push_run(&self, out: &mut String, statement: &Statement, prepared: bool, args: &[Arg<'_>]) {
+        if prepared {
+            out.push_str("EXECUTE ");
+            self.push_name(out, statement);
+            out.push('(');
+            for (index, arg) in args.iter().enumerate() {
+                if index > 0 {
+                    out.push_str(", ");
+                }
+                arg.push(out);
+            }
+            out.push(')');
+            return;
+        }
+        // The fallback: from the last parameter down, so `$1` never
+        // matches inside `$10`.
+        let text =
+            args.iter()
+                .enumerate()
+                .rev()
+                .fold(self.text(statement), |text, (index, arg)| {
+                    let mut literal = String::new();
+                    arg.push(&mut literal);
+                    text.replace(&format!("${}", index + 1), &literal)
+                });
+        out.push_str(&text);
+    }
+}
+
+/// The statements of one claim, written from its values as they are needed.
+pub(super) struct ClaimRow<'c> {
+    pub(super) statements: Statements<'c>,
+    /// Through prepared statements (`EXECUTE`), or inlined.
+    pub(super) prepared: bool,
+    claim: Claim<'c>,
+}
+
+impl<'c> ClaimRow<'c> {
+    pub(super) fn new(table: &'c str, claim: &Claim<'c>) -> Self {
+        Self {
+            statements: Statements::new(table),
+            prepared: true,
+            claim: *claim,
+        }
+    }
+
+    fn row_args(&self) -> [Arg<'_>; 4] {
+        [
+            Arg::Bytes(self.claim.scope.as_bytes()),
+            Arg::Bytes(self.claim.key.as_bytes()),
+            Arg::Bytes(self.claim.fingerprint.as_bytes()),
+            Arg::Int(self.claim.ttl.as_millis()),
+        ]
+    }
+
+    /// How long the claim may wait for a concurrent attempt.
+    pub(super) fn wait(&self) -> std::time::Duration {
+        self.claim.wait
+    }
+
+    /// A buffer for one round trip's text, sized for the key's values.
+    fn buffer(&self, extra: usize) -> String {
+        let values = self.claim.scope.len() + self.claim.key.len() + 32;
+        String::with_capacity(256 + 2 * values + extra)
+    }
+
+    /// Opens the transaction and claims the key under the claim's lock
+    /// timeout (deleting the key's expired row first, if `expired`), then
+    /// puts the timeout back to its configured default: the handler's own
+    /// statements and the final commit must not inherit a timeout of a
+    /// millisecond.
+    ///
+    /// The delete of an expired row runs in the claim's transaction and
+    /// under its timeout too. (A statement written ahead of `BEGIN` in the
+    /// same round trip would join the transaction anyway, PostgreSQL
+    /// including it retroactively, but without the timeout: a duplicate
+    /// meeting a takeover's lock on the old row waited for the takeover's
+    /// whole handler instead of `wait`.)
+    ///
+    /// `SET LOCAL` is a utility statement, nothing to plan, so this costs
+    /// little. (Saving and restoring the exact previous value with
+    /// `set_config` doubled the database's CPU per claim in the benchmark;
+    /// folding `set_config` calls into the claim's `INSERT` cost more
+    /// instructions than the two `SET`s.) The default is what
+    /// `postgresql.conf`, the role, the database or the connection's
+    /// startup options say; a plain session `SET lock_timeout` does not
+    /// reach into `idem`'s transactions.
+    fn push_claim(&self, out: &mut String, expired: bool) {
+        // `lock_timeout = 0` means "wait forever" in PostgreSQL, so
+        // `wait = 0` becomes the smallest positive timeout instead.
+        let timeout = self.claim.wait.as_millis().max(1);
+        write!(out, "BEGIN; SET LOCAL lock_timeout = '{timeout}ms'; ")
+            .expect("writing to a String");
+        if expired {
+            self.statements
+                .push_run(out, &EXPIRE, self.prepared, &self.key_args());
+            out.push_str("; ");
+        }
+        self.statements
+            .push_run(out, &CLAIM, self.prepared, &self.row_args());
+        out.push_str("; SET LOCAL lock_timeout TO DEFAULT;");
+    }
+
+    /// Runs `prelude` (a new connection's `PREPARE`s, or nothing), opens
+    /// the transaction and claims the key: it fails if the key is taken.
+    pub(super) fn begin_and_insert(&self, prelude: &str) -> String {
+        let mut out = self.buffer(prelude.len());
+        out.push_str(prelude);
+        self.push_claim(&mut out, false);
+        out
+    }
+
+    /// As [`begin_and_insert`](Self::begin_and_insert), deleting the key's
+    /// expired row first.
+    pub(super) fn expire_and_insert(&self) -> String {
+        let mut out = self.buffer(0);
+        self.push_claim(&mut out, true);
+        out
+    }
+
+    /// Ends the failed claim's transaction and reads the row that made it
+    /// fail, in one round trip; the read has a snapshot of its own, so it
+    /// sees the row that committed while the claim waited.
+    pub(super) fn end_and_select(&self) -> String {
+        let mut out = self.buffer(0);
+        out.push_str("ROLLBACK; ");
+        self.statements
+            .push_run(&mut out, &SELECT, self.prepared, &self.key_args());
+        out
+    }
+
+    fn key_args(&self) -> [Arg<'_>; 2] {
+        [
+            Arg::Bytes(self.claim.scope.as_bytes()),
+            Arg::Bytes(self.claim.key.as_bytes()),
+        ]
+    }
+
+    /// Stores `response` on the row and commits, in one round trip; `late`,
+    /// the expiry counts from now (see `OpenTx::outlived`).
+    pub(super) fn finish_and_commit(&self, response: &StoredResponse, late: bool) -> String {
+        let headers = response.encode_headers();
+        let mut out = self.buffer(2 * (headers.len() + response.body.len()));
+        let args = [
+            Arg::Bytes(self.claim.scope.as_bytes()),
+            Arg::Bytes(self.claim.key.as_bytes()),
+            Arg::Int(response.status.as_u16().into()),
+            Arg::Bytes(&headers),
+            Arg::Bytes(&response.body),
+            Arg::Int(self.claim.ttl.as_millis()),
+        ];
+        if late {
+            self.statements
+                .push_run(&mut out, &FINISH_LATE, false, &args);
+        } else {
+            self.statements
+                .push_run(&mut out, &FINISH, self.prepared, &args[..5]);
+        }
+        // The empty transaction after the commit stands for the one sqlx
+        // still counts (its depth), until sqlx's own rollback of it rides
+        // on the pool's return ping: see `Postgres::finish`.
+        out.push_str("; COMMIT; BEGIN");
+        out
+    }
+}
+
+/// Appends a `bytea` value as an SQL literal in hex input form. An escape
+/// string (`E'\\x..'`) reads the same whatever `standard_conforming_strings`
+/// says, and, unlike `decode(..)`, costs the server no function call to
+/// resolve and fold per argument. Only `[0-9a-f]` comes from the value, so
+/// nothing can inject.
+fn push_bytea(out: &mut String, bytes: &[u8]) {
+    out.push_str("E'\\\\x");
+    push_hex(out, bytes);
+    out.push('\'');
+}
+
+/// FNV-1a: a stable 64-bit name for any text (a statement's, an index's),
+/// not a secret.
+pub(crate) fn fnv1a(bytes: impl IntoIterator<Item = u8>) -> u64 {
+    bytes.into_iter().fold(0xcbf2_9ce4_8422_2325, |hash, byte| {
+        (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use http::StatusCode;
+
+    use super::*;
+    use crate::fingerprint::Fingerprint;
+
+    fn claim() -> Claim<'static> {
+        Claim {
+            scope: "a",
+            key: "b",
+            fingerprint: Fingerprint::from_bytes(&[0xab; 32]).unwrap(),
+            ttl: Duration::from_secs(60),
+            wait: Duration::ZERO,
+        }
+    }
+
+    #[test]
+    fn inlined_statements_put_every_argument_in_place() {
+        let claim = claim();
+        let mut row = ClaimRow::new("keys", &claim);
+        row.prepared = false;
+        let response = StoredResponse {
+            status: StatusCode::CREATED,
+            headers: Vec::new(),
+            body: "{}".into(),
+        };
+        let finish = row.finish_and_commit(&response, false);
+        assert_eq!(
+            finish,
+            r"UPDATE keys SET status = 201, headers = E'\\x', body = E'\\x7b7d' WHERE scope = E'\\x61' AND key = E'\\x62' AND status IS NULL; COMMIT; BEGIN"
+        );
+        // A late finish counts the expiry from its own time, and is always
+        // inlined.
+        let late = ClaimRow::new("keys", &claim).finish_and_commit(&response, true);
+        assert!(
+            late.starts_with(
+                r"UPDATE keys SET status = 201, headers = E'\\x', body = E'\\x7b7d', expires_at = clock_timestamp() + 60000 * interval '1 millisecond' WHERE scope = E'\\x61'"
+            ),
+            "{late}"
+        );
+        let insert = row.begin_and_insert("");
+        assert!(!insert.contains('$'), "{insert}");
+        let values = format!(
+            r"VALUES (E'\\x61', E'\\x62', E'\\x{}', now() + 60000 * interval",
+            "ab".repeat(32)
+        );
+        assert!(insert.contains(&values), "{insert}");
+        // `wait = 0` is the smallest timeout, never 0 (which waits forever).
+        assert!(insert.starts_with("BEGIN; SET LOCAL lock_timeout = '1ms'; INSERT INTO keys"));
+        assert!(insert.ends_with("; SET LOCAL lock_timeout TO DEFAULT;"));
+    }
+
+    #[test]
+    fn prepared_statements_are_executed_by_name() {
+        let claim = claim();
+        let row = ClaimRow::new("keys", &claim);
+        let name = row.statements.name(&SELECT);
+        assert_eq!(
+            row.end_and_select(),
+            format!(r"ROLLBACK; EXECUTE {name}(E'\\x61', E'\\x62')")
+        );
+        // The expired row's delete is in the transaction, under the timeout.
+        let expire = row.expire_and_insert();
+        assert!(expire.starts_with(&format!(
+            "BEGIN; SET LOCAL lock_timeout = '1ms'; EXECUTE {}(E'\\\\x61', E'\\\\x62'); EXECUTE {}(",
+            row.statements.name(&EXPIRE),
+            row.statements.name(&CLAIM)
+        )));
+        // Tables get their own statements, within PostgreSQL's identifiers.
+        assert_ne!(
+            Statements::new("a.keys").name(&CLAIM),
+            Statements::new("b.keys").name(&CLAIM)
+        );
+        assert!(row.statements.name(&EXPIRE).len() <= 63);
+        assert_eq!(
+            Statements {
+                table: "t",
+                hash: 0xab
+            }
+            .name(&CLAIM),
+            "idem_00000000000000ab_claim"
+        );
+        assert_eq!(row.statements.names().len(), 4);
+    }
+}

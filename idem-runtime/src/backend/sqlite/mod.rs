@@ -1,0 +1,396 @@
+//! SQLite: the embedded default. One writer at a time, so the claim is the
+//! first write of a `BEGIN IMMEDIATE` transaction.
+//!
+//! # How waiting works on SQLite
+//!
+//! SQLite has one write lock per database, and a claim must hold it from its
+//! insert to its commit. So while one handler runs, *every* other claim
+//! waits for the lock, whatever its key, and an uncommitted claim row is
+//! invisible to every other connection: a duplicate cannot be recognised by
+//! the database before it gets the lock. Hence two waits:
+//!
+//! - **The write lock**: `BEGIN IMMEDIATE` waits up to the connection's busy
+//!   timeout (`SqliteConnectOptions::busy_timeout`, sqlx's default 5 s) for
+//!   any other writer. A deferred `BEGIN` would not do: its upgrade to a
+//!   writer fails with `SQLITE_BUSY` at once, without waiting. A claim that
+//!   does not get the lock in time gets 503 + `Retry-After` ("store busy"),
+//!   never 409: it does not know whose key is in the way.
+//! - **A duplicate of a key in flight in this process** waits `wait` (the
+//!   handler's attribute) for that attempt to end, without touching the
+//!   database, then 409 (see `single_flight`). Attempts of one key in
+//!   different processes sharing a file meet at the write lock instead:
+//!   the later one waits for the lock, then replays (or gets 503 if the
+//!   first holds the lock beyond the busy timeout).
+//!
+//! `SQLITE_BUSY` therefore means "store busy" at claim time (503, nothing
+//! written). After `BEGIN IMMEDIATE` the transaction owns the lock, so in
+//! WAL mode neither the handler's writes nor the `COMMIT` can be busy; in a
+//! rollback-journal database the `COMMIT` can be (it waits for readers), and
+//! then the whole transaction rolls back and the client gets 503: never an
+//! effect without its stored response, and never a stored 5xx.
+//!
+//! A replay never takes the write lock: a finished, unexpired row is read
+//! outside any transaction (WAL readers do not wait for the writer).
+//!
+//! Use WAL (`SqliteConnectOptions::journal_mode(SqliteJournalMode::Wal)`);
+//! [`migrate`](Backend::migrate) warns when a file database is not in WAL.
+//! A shared-cache in-memory database (`sqlite:file:name?mode=memory&cache=shared`)
+//! works too. Shared-cache locks are per table and sqlx waits for them on
+//! SQLite's unlock notification, not the busy timeout: there the write-lock
+//! wait is unbounded, and even a replay's read of the key table waits for
+//! the writer's commit (a duplicate of a key in flight still gets its 409
+//! from the in-process wait, without touching the database).
+//!
+//! Values are bound, not inlined: a "round trip" to SQLite is a hop to the
+//! connection's worker thread, not a network exchange.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use sqlx::sqlite::{SqliteConnectOptions, SqliteRow, SqliteTransactionManager};
+use sqlx::{AssertSqlSafe, Pool, Row, SqlSafeStr, Sqlite};
+use sqlx_core::transaction::TransactionManager;
+use tokio::time::Instant;
+
+use self::sql::Sql;
+use super::connection::abandon;
+use super::contract::finished;
+use super::single_flight;
+use super::{Acquire, Backend, Claim, ClaimOutcome, FinishError, OpenTx, StoreError};
+use crate::Error;
+use crate::response::StoredResponse;
+
+mod sql;
+#[cfg(test)]
+mod tests;
+
+impl super::contract::sealed::Sealed for Sqlite {}
+
+/// Primary result codes (the low byte of the extended code sqlx reports).
+const SQLITE_BUSY: i32 = 5;
+const SQLITE_LOCKED: i32 = 6;
+
+impl Backend for Sqlite {
+    async fn migrate(pool: &Pool<Self>, table: &str) -> Result<(), Error> {
+        let (schema, name) = match table.split_once('.') {
+            Some((schema, name)) => (format!("{schema}."), name),
+            None => (String::new(), table),
+        };
+        let ddl = format!(
+            "CREATE TABLE IF NOT EXISTS {table} (
+                scope BLOB NOT NULL,
+                \"key\" BLOB NOT NULL,
+                fingerprint BLOB NOT NULL,
+                status INTEGER,
+                headers BLOB,
+                body BLOB,
+                created_at INTEGER NOT NULL,
+                expires_at INTEGER NOT NULL,
+                PRIMARY KEY (scope, \"key\")
+            );
+            CREATE INDEX IF NOT EXISTS {schema}{name}_expires_at_idx ON {name} (expires_at);"
+        );
+        // Both statements run under the write lock, so concurrent migrations
+        // simply queue; no catalog race to retry.
+        sqlx::raw_sql(AssertSqlSafe(ddl)).execute(pool).await?;
+        let mode: String =
+            sqlx::query_scalar(AssertSqlSafe(format!("PRAGMA {schema}journal_mode")))
+                .fetch_one(pool)
+                .await?;
+        if !matches!(mode.to_ascii_lowercase().as_str(), "wal" | "memory") {
+            tracing::warn!(
+                journal_mode = %mode,
+                "the SQLite database keeping idempotency keys is not in WAL mode: \
+                 readers and the writer's commit will wait for each other \
+                 (use SqliteConnectOptions::journal_mode(SqliteJournalMode::Wal))"
+            );
+        }
+        Ok(())
+    }
+
+    async fn claim(
+        pool: &Pool<Self>,
+        acquire: Acquire,
+        table: &str,
+        claim: &Claim<'_>,
+    ) -> Result<ClaimOutcome<Self>, StoreError> {
+        let (slot, options) =
+            super::single_flight::flight_slot(pool, table, claim.scope, claim.key);
+        let deadline = Instant::now() + claim.wait;
+        let sql = Sql::new(table);
+        let flight = loop {
+            if let Some(busy) = single_flight::in_flight(&slot) {
+                if !busy.ended_by(deadline).await {
+                    return Ok(ClaimOutcome::InUse);
+                }
+                continue;
+            }
+            if let Some(found) = replay(pool, acquire, &sql, claim).await? {
+                return Ok(found);
+            }
+            match single_flight::enter(&slot) {
+                Ok(flight) => break flight.keep(options),
+                Err(busy) => {
+                    if !busy.ended_by(deadline).await {
+                        return Ok(ClaimOutcome::InUse);
+                    }
+                }
+            }
+        };
+
+        let mut conn = begin_immediate(pool, acquire).await?;
+        let now = now_ms();
+        let row = sqlx::query(AssertSqlSafe(sql.claim))
+            .bind(claim.scope.as_bytes())
+            .bind(claim.key.as_bytes())
+            .bind(&claim.fingerprint.as_bytes()[..])
+            .bind(now)
+            .bind(now.saturating_add(ttl_ms(claim)))
+            .fetch_optional(&mut **conn)
+            .await;
+        let outcome = match row {
+            Ok(Some(row)) => read_claimed(&row),
+            Ok(None) => Err(StoreError::Vanished),
+            Err(error) => Err(error.into()),
+        };
+        match outcome {
+            Ok(Found::Ours) => Ok(ClaimOutcome::Claimed(conn.hold(flight))),
+            Ok(Found::Stranded) => {
+                abandon(conn).await;
+                Ok(ClaimOutcome::InUse)
+            }
+            Ok(Found::Finished(finished)) => {
+                abandon(conn).await;
+                Ok(finished)
+            }
+            Err(error) => {
+                abandon(conn).await;
+                Err(error)
+            }
+        }
+    }
+
+    async fn peek(
+        pool: &Pool<Self>,
+        acquire: Acquire,
+        table: &str,
+        claim: &Claim<'_>,
+    ) -> Result<Option<ClaimOutcome<Self>>, StoreError> {
+        // The claim starts with this same read; hinted or not, a finished
+        // key never takes the write lock.
+        replay(pool, acquire, &Sql::new(table), claim).await
+    }
+
+    async fn begin(pool: &Pool<Self>, acquire: Acquire) -> Result<OpenTx<Self>, sqlx::Error> {
+        begin_immediate(pool, acquire).await
+    }
+
+    async fn finish(
+        conn: &mut OpenTx<Self>,
+        table: &str,
+        claim: Option<&Claim<'_>>,
+        response: Option<&StoredResponse>,
+    ) -> Result<(), FinishError> {
+        if let (Some(claim), Some(response)) = (claim, response) {
+            // A slow request's expiry counts from its response (see
+            // `OpenTx::outlived`).
+            let expires_at = conn
+                .outlived(claim.ttl)
+                .then(|| now_ms().saturating_add(ttl_ms(claim)));
+            let statement = Sql::finish(table, expires_at.is_some());
+            let mut query = sqlx::query(AssertSqlSafe(statement))
+                .bind(i64::from(response.status.as_u16()))
+                .bind(response.encode_headers())
+                .bind(&response.body[..])
+                .bind(claim.scope.as_bytes())
+                .bind(claim.key.as_bytes());
+            if let Some(expires_at) = expires_at {
+                query = query.bind(expires_at);
+            }
+            let stored = query.execute(&mut ***conn).await?;
+            // Some errors (`INSERT OR ROLLBACK`, a full disk) make SQLite
+            // roll the whole transaction back, and the connection then runs
+            // in autocommit: a handler that caught one and answered 2xx
+            // would have its client told of writes that were undone. The
+            // claim's unfinished row is then gone, and the `UPDATE` (which
+            // spares a finished row, another attempt's since) matches
+            // nothing: the request answers 500 instead.
+            if stored.rows_affected() != 1 {
+                return Err(FinishError::Ended(StoreError::ClaimGone));
+            }
+        }
+        // In process: a second statement costs no round trip, and sqlx's
+        // own commit keeps its transaction depth right. Without a key, a
+        // transaction SQLite rolled back is told by the commit itself; a
+        // deferred foreign key the handler's writes broke fails it too (and
+        // a retry would fail alike): both are the handler's, not the store's.
+        let error = match SqliteTransactionManager::commit(conn).await {
+            Ok(()) => return Ok(()),
+            Err(error) => error,
+        };
+        let no_transaction = matches!(
+            &error,
+            sqlx::Error::Database(db) if db.message().contains("no transaction is active")
+        );
+        if no_transaction && claim.is_some() {
+            // The `UPDATE` found the claim's unfinished row, yet no
+            // transaction was open: the handler ended the request's itself
+            // (a raw `COMMIT` through its `Tx`), so the claim and effects
+            // were committed then, and the `UPDATE` stored the response in
+            // autocommit. That is done; only sqlx's count is left wrong, so
+            // the connection is closed rather than pooled.
+            tracing::warn!(
+                "the idempotent handler committed its transaction itself; \
+                 its response was stored after it, not with it"
+            );
+            conn.close_on_drop();
+            return Ok(());
+        }
+        Err(match &error {
+            sqlx::Error::Database(db)
+                if no_transaction || db.kind() != sqlx::error::ErrorKind::Other =>
+            {
+                FinishError::Ended(error.into())
+            }
+            _ => FinishError::Store(error.into()),
+        })
+    }
+
+    async fn rollback(conn: &mut sqlx::pool::PoolConnection<Self>) -> Result<(), sqlx::Error> {
+        super::connection::rollback_transaction(conn).await
+    }
+
+    /// Attempts on one database file wait for each other in process,
+    /// whatever their pool (the file has one write lock); a private
+    /// in-memory database (`SqliteConnectOptions::new()`, named `:memory:`
+    /// whatever the pool) is its pool's alone.
+    fn flight_database(options: &Arc<SqliteConnectOptions>, out: &mut Vec<u8>) {
+        let filename = options.get_filename();
+        if filename.as_os_str().is_empty() || filename == Path::new(":memory:") {
+            out.extend_from_slice(b"memory:");
+            out.extend_from_slice(&(Arc::as_ptr(options) as usize).to_le_bytes());
+        } else {
+            out.extend_from_slice(filename.as_os_str().as_encoded_bytes());
+        }
+    }
+
+    async fn sweep(pool: &Pool<Self>, table: &str, batch: u32) -> Result<u64, sqlx::Error> {
+        let sql = format!(
+            "DELETE FROM {table} WHERE rowid IN \
+             (SELECT rowid FROM {table} WHERE expires_at <= ?1 LIMIT {batch})"
+        );
+        Ok(sqlx::query(AssertSqlSafe(sql))
+            .bind(now_ms())
+            .execute(pool)
+            .await?
+            .rows_affected())
+    }
+}
+
+/// A connection in a new `BEGIN IMMEDIATE` transaction, begun through
+/// sqlx's transaction manager so that sqlx counts it: a handler's nested
+/// `begin()` is then a savepoint, not a second `BEGIN` (which SQLite
+/// refuses).
+async fn begin_immediate(
+    pool: &Pool<Sqlite>,
+    acquire: Acquire,
+) -> Result<OpenTx<Sqlite>, sqlx::Error> {
+    super::connection::on_connection(pool, acquire, |mut conn| async move {
+        let begun =
+            SqliteTransactionManager::begin(&mut conn, Some("BEGIN IMMEDIATE".into_sql_str()))
+                .await;
+        match begun {
+            Ok(()) => Ok(conn),
+            Err(error) => {
+                // A busy BEGIN IMMEDIATE starts no transaction (the lock is
+                // taken before autocommit is switched off): the connection
+                // is clean. After any other failure, `OpenTx` closes it.
+                if is_busy(&error) {
+                    conn.release();
+                }
+                Err(error)
+            }
+        }
+    })
+    .await
+}
+
+/// A finished, unexpired row read without the write lock: the fast path of
+/// every replay. Rows only change once expired (takeover, sweep), so what
+/// this read sees is final.
+async fn replay(
+    pool: &Pool<Sqlite>,
+    acquire: Acquire,
+    sql: &Sql,
+    claim: &Claim<'_>,
+) -> Result<Option<ClaimOutcome<Sqlite>>, StoreError> {
+    let row = super::connection::on_connection(pool, acquire, |mut conn| async move {
+        let row = sqlx::query(AssertSqlSafe(sql.replay.clone()))
+            .bind(claim.scope.as_bytes())
+            .bind(claim.key.as_bytes())
+            .bind(now_ms())
+            .fetch_optional(&mut **conn)
+            .await;
+        conn.release_unless_gone(&row);
+        row
+    })
+    .await?;
+    match row.as_ref().map(read_row).transpose()? {
+        Some(Found::Finished(found)) => Ok(Some(found)),
+        _ => Ok(None),
+    }
+}
+
+enum Found {
+    Ours,
+    /// Unfinished, yet committed: an earlier attempt committed its
+    /// transaction itself (a raw `COMMIT`) and then failed, so its effects
+    /// are in and no response is. Running the handler again could do them
+    /// twice: the key is in use until it expires, as on every engine.
+    Stranded,
+    Finished(ClaimOutcome<Sqlite>),
+}
+
+/// The claim's row, read back after its upsert: unfinished, it is ours only
+/// if the upsert wrote it.
+fn read_claimed(row: &SqliteRow) -> Result<Found, StoreError> {
+    match read_row(row)? {
+        Found::Ours if row.try_get::<i64, _>("claimed")? == 0 => Ok(Found::Stranded),
+        found => Ok(found),
+    }
+}
+
+fn read_row(row: &SqliteRow) -> Result<Found, StoreError> {
+    let Some(status) = row.try_get::<Option<i64>, _>("status")? else {
+        return Ok(Found::Ours);
+    };
+    finished(
+        status,
+        &row.try_get::<Vec<u8>, _>("fingerprint")?,
+        row.try_get("headers")?,
+        row.try_get("body")?,
+    )
+    .map(Found::Finished)
+}
+
+fn is_busy(error: &sqlx::Error) -> bool {
+    let sqlx::Error::Database(db) = error else {
+        return false;
+    };
+    db.code()
+        .and_then(|code| code.parse::<i32>().ok())
+        .is_some_and(|code| matches!(code & 0xff, SQLITE_BUSY | SQLITE_LOCKED))
+}
+
+fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |since| {
+            i64::try_from(since.as_millis()).unwrap_or(i64::MAX)
+        })
+}
+
+fn ttl_ms(claim: &Claim<'_>) -> i64 {
+    i64::try_from(claim.ttl.as_millis()).unwrap_or(i64::MAX)
+}

@@ -1,0 +1,44 @@
+//! SQLite's statements. Values are bound, not inlined: a "round trip" to
+//! SQLite is a hop to the connection's worker thread.
+
+/// The statements of one table. Parameters are numbered: sqlx binds `?N`
+/// by number across all statements of a query.
+pub(super) struct Sql {
+    pub(super) claim: String,
+    pub(super) replay: String,
+}
+
+impl Sql {
+    pub(super) fn new(table: &str) -> Self {
+        let columns = "status, fingerprint, headers, body";
+        let row = "scope = ?1 AND \"key\" = ?2";
+        Self {
+            // The upsert takes an expired row over; an unexpired one is
+            // left alone and read back, with whether the upsert wrote
+            // (`changes()`). We hold the write lock, so nothing can happen
+            // between the two statements.
+            claim: format!(
+                "INSERT INTO {table} (scope, \"key\", fingerprint, created_at, expires_at) \
+                 VALUES (?1, ?2, ?3, ?4, ?5) \
+                 ON CONFLICT (scope, \"key\") DO UPDATE SET fingerprint = excluded.fingerprint, \
+                 status = NULL, headers = NULL, body = NULL, \
+                 created_at = excluded.created_at, expires_at = excluded.expires_at \
+                 WHERE expires_at <= ?4; \
+                 SELECT {columns}, changes() AS claimed FROM {table} WHERE {row}"
+            ),
+            replay: format!(
+                "SELECT {columns} FROM {table} WHERE {row} AND status IS NOT NULL AND expires_at > ?3"
+            ),
+        }
+    }
+
+    /// The finish's `UPDATE` of the claim's unfinished row; `late`, it also
+    /// sets the expiry (`?6`) anew (see `OpenTx::outlived`).
+    pub(super) fn finish(table: &str, late: bool) -> String {
+        let expiry = if late { ", expires_at = ?6" } else { "" };
+        format!(
+            "UPDATE {table} SET status = ?1, headers = ?2, body = ?3{expiry} \
+             WHERE scope = ?4 AND \"key\" = ?5 AND status IS NULL"
+        )
+    }
+}

@@ -1,0 +1,109 @@
+//! SQLite's claim, finish and read against an in-memory database.
+
+use std::time::Duration;
+
+use http::StatusCode;
+use sqlx::sqlite::SqlitePoolOptions;
+
+use super::*;
+use crate::fingerprint::Fingerprint;
+
+/// A one-connection in-memory database with a migrated key table.
+async fn key_table() -> Pool<Sqlite> {
+    let pool = SqlitePoolOptions::new()
+        .max_connections(1)
+        .connect("sqlite::memory:")
+        .await
+        .expect("in-memory SQLite");
+    Sqlite::migrate(&pool, "keys").await.expect("migrate");
+    pool
+}
+
+fn claim(fingerprint: u8) -> Claim<'static> {
+    Claim {
+        scope: "acct",
+        key: "k",
+        fingerprint: Fingerprint::from_bytes(&[fingerprint; 32]).unwrap(),
+        ttl: Duration::from_secs(60),
+        wait: Duration::ZERO,
+    }
+}
+
+fn created() -> StoredResponse {
+    StoredResponse {
+        status: StatusCode::CREATED,
+        headers: Vec::new(),
+        body: "{\"id\":1}".into(),
+    }
+}
+
+/// A claimed and finished key is found finished, with its fingerprint and
+/// response, by the next claim and by the plain read.
+#[tokio::test]
+async fn a_finished_key_is_read_back_by_claim_and_peek() {
+    let pool = key_table().await;
+    let first = claim(1);
+    let ClaimOutcome::Claimed(mut conn) = Sqlite::claim(&pool, Acquire::default(), "keys", &first)
+        .await
+        .expect("claim")
+    else {
+        panic!("a new key was not claimed");
+    };
+    Sqlite::finish(&mut conn, "keys", Some(&first), Some(&created()))
+        .await
+        .expect("finish");
+    conn.release();
+
+    for outcome in [
+        Sqlite::claim(&pool, Acquire::default(), "keys", &claim(2))
+            .await
+            .expect("claim"),
+        Sqlite::peek(&pool, Acquire::default(), "keys", &claim(2))
+            .await
+            .expect("peek")
+            .expect("a finished row"),
+    ] {
+        match outcome {
+            ClaimOutcome::Finished {
+                fingerprint,
+                response,
+            } => {
+                assert_eq!(fingerprint, first.fingerprint);
+                assert_eq!(response.status, StatusCode::CREATED);
+                assert_eq!(&response.body[..], b"{\"id\":1}");
+            }
+            other => panic!("the finished key was not read back: {other:?}"),
+        }
+    }
+}
+
+/// An expired row, finished or not, is taken over by the next claim, which
+/// stores its own response on it.
+#[tokio::test]
+async fn an_expired_key_is_taken_over() {
+    let pool = key_table().await;
+    sqlx::query(
+        "INSERT INTO keys (scope, \"key\", fingerprint, status, created_at, expires_at) \
+         VALUES ('acct', 'k', ?1, 201, 0, 1)",
+    )
+    .bind(&[9_u8; 32][..])
+    .execute(&pool)
+    .await
+    .unwrap();
+    let ClaimOutcome::Claimed(mut conn) =
+        Sqlite::claim(&pool, Acquire::default(), "keys", &claim(1))
+            .await
+            .expect("claim")
+    else {
+        panic!("the expired key was not taken over");
+    };
+    Sqlite::finish(&mut conn, "keys", Some(&claim(1)), Some(&created()))
+        .await
+        .expect("finish");
+    conn.release();
+    let stored: Vec<u8> = sqlx::query_scalar("SELECT fingerprint FROM keys")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(stored, [1_u8; 32]);
+}

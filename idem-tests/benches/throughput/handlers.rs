@@ -1,0 +1,217 @@
+//! The charge handler written three ways, once for both engines: `baseline`
+//! (a plain transaction), `idempotent` (the attribute) and `two_phase` (the
+//! hand-written recipe), with their state and routes. `service!` stamps
+//! them out per engine, as `examples/charges.rs` does (an `#[idempotent]`
+//! handler names its `Tx<DB>`, so it cannot be generic). What differs
+//! between engines is the [`Dialect`] below: how a write transaction opens
+//! and how the two-phase claim computes its expiry; the rest of the SQL is
+//! the same on both.
+
+/// What the handlers' SQL looks like on one engine.
+pub trait Dialect: sqlx::Database {
+    /// Opens every write transaction. PostgreSQL: `BEGIN`, the statement
+    /// sqlx's `begin()` sends. SQLite serializes writers: `BEGIN IMMEDIATE`
+    /// takes the write lock up front, as the runtime's claim does (a
+    /// deferred `BEGIN` would fail with `SQLITE_BUSY` under load).
+    const BEGIN: &'static str;
+    /// Phase 1 of `two_phase`: claims `(scope, key)` with its fingerprint
+    /// for 24 hours, autocommitted; no row is affected if the key is taken.
+    const CLAIM: &'static str;
+}
+
+impl Dialect for sqlx::Postgres {
+    const BEGIN: &'static str = "BEGIN";
+    const CLAIM: &'static str = "INSERT INTO bench_two_phase_keys (scope, key, fingerprint, expires_at) \
+         VALUES ($1, $2, $3, now() + interval '24 hours') ON CONFLICT (scope, key) DO NOTHING";
+}
+
+impl Dialect for sqlx::Sqlite {
+    const BEGIN: &'static str = "BEGIN IMMEDIATE";
+    /// `expires_at` is in Unix seconds: SQLite has no timestamp type.
+    const CLAIM: &'static str = "INSERT INTO bench_two_phase_keys (scope, key, fingerprint, expires_at) \
+         VALUES ($1, $2, $3, unixepoch() + 86400) ON CONFLICT (scope, key) DO NOTHING";
+}
+
+/// The service on one engine: its state, the three handlers and `router`.
+/// `"/path" => handler` pairs add routes this engine alone serves.
+macro_rules! service {
+    ($engine:ident, $db:ty $(, $path:literal => $handler:path)* $(,)?) => {
+        pub mod $engine {
+            use axum::Json;
+            use axum::body::Bytes;
+            use axum::extract::{FromRef, Path, State};
+            use axum::http::{HeaderMap, Method, StatusCode, Uri, header};
+            use axum::response::{IntoResponse, Response};
+            use axum::routing::post;
+            use idem::{Idem, Tx, idempotent};
+            use idem::__private::Fingerprint;
+            use sqlx::{Connection, Pool};
+
+            use super::Dialect;
+            use crate::app::{Account, ApiError, KEYS_TABLE, NewCharge, created, read_request, work};
+
+            #[derive(Clone, FromRef)]
+            struct AppState {
+                idem: Idem<$db>,
+                pool: Pool<$db>,
+            }
+
+            /// The routes, `{statements}` being 1 or 3.
+            pub fn router(pool: Pool<$db>) -> axum::Router {
+                let idem = Idem::new(pool.clone())
+                    .table(KEYS_TABLE)
+                    .expect("table name");
+                axum::Router::new()
+                    .route("/{statements}/baseline", post(baseline))
+                    .route("/{statements}/idempotent", post(idempotent))
+                    .route("/{statements}/two_phase", post(two_phase::<false>))
+                    .route("/{statements}/two_phase_tx", post(two_phase::<true>))
+                    $(.route($path, post($handler)))*
+                    .with_state(AppState { idem, pool })
+            }
+
+            /// baseline: the handler as it would be written without idempotency.
+            async fn baseline(
+                account: Account,
+                Path(statements): Path<u32>,
+                State(pool): State<Pool<$db>>,
+                Json(new): Json<NewCharge>,
+            ) -> Result<Response, ApiError> {
+                let mut tx = pool.begin_with(<$db as Dialect>::BEGIN).await?;
+                let charge = work::<$db>(&mut tx, &account.0, &new, statements).await?;
+                tx.commit().await?;
+                Ok(created(charge))
+            }
+
+            /// idempotent (and replay): the same handler with the attribute.
+            #[idempotent(scope = "account")]
+            async fn idempotent(
+                account: Account,
+                Path(statements): Path<u32>,
+                mut tx: Tx<$db>,
+                Json(new): Json<NewCharge>,
+            ) -> Result<Response, ApiError> {
+                Ok(created(
+                    work::<$db>(&mut tx, &account.0, &new, statements).await?,
+                ))
+            }
+
+            /// two_phase: the recipe blog posts publish. Claim the key in its
+            /// own transaction and commit it (here an autocommitted `INSERT`,
+            /// the cheapest form: one round trip, on the connection phase 2
+            /// reuses), then do the work and record the response in a second
+            /// transaction. `CLAIM_IN_TRANSACTION` is the diagnostic
+            /// two_phase_tx: the same recipe as it is usually written, the
+            /// claim in a `begin()`/`commit()` transaction of its own (two
+            /// more round trips).
+            async fn two_phase<const CLAIM_IN_TRANSACTION: bool>(
+                account: Account,
+                Path(statements): Path<u32>,
+                State(pool): State<Pool<$db>>,
+                method: Method,
+                uri: Uri,
+                headers: HeaderMap,
+                body: Bytes,
+            ) -> Result<Response, ApiError> {
+                let (key, fingerprint, new) =
+                    match read_request(&method, &uri, &headers, &body) {
+                        Ok(read) => read,
+                        Err(refusal) => return Ok(refusal.into_response()),
+                    };
+                let mut conn = pool.acquire().await?;
+                // Phase 1: the claim, committed on its own.
+                let insert = sqlx::query(<$db as Dialect>::CLAIM)
+                    .bind(&account.0)
+                    .bind(key)
+                    .bind(&fingerprint.as_bytes()[..]);
+                let inserted = if CLAIM_IN_TRANSACTION {
+                    let mut tx = Connection::begin_with(&mut *conn, <$db as Dialect>::BEGIN).await?;
+                    let inserted = insert.execute(&mut *tx).await?;
+                    tx.commit().await?;
+                    inserted
+                } else {
+                    insert.execute(&mut *conn).await?
+                };
+                let claimed = inserted.rows_affected() == 1;
+                if !claimed {
+                    return replay_two_phase(&mut conn, &account.0, key, &fingerprint).await;
+                }
+                // Phase 2: the work and the response, together.
+                let result = async {
+                    let mut tx = Connection::begin_with(&mut *conn, <$db as Dialect>::BEGIN).await?;
+                    let charge = work::<$db>(&mut tx, &account.0, &new, statements).await?;
+                    let stored = serde_json::to_vec(&charge).expect("serializable");
+                    sqlx::query(
+                        "UPDATE bench_two_phase_keys SET status = 201, body = $3 \
+                         WHERE scope = $1 AND key = $2",
+                    )
+                    .bind(&account.0)
+                    .bind(key)
+                    .bind(stored)
+                    .execute(&mut *tx)
+                    .await?;
+                    tx.commit().await?;
+                    Ok::<_, sqlx::Error>(charge)
+                }
+                .await;
+                match result {
+                    Ok(charge) => Ok(created(charge)),
+                    Err(error) => {
+                        // Release the claim so a retry can run.
+                        sqlx::query(
+                            "DELETE FROM bench_two_phase_keys WHERE scope = $1 AND key = $2",
+                        )
+                        .bind(&account.0)
+                        .bind(key)
+                        .execute(&mut *conn)
+                        .await?;
+                        Err(error.into())
+                    }
+                }
+            }
+
+            /// A two-phase key row: status, fingerprint, body.
+            type StoredRow = (Option<i16>, Vec<u8>, Option<Vec<u8>>);
+
+            /// A taken key: the stored response if the request matches it,
+            /// 422 if it does not, 409 while the first attempt runs.
+            async fn replay_two_phase(
+                conn: &mut <$db as sqlx::Database>::Connection,
+                scope: &str,
+                key: &str,
+                fingerprint: &Fingerprint,
+            ) -> Result<Response, ApiError> {
+                let row: Option<StoredRow> = sqlx::query_as(
+                    "SELECT status, fingerprint, body FROM bench_two_phase_keys \
+                     WHERE scope = $1 AND key = $2",
+                )
+                .bind(scope)
+                .bind(key)
+                .fetch_optional(conn)
+                .await?;
+                Ok(match row {
+                    Some((Some(status), stored, Some(body)))
+                        if stored == fingerprint.as_bytes() =>
+                    {
+                        (
+                            StatusCode::from_u16(status as u16).unwrap_or(StatusCode::OK),
+                            [(header::CONTENT_TYPE, "application/json")],
+                            body,
+                        )
+                            .into_response()
+                    }
+                    Some((Some(_), _, _)) => StatusCode::UNPROCESSABLE_ENTITY.into_response(),
+                    _ => StatusCode::CONFLICT.into_response(),
+                })
+            }
+        }
+    };
+}
+
+service!(
+    postgres,
+    sqlx::Postgres,
+    "/{statements}/read_floor" => crate::floor::read_floor,
+    "/{statements}/optimistic" => crate::optimistic::optimistic,
+);
+service!(sqlite, sqlx::Sqlite);

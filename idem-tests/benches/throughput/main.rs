@@ -1,0 +1,516 @@
+//! Side-by-side throughput of one write handler: without idempotency
+//! (`baseline`), with `#[idempotent]` (`idempotent`, a fresh key per
+//! request), answered from the store (`replay`), and the hand-written
+//! claim-commit-then-work recipe (`two_phase`); 1 and 3 statements, 16 and
+//! 64 concurrent clients, over real HTTP on loopback, on PostgreSQL and on
+//! SQLite (a WAL file).
+//!
+//! ```text
+//! cargo bench --bench throughput
+//! ```
+//!
+//! The server runs in a child process (so its memory and CPU are its own);
+//! the load generator is in this process. Before the load, the round trips
+//! of one request per scenario are counted exactly through a proxy
+//! (`tests/support/pg_proxy.rs`): `extra_round_trips` is idempotent minus
+//! baseline. Each row also shows the CPU per request of the load generator,
+//! the server and PostgreSQL, from `/proc`: on a machine whose cores are all
+//! busy, throughput is cores / CPU per request, so that column says what
+//! limits a scenario, and it is steadier than req/s when other work shares
+//! the machine. Prints one table, then the path of a JSON file with every
+//! figure, last. Environment:
+//!
+//! | variable | default | |
+//! |---|---|---|
+//! | `IDEM_TEST_POSTGRES_URL` | `postgres://postgres@127.0.0.1:5432/test` | the server |
+//! | `IDEM_BENCH_SECS` | 2 | measured seconds per scenario and round (after the warm-up) |
+//! | `IDEM_BENCH_WARMUP_MS` | 1000 | warm-up per scenario |
+//! | `IDEM_BENCH_ROUNDS` | 3 | rounds, each running every scenario back to back; a ratio is the median of the rounds' ratios, req/s and latencies are the best round's, and each round's ratios are printed (`by round`) and kept in the JSON (`*_by_round`) |
+//! | `IDEM_BENCH_CONCURRENCY` | `16,64` | concurrent clients |
+//! | `IDEM_BENCH_STATEMENTS` | `1,3` | statements per handler |
+//! | `IDEM_BENCH_SCENARIOS` | the four | a subset, or also the diagnostics `read_floor` (`floor.rs`), `optimistic` (`optimistic.rs`) and `two_phase_tx` (`handlers.rs`) |
+//! | `IDEM_BENCH_ENGINES` | `postgres,sqlite` | `postgres` alone skips SQLite (PostgreSQL always runs) |
+//! | `IDEM_BENCH_POOL` | 16 | the server's connection pool (all scenarios) |
+//! | `IDEM_BENCH_SERVER_THREADS` | cores | the server's tokio workers |
+//! | `IDEM_BENCH_FILLFACTOR` | 100 | fillfactor of the key tables (diagnostic) |
+//! | `IDEM_BENCH_TEST_BEFORE_ACQUIRE` | 1 | 0: the server's pool skips sqlx's ping before handing out a connection (diagnostic) |
+//! | `IDEM_BENCH_LOG` | `warn,sqlx::query=error` | the server's log filter |
+//! | `IDEM_BENCH_JSON` | `<target>/idem-bench/throughput.json` | the JSON file |
+
+mod app;
+mod count;
+mod cpu;
+mod floor;
+mod handlers;
+mod load;
+mod memory;
+mod optimistic;
+mod report;
+mod sqlite;
+
+use idem_tests::{account, pg_proxy, stats};
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::Duration;
+
+use bytes::Bytes;
+use serde_json::json;
+use tokio::io::{AsyncBufReadExt, BufReader};
+
+use app::{ServerConfig, env_number};
+use load::{Keys, Load, Outcome};
+
+const SCENARIOS: [&str; 4] = ["baseline", "idempotent", "replay", "two_phase"];
+/// Diagnostic scenarios (see `floor`, `optimistic` and `two_phase_tx` in
+/// `handlers`), run on PostgreSQL only when named in
+/// `IDEM_BENCH_SCENARIOS`; printed, and kept in the JSON as
+/// `diagnostic_*`, apart from the issue's fields.
+const DIAGNOSTICS: [&str; 3] = ["read_floor", "optimistic", "two_phase_tx"];
+/// `optimistic`'s place among a group's scenarios.
+const OPTIMISTIC: usize = SCENARIOS.len() + 1;
+/// `two_phase_tx`'s place among a group's scenarios.
+const TWO_PHASE_TX: usize = SCENARIOS.len() + 2;
+/// Finished keys per client that a replay run cycles through.
+const REPLAY_KEYS: usize = 16;
+
+fn main() {
+    match std::env::var(app::ROLE).as_deref() {
+        Ok("server") => return app::serve_child(),
+        // The tables alone, for `benches/instructions.sh`'s own cluster.
+        Ok("setup") => return app::setup_child(),
+        _ => {}
+    }
+    // `cargo test --benches` runs this binary without `--bench`: nothing to test.
+    if !std::env::args().any(|arg| arg == "--bench") {
+        println!("throughput: a benchmark; run it with `cargo bench --bench throughput`");
+        return;
+    }
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("load generator runtime")
+        .block_on(bench());
+}
+
+struct Settings {
+    url: String,
+    secs: u64,
+    warmup: Duration,
+    rounds: usize,
+    concurrency: Vec<usize>,
+    statements: Vec<u32>,
+    scenarios: Vec<String>,
+    engines: Vec<String>,
+    server: ServerConfig,
+}
+
+impl Settings {
+    fn from_env() -> Self {
+        let url = std::env::var("IDEM_TEST_POSTGRES_URL")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+        Self {
+            server: ServerConfig::from_env(url.clone()),
+            url,
+            secs: env_number("IDEM_BENCH_SECS", 2),
+            warmup: Duration::from_millis(env_number("IDEM_BENCH_WARMUP_MS", 1000)),
+            rounds: env_number("IDEM_BENCH_ROUNDS", 3usize).max(1),
+            concurrency: env_list("IDEM_BENCH_CONCURRENCY", "16,64"),
+            statements: env_list("IDEM_BENCH_STATEMENTS", "1,3"),
+            scenarios: env_list("IDEM_BENCH_SCENARIOS", &SCENARIOS.join(",")),
+            engines: env_list("IDEM_BENCH_ENGINES", "postgres,sqlite"),
+        }
+    }
+}
+
+fn env_list<T: std::str::FromStr>(name: &str, default: &str) -> Vec<T> {
+    let value = std::env::var(name).unwrap_or_else(|_| default.to_owned());
+    value
+        .split(',')
+        .map(|item| {
+            item.trim()
+                .parse()
+                .unwrap_or_else(|_| panic!("{name}={value}: not a valid list"))
+        })
+        .collect()
+}
+
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|load| {
+            load.split_whitespace()
+                .take(3)
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .unwrap_or_default()
+}
+
+async fn bench() {
+    let settings = Settings::from_env();
+    assert!(
+        settings.concurrency.iter().all(|&c| c <= app::ACCOUNTS),
+        "at most {} clients (one account row each)",
+        app::ACCOUNTS
+    );
+    let load_before = loadavg();
+    println!(
+        "idem throughput: PostgreSQL at {}, {} s per scenario after {} ms warm-up, {} round(s) \
+         (ratios: the median of the rounds'), server pool {} connections, {} server threads; \
+         load average {load_before}",
+        settings.url,
+        settings.secs,
+        settings.warmup.as_millis(),
+        settings.rounds,
+        settings.server.pool,
+        settings.server.threads,
+    );
+    let admin = app::connect(&settings.url, 2, false).await;
+    app::setup(&admin)
+        .await
+        .expect("create the benchmark tables");
+
+    let trips = count::count(&settings.url, &settings.statements).await;
+    for t in &trips {
+        println!(
+            "round trips per request ({} statement(s), pool pings included): baseline {}, \
+             idempotent {}, replay {}, two_phase {} => extra_round_trips = {} \
+             (diagnostics: optimistic {}, two_phase_tx {})",
+            t.statements_per_handler,
+            t.baseline,
+            t.idempotent,
+            t.replay,
+            t.two_phase,
+            t.extra_round_trips,
+            t.optimistic,
+            t.two_phase_tx
+        );
+    }
+
+    let server = ServerProcess::start(&settings.server).await;
+    let mut runs = Vec::new();
+    println!(
+        "\n{:<9} {:>5} {:>7}  {:<16} {:>9} {:>8} {:>8} {:>8}  {:>27}  {:>4}",
+        "engine",
+        "stmts",
+        "clients",
+        "scenario",
+        "req/s",
+        "p50 ms",
+        "p99 ms",
+        "vs base",
+        "CPU us/req: load srv pg all",
+        "idle"
+    );
+    for &statements in &settings.statements {
+        for &concurrency in &settings.concurrency {
+            let results = group(&settings, &server, &admin, statements, concurrency).await;
+            let extra = trips
+                .iter()
+                .find(|t| t.statements_per_handler == statements)
+                .map(|t| t.extra_round_trips);
+            runs.push(report::run_json(
+                "postgres",
+                statements,
+                concurrency,
+                &results,
+                extra,
+            ));
+        }
+    }
+    drop(server);
+
+    // SQLite: the same service on a WAL file, in its own server process.
+    let sqlite_file = json_path().with_file_name("bench.sqlite3");
+    if settings.engines.iter().any(|engine| engine == "sqlite") {
+        let sqlite = ServerConfig {
+            engine: "sqlite",
+            database_url: sqlite_file.display().to_string(),
+            ..settings.server.clone()
+        };
+        sqlite::setup(&sqlite.database_url)
+            .await
+            .expect("create the SQLite benchmark database");
+        let server = ServerProcess::start(&sqlite).await;
+        for &statements in &settings.statements {
+            for &concurrency in &settings.concurrency {
+                let results = group(&settings, &server, &admin, statements, concurrency).await;
+                runs.push(report::run_json(
+                    "sqlite",
+                    statements,
+                    concurrency,
+                    &results,
+                    None,
+                ));
+            }
+        }
+        drop(server);
+    }
+
+    let mut memory = Vec::new();
+    for route in ["baseline", "idempotent"] {
+        memory.push(memory::measure(&settings.server, route).await);
+    }
+    println!();
+    for m in &memory {
+        println!(
+            "memory, {} clients x {} KiB bodies ({:.0} MiB in flight) on {:<10}: RSS {:.1} MiB \
+             before, peak {:.1} MiB (+{:.1} MiB)",
+            m.concurrency,
+            m.body_bytes / 1024,
+            m.bodies_in_flight_mib,
+            m.route,
+            m.rss_before_mib,
+            m.peak_rss_mib,
+            m.peak_growth_mib
+        );
+    }
+
+    println!();
+    report::targets(&runs, &trips);
+    let load_after = loadavg();
+    println!("load average before {load_before}, after {load_after}");
+
+    let report = json!({
+        "command": "cargo bench --bench throughput",
+        "engine": "postgres and sqlite (see each run)",
+        "extra_round_trips": trips.iter().map(|t| t.extra_round_trips).max(),
+        "round_trips": trips,
+        "runs": runs,
+        "memory": memory,
+        "sqlite_file": sqlite_file,
+        "settings": {
+            "secs": settings.secs,
+            "warmup_ms": settings.warmup.as_millis() as u64,
+            "rounds": settings.rounds,
+            "pool": settings.server.pool,
+            "server_threads": settings.server.threads,
+            "cores": std::thread::available_parallelism().map_or(0, |n| n.get()),
+        },
+        "load_average_before": load_before,
+        "load_average_after": load_after,
+    });
+    let path = json_path();
+    std::fs::create_dir_all(path.parent().expect("a directory"))
+        .expect("create the JSON directory");
+    std::fs::write(&path, serde_json::to_string_pretty(&report).unwrap()).expect("write the JSON");
+    println!("{}", path.display());
+}
+
+/// One shape's scenarios, in the order of `SCENARIOS` then `DIAGNOSTICS`
+/// (a scenario not selected stays at zero).
+struct Group {
+    /// The best round of each scenario.
+    best: Vec<Outcome>,
+    /// Requests per second of each round, per scenario.
+    rounds: Vec<Vec<f64>>,
+}
+
+impl Group {
+    /// `a / b` in each round: scenarios run back to back within a round,
+    /// so this shows how far the machine moved between rounds.
+    fn ratio_by_round(&self, a: usize, b: usize) -> Vec<f64> {
+        stats::ratio_by_round(&self.rounds, a, b)
+    }
+
+    /// The median of `a / b` over the rounds: see [`stats::paired_ratio`].
+    fn ratio(&self, a: usize, b: usize) -> f64 {
+        stats::paired_ratio(&self.rounds, a, b)
+    }
+
+    /// Whether scenario `i` ran (it is a diagnostic not selected if not).
+    fn ran(&self, i: usize) -> bool {
+        self.best.get(i).is_some_and(|outcome| outcome.requests > 0)
+    }
+}
+
+/// The scenarios at one shape, interleaved `rounds` times: each
+/// scenario's best round, and every round's req/s for the ratios.
+async fn group(
+    settings: &Settings,
+    server: &ServerProcess,
+    admin: &sqlx::PgPool,
+    statements: u32,
+    concurrency: usize,
+) -> Group {
+    let engine = server.engine;
+    let diagnostics: &[&str] = if engine == "postgres" {
+        &DIAGNOSTICS
+    } else {
+        &[]
+    };
+    let all: Vec<&str> = SCENARIOS.iter().chain(diagnostics).copied().collect();
+    let mut best: Vec<Outcome> = vec![Outcome::default(); all.len()];
+    let mut rounds = Vec::with_capacity(settings.rounds);
+    for round in 0..settings.rounds {
+        let mut rps = vec![0.0; all.len()];
+        for (i, scenario) in all.iter().enumerate() {
+            if !settings.scenarios.iter().any(|s| s == scenario) {
+                continue;
+            }
+            let replays = matches!(*scenario, "replay" | "read_floor");
+            let route = if *scenario == "replay" {
+                "idempotent"
+            } else {
+                scenario
+            };
+            let mut load = Load {
+                addr: server.addr,
+                path: format!("/{statements}/idempotent"),
+                concurrency,
+                warmup: settings.warmup,
+                measure: Duration::from_secs(settings.secs),
+                keys: if replays {
+                    Keys::Replay(REPLAY_KEYS)
+                } else {
+                    Keys::Fresh
+                },
+                prefix: format!("{scenario}-{statements}-{concurrency}-{round}"),
+                body: Bytes::from_static(load::CHARGE.as_bytes()),
+                server_pid: Some(server.pid),
+                backends: if engine == "postgres" {
+                    app::server_backends(admin).await
+                } else {
+                    Vec::new()
+                },
+            };
+            if replays {
+                load::prepare(&load, REPLAY_KEYS).await;
+            }
+            load.path = format!("/{statements}/{route}");
+            let outcome = load::run(&load).await;
+            if outcome.errors > 0 {
+                eprintln!(
+                    "{scenario}: {} errors, first: {}",
+                    outcome.errors,
+                    outcome.first_error.as_deref().unwrap_or("?")
+                );
+            }
+            rps[i] = outcome.rps;
+            if outcome.rps > best[i].rps {
+                best[i] = outcome;
+            }
+        }
+        rounds.push(rps);
+    }
+    let group = Group { best, rounds };
+    for (i, (scenario, outcome)) in all.iter().zip(&group.best).enumerate() {
+        if outcome.requests == 0 && !settings.scenarios.iter().any(|s| s == scenario) {
+            continue;
+        }
+        let cpu = &outcome.cpu;
+        println!(
+            "{:<9} {:>5} {:>7}  {:<16} {:>9.0} {:>8.2} {:>8.2} {:>8.2}  {:>6.0} {:>6.0} {:>6.0} {:>6.0}  {:>3.0}%",
+            engine,
+            statements,
+            concurrency,
+            scenario,
+            outcome.rps,
+            outcome.p50_ms,
+            outcome.p99_ms,
+            group.ratio(i, 0),
+            cpu.client_us,
+            cpu.server_us,
+            cpu.postgres_us,
+            cpu.total_us(),
+            cpu.idle_share * 100.0
+        );
+    }
+    if settings.rounds > 1 {
+        let show = |a: usize, b: usize| {
+            let ratios = group.ratio_by_round(a, b);
+            if ratios.is_empty() {
+                return "not run".to_owned();
+            }
+            ratios
+                .iter()
+                .map(|r| format!("{r:.2}"))
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        println!(
+            "  by round: idempotent/baseline {} | replay/baseline {} | idempotent/two_phase {}",
+            show(1, 0),
+            show(2, 0),
+            show(1, 3)
+        );
+        if group.ran(TWO_PHASE_TX) {
+            println!(
+                "  by round: idempotent/two_phase_tx {}",
+                show(1, TWO_PHASE_TX)
+            );
+        }
+        if group.ran(OPTIMISTIC) {
+            println!(
+                "  by round: optimistic/baseline {} | optimistic/two_phase {} | optimistic/idempotent {}",
+                show(OPTIMISTIC, 0),
+                show(OPTIMISTIC, 3),
+                show(OPTIMISTIC, 1)
+            );
+        }
+    }
+    group
+}
+
+fn json_path() -> PathBuf {
+    if let Ok(path) = std::env::var("IDEM_BENCH_JSON") {
+        return path.into();
+    }
+    // <target>/release/deps/throughput-<hash>
+    let exe = std::env::current_exe().expect("this executable");
+    let target = exe.ancestors().nth(3).unwrap_or(std::path::Path::new("."));
+    target.join("idem-bench").join("throughput.json")
+}
+
+/// The server, a child process running this executable; killed when dropped.
+pub struct ServerProcess {
+    pub engine: &'static str,
+    pub addr: SocketAddr,
+    pub pid: u32,
+    // Held for `kill_on_drop`.
+    _child: tokio::process::Child,
+}
+
+impl ServerProcess {
+    pub async fn start(config: &ServerConfig) -> ServerProcess {
+        let mut child = tokio::process::Command::new(std::env::current_exe().unwrap())
+            .envs(config.to_env())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("start the server process");
+        let stdout = child.stdout.take().unwrap();
+        let mut lines = BufReader::new(stdout).lines();
+        let addr = loop {
+            let line = lines
+                .next_line()
+                .await
+                .expect("server output")
+                .expect("the server exited before listening");
+            if let Some(addr) = line.strip_prefix("LISTENING ") {
+                break addr.parse().expect("server address");
+            }
+        };
+        let pid = child.id().expect("server running");
+        ServerProcess {
+            engine: config.engine,
+            addr,
+            pid,
+            _child: child,
+        }
+    }
+
+    /// A `/proc/<pid>/status` field in KiB (`VmRSS:`, `VmHWM:`).
+    pub fn status_kib(&self, field: &str) -> u64 {
+        let status =
+            std::fs::read_to_string(format!("/proc/{}/status", self.pid)).expect("proc status");
+        status
+            .lines()
+            .find_map(|line| line.strip_prefix(field))
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|kib| kib.parse().ok())
+            .unwrap_or(0)
+    }
+}

@@ -1,0 +1,169 @@
+//! PostgreSQL, at `IDEM_TEST_POSTGRES_URL` (default the local server); the
+//! hardening tests use it too.
+
+use sqlx::postgres::{PgPool, PgPoolOptions};
+use sqlx::{Pool, Postgres};
+use tokio::sync::OnceCell;
+
+use crate::service::{self as app, AppState, TestDb};
+
+crate::define_app!(sqlx::Postgres);
+
+const URL_VAR: &str = "IDEM_TEST_POSTGRES_URL";
+const DEFAULT_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
+
+/// The effects table. When it exists nothing runs: `CREATE INDEX` would
+/// queue for its lock behind other tests' open transactions.
+const EFFECTS_DDL: &str = "DO $$ BEGIN
+    IF to_regclass('idem_service_effects_scope_key') IS NULL THEN
+        CREATE TABLE IF NOT EXISTS idem_service_effects (
+            id bigserial PRIMARY KEY, scope bytea NOT NULL, key text NOT NULL,
+            note text NOT NULL, nonce text NOT NULL);
+        CREATE INDEX IF NOT EXISTS idem_service_effects_scope_key
+            ON idem_service_effects (scope, key);
+    END IF;
+END $$";
+
+static READY: OnceCell<()> = OnceCell::const_new();
+
+/// The test server's URL.
+pub fn url() -> String {
+    app::env_or(URL_VAR, DEFAULT_URL)
+}
+
+/// A pool of `size` connections on the real server, with the tables;
+/// panics loudly when PostgreSQL is missing.
+pub async fn pool(size: u32) -> PgPool {
+    let options = PgPoolOptions::new().max_connections(size);
+    let pool = app::server_pool(options, "PostgreSQL", URL_VAR, &url()).await;
+    app::prepare_once(&READY, &pool, EFFECTS_DDL).await;
+    pool
+}
+
+/// A pool of one connection whose session the server ends once it has
+/// been idle for `idle` (`idle_session_timeout`), with the tables.
+pub async fn pool_ending_idle_sessions(idle: std::time::Duration) -> PgPool {
+    pool(1).await.close().await;
+    let options: sqlx::postgres::PgConnectOptions = url().parse().unwrap();
+    let timeout = idle.as_millis().to_string();
+    PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(options.options([("idle_session_timeout", timeout.as_str())]))
+        .await
+        .unwrap()
+}
+
+impl TestDb for Postgres {
+    const ENGINE: &'static str = "postgres";
+    const INSERT_EFFECT: &'static str = "INSERT INTO idem_service_effects (scope, key, note, nonce) VALUES ($1, $2, $3, $4) RETURNING id";
+    const TOUCH_EFFECT: &'static str = "UPDATE idem_service_effects SET note = note WHERE id = $1";
+
+    crate::test_db_queries!("$1");
+
+    async fn claim_waiters(pool: &Pool<Self>, scope: &str, key: &str) -> Option<i64> {
+        // A waiting claim shows as a backend waiting on a `Lock`; which
+        // claim it is, only its statement says: the store inlines every
+        // value as hex (`E'\\x..'`, simple query protocol), and this scope
+        // is unique to one test. Were the values ever bound instead, no
+        // statement would match: the caller's bounded poll then fails
+        // loudly, it never passes by accident.
+        let count = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE datname = current_database() AND wait_event_type = 'Lock' \
+             AND strpos(lower(query), $1) > 0 AND strpos(lower(query), $2) > 0",
+        )
+        .bind(hex::encode(scope))
+        .bind(hex::encode(key))
+        .fetch_one(pool)
+        .await
+        .unwrap();
+        Some(count)
+    }
+
+    async fn lock_waiters(holder: &mut sqlx::PgConnection) -> Option<i64> {
+        // `pg_locks` and `pg_blocking_pids` read the lock manager live (unlike
+        // `pg_stat_activity`, which a transaction snapshots), so polling
+        // inside the holder's transaction sees each new waiter.
+        let count = sqlx::query_scalar(
+            "SELECT count(DISTINCT pid) FROM pg_locks \
+             WHERE NOT granted AND pg_backend_pid() = ANY (pg_blocking_pids(pid))",
+        )
+        .fetch_one(holder)
+        .await
+        .unwrap();
+        Some(count)
+    }
+
+    async fn in_transaction(conn: &mut sqlx::PgConnection) -> bool {
+        // Two statements share a transaction id exactly when one transaction
+        // holds both; outside one, each runs (and commits) in its own. A
+        // `BEGIN` would not tell: inside a transaction it only warns.
+        let mut ids = Vec::new();
+        for _ in 0..2 {
+            match sqlx::query_scalar::<_, String>("SELECT pg_current_xact_id()::text")
+                .fetch_one(&mut *conn)
+                .await
+            {
+                Ok(id) => ids.push(id),
+                // A failed transaction is still open: it refuses statements.
+                Err(sqlx::Error::Database(error)) if error.code().as_deref() == Some("25P02") => {
+                    return true;
+                }
+                Err(error) => panic!("pg_current_xact_id: {error}"),
+            }
+        }
+        ids[0] == ids[1]
+    }
+
+    async fn end_by_error(conn: &mut sqlx::PgConnection, id: i64) -> sqlx::Error {
+        // A unique violation (the effect again, under its own id) fails the
+        // transaction: PostgreSQL then answers `COMMIT` with a rollback.
+        sqlx::query(
+            "INSERT INTO idem_service_effects (id, scope, key, note, nonce) \
+             SELECT id, scope, key, note, nonce FROM idem_service_effects WHERE id = $1",
+        )
+        .bind(id)
+        .execute(conn)
+        .await
+        .expect_err("the effect's id is taken")
+    }
+
+    async fn session_id(conn: &mut sqlx::PgConnection) -> Option<i64> {
+        let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+            .fetch_one(conn)
+            .await
+            .unwrap();
+        Some(pid.into())
+    }
+
+    async fn end_session(admin: &Pool<Self>, id: i64) {
+        // The backend sends its client `FATAL` (57P01) and exits; the
+        // timeout makes the call wait for the exit.
+        let ended: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1, 10000)")
+            .bind(i32::try_from(id).unwrap())
+            .fetch_one(admin)
+            .await
+            .unwrap();
+        assert!(ended, "backend {id} did not end");
+    }
+
+    async fn session_open(admin: &Pool<Self>, id: i64) -> bool {
+        sqlx::query_scalar("SELECT EXISTS (SELECT FROM pg_stat_activity WHERE pid = $1)")
+            .bind(i32::try_from(id).unwrap())
+            .fetch_one(admin)
+            .await
+            .unwrap()
+    }
+
+    async fn connect() -> Pool<Self> {
+        pool(40).await
+    }
+
+    fn unreachable_pool() -> Pool<Self> {
+        app::unreachable(PgPoolOptions::new(), "postgres://postgres@127.0.0.1:1/test")
+    }
+
+    fn router(state: AppState<Self>) -> axum::Router {
+        handlers::router(state)
+    }
+}

@@ -1,0 +1,21 @@
+//! What `idem`'s integration tests and benchmarks share: the service under
+//! test and its engines, the hardening harness, the protocol-aware proxies
+//! and the callers. Not published; a dev-only crate of the workspace.
+
+pub mod account;
+pub mod engines;
+#[cfg(feature = "postgres")]
+pub mod hardening;
+#[cfg(feature = "mysql")]
+pub mod mysql_db;
+#[cfg(feature = "mysql")]
+pub mod mysql_proxy;
+pub mod pg_proxy;
+pub mod proxy;
+#[cfg(feature = "postgres")]
+pub mod round_trip_service;
+pub mod service;
+pub mod stats;
+#[cfg(feature = "postgres")]
+pub mod ui;
+pub mod unique;

@@ -1,0 +1,792 @@
+//! A counting, cuttable TCP proxy between a client (a sqlx pool) and
+//! MySQL/MariaDB, for tests that must see the wire.
+//!
+//! It parses the client -> server half of the protocol framing: every
+//! packet is a 3-byte little-endian payload length, a 1-byte sequence id and
+//! the payload; a payload of `0xFFFFFF` bytes continues in the next packet
+//! (whose sequence id goes on counting). A packet with sequence id 0 starts
+//! a command (its first payload byte says which: `COM_QUERY`, `COM_PING`,
+//! `COM_STMT_PREPARE`, `COM_STMT_EXECUTE`, ...); everything else the client
+//! sends has a sequence id above 0: the login (`HandshakeResponse`, 1), an
+//! auth switch's answers, a large packet's continuations, a `LOAD DATA
+//! LOCAL` file. The server -> client half is copied through unparsed,
+//! but for the greeting's session id and a withheld answer (below).
+//!
+//! A command the server answers is one round trip, unless the client sent
+//! it before the server had answered anything since the last counted one:
+//! then it rides on that round trip. The three commands the server never
+//! answers (`COM_QUIT`, `COM_STMT_CLOSE`, `COM_STMT_SEND_LONG_DATA`) are
+//! no round trip of their own, and the command after them is counted as
+//! usual.
+//!
+//! Point the pool at [`MySqlProxy::addr`] with `ssl-mode=disabled`: over
+//! TLS (or with protocol compression) the proxy cannot read the framing, so
+//! a connection that asks for either is forwarded untouched and no longer
+//! counted.
+//!
+//! ```ignore
+//! let proxy = MySqlProxy::start("127.0.0.1:3306".parse()?).await;
+//! let url = format!("mysql://root@{}/test?ssl-mode=disabled", proxy.addr());
+//! let pool = MySqlPoolOptions::new().max_connections(1).connect(&url).await?;
+//! proxy.reset();
+//! sqlx::raw_sql("SELECT 1").execute(&pool).await?;
+//! assert_eq!(proxy.round_trips(), 3); // ping, query, ping
+//! ```
+//!
+//! Chaos controls: [`MySqlProxy::cut_all`] drops every open connection,
+//! [`MySqlProxy::set_cut_on_commit`] drops a connection at a `COM_QUERY`
+//! whose SQL contains the word `COMMIT`, before forwarding it or after the
+//! server has answered it (the answer withheld from the client);
+//! [`MySqlProxy::cut_sessions`] names the server sessions it cut that way
+//! (their `CONNECTION_ID()`, from the server's greeting), so a test can wait
+//! until the server has ended them. Dropping the [`MySqlProxy`] stops it and
+//! drops its connections.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::sync::watch;
+
+pub use crate::proxy::CutOnCommit;
+use crate::proxy::{Listener, contains_word};
+
+/// How long [`CutOnCommit::AfterForwarding`] waits for the end of the
+/// server's answer before it drops the connection anyway.
+const WITHHOLD_LIMIT: Duration = Duration::from_secs(10);
+
+/// A proxy on `127.0.0.1:<ephemeral>` in front of one MySQL/MariaDB server.
+///
+/// Counts round trips across all its connections. Stopped, with all its
+/// connections, when dropped.
+pub struct MySqlProxy {
+    listener: Listener,
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    upstream: SocketAddr,
+    round_trips: AtomicU64,
+    commands: AtomicU64,
+    /// Connections open now.
+    open: AtomicU64,
+    /// Connections accepted since the last reset.
+    accepted: AtomicU64,
+    /// The commands of each round trip, while recording.
+    log: Mutex<Option<Log>>,
+    /// A [`CutOnCommit`].
+    cut_on_commit: AtomicU8,
+    /// The server session ids of the connections cut at a commit, in order
+    /// (0 where the greeting was not seen).
+    cut_sessions: Mutex<Vec<u32>>,
+}
+
+/// One connection's state, shared by its two directions.
+#[derive(Default)]
+struct Conn {
+    /// Whether the server has answered since the client's last round trip.
+    answered: AtomicBool,
+    /// The capabilities of the client's login packet.
+    capabilities: AtomicU32,
+    /// The server's id of the session (its greeting's connection id).
+    session: AtomicU32,
+    /// Set before a commit is forwarded under
+    /// [`CutOnCommit::AfterForwarding`]: from then on the server's bytes are
+    /// its answer, read to the end and never forwarded.
+    withhold: AtomicBool,
+}
+
+impl MySqlProxy {
+    /// Starts a proxy to `upstream`, listening on `127.0.0.1:0`.
+    pub async fn start(upstream: SocketAddr) -> MySqlProxy {
+        let shared = Arc::new(Shared {
+            upstream,
+            round_trips: AtomicU64::new(0),
+            commands: AtomicU64::new(0),
+            open: AtomicU64::new(0),
+            accepted: AtomicU64::new(0),
+            log: Mutex::new(None),
+            cut_on_commit: AtomicU8::new(CutOnCommit::Off.as_u8()),
+            cut_sessions: Mutex::new(Vec::new()),
+        });
+        let listener = Listener::start({
+            let shared = Arc::clone(&shared);
+            move |client, cut| {
+                let shared = Arc::clone(&shared);
+                shared.accepted.fetch_add(1, Ordering::SeqCst);
+                shared.open.fetch_add(1, Ordering::SeqCst);
+                serve(client, shared, cut)
+            }
+        })
+        .await;
+        MySqlProxy { listener, shared }
+    }
+
+    /// Where clients connect.
+    pub fn addr(&self) -> SocketAddr {
+        self.listener.addr()
+    }
+
+    /// Round trips since the start or the last [`reset`](MySqlProxy::reset):
+    /// answered commands, those sent before the server answered the one
+    /// before them counted with it.
+    pub fn round_trips(&self) -> u64 {
+        self.shared.round_trips.load(Ordering::SeqCst)
+    }
+
+    /// Commands forwarded (sequence id 0), answered or not.
+    pub fn commands(&self) -> u64 {
+        self.shared.commands.load(Ordering::SeqCst)
+    }
+
+    /// Connections open now.
+    pub fn connections(&self) -> u64 {
+        self.shared.open.load(Ordering::SeqCst)
+    }
+
+    /// Connections accepted since the last reset: a pool that reconnects
+    /// during a request shows here, not in the round trips (its login is
+    /// no command).
+    pub fn accepted(&self) -> u64 {
+        self.shared.accepted.load(Ordering::SeqCst)
+    }
+
+    /// Zeroes the counters (round trips, commands, accepted connections).
+    pub fn reset(&self) {
+        self.shared.round_trips.store(0, Ordering::SeqCst);
+        self.shared.commands.store(0, Ordering::SeqCst);
+        self.shared.accepted.store(0, Ordering::SeqCst);
+    }
+
+    /// Starts recording every command, grouped by round trip, dropping
+    /// what was recorded before.
+    pub fn record(&self) {
+        *self.shared.log.lock().unwrap() = Some(Log::default());
+    }
+
+    /// The round trips recorded since [`record`](MySqlProxy::record), each
+    /// as its commands: `QUERY <sql>`, `PREPARE <sql>`, `EXECUTE`, `PING`.
+    pub fn recorded(&self) -> Vec<Vec<String>> {
+        let log = self.shared.log.lock().unwrap();
+        log.as_ref()
+            .map(|log| log.round_trips.clone())
+            .unwrap_or_default()
+    }
+
+    /// Drops every open connection now, in both directions; nothing more
+    /// is forwarded on them. New connections are accepted as usual.
+    pub fn cut_all(&self) {
+        self.listener.cut_all();
+    }
+
+    /// Drops a connection when a client `COM_QUERY` whose SQL contains the
+    /// word `COMMIT` (any case) passes, before forwarding it or after the
+    /// server answered it. Stays in force, for every connection, until set
+    /// to [`CutOnCommit::Off`].
+    pub fn set_cut_on_commit(&self, mode: CutOnCommit) {
+        self.shared
+            .cut_on_commit
+            .store(mode.as_u8(), Ordering::SeqCst);
+    }
+
+    /// The server's ids (`CONNECTION_ID()`) of the sessions cut at a commit
+    /// so far, in order; 0 for one whose greeting the proxy did not read.
+    pub fn cut_sessions(&self) -> Vec<u32> {
+        self.shared.cut_sessions.lock().unwrap().clone()
+    }
+}
+
+/// Counts a connection as open until it ends, however it ends.
+struct Open<'a>(&'a Shared);
+
+impl Drop for Open<'_> {
+    fn drop(&mut self) {
+        self.0.open.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// One client connection: both directions until either side closes or the
+/// proxy cuts it. Dropping the four halves closes both sockets.
+async fn serve(client: TcpStream, shared: Arc<Shared>, mut cut: watch::Receiver<u64>) {
+    let _open = Open(&shared);
+    let Ok(server) = TcpStream::connect(shared.upstream).await else {
+        return;
+    };
+    let _ = client.set_nodelay(true);
+    let _ = server.set_nodelay(true);
+    let (client_read, client_write) = client.into_split();
+    let (server_read, server_write) = server.into_split();
+    // The server speaks first (its greeting), so the first command counts.
+    let conn = Conn {
+        answered: AtomicBool::new(true),
+        ..Conn::default()
+    };
+    let backend = server_to_client(server_read, client_write, &conn);
+    tokio::pin!(backend);
+    // Biased towards the cut: once `cut_all` returns, nothing more passes.
+    let withholding = tokio::select! {
+        biased;
+        _ = cut.changed() => false,
+        ended = client_to_server(client_read, server_write, &shared, &conn) => {
+            matches!(ended, Ok(Ended::Withholding))
+        }
+        _ = &mut backend => false,
+    };
+    if withholding {
+        // The commit went on: its answer is read to the end (so the batch
+        // has run its course on the server), then both sides are dropped.
+        let _ = tokio::time::timeout(WITHHOLD_LIMIT, async {
+            tokio::select! {
+                biased;
+                _ = cut.changed() => {}
+                _ = &mut backend => {}
+            }
+        })
+        .await;
+    }
+}
+
+/// Server -> client: copied through, noting that the server answered and
+/// the session id its greeting gives; after a withheld commit, read to the
+/// end of the answer and not forwarded.
+async fn server_to_client(
+    mut from: OwnedReadHalf,
+    mut to: OwnedWriteHalf,
+    conn: &Conn,
+) -> std::io::Result<()> {
+    let mut chunk = vec![0u8; 16 * 1024];
+    // The greeting's bytes, until its packet is complete.
+    let mut greeting = Some(Vec::new());
+    let mut withheld: Option<AnswerEnd> = None;
+    loop {
+        let read = from.read(&mut chunk).await?;
+        if read == 0 {
+            return Ok(());
+        }
+        if let Some(bytes) = greeting.as_mut() {
+            bytes.extend_from_slice(&chunk[..read]);
+            if let Some(packet) = next_packet(bytes) {
+                conn.session
+                    .store(session_id(packet.payload).unwrap_or(0), Ordering::SeqCst);
+                greeting = None;
+            }
+        }
+        if conn.withhold.load(Ordering::SeqCst) {
+            let capabilities = conn.capabilities.load(Ordering::SeqCst);
+            let answer = withheld
+                .get_or_insert_with(|| AnswerEnd::new(capabilities & CLIENT_DEPRECATE_EOF != 0));
+            if answer.feed(&chunk[..read]) {
+                return Ok(());
+            }
+            continue;
+        }
+        // Before the client can see the answer and send again.
+        conn.answered.store(true, Ordering::SeqCst);
+        to.write_all(&chunk[..read]).await?;
+    }
+}
+
+/// How the client's half of a connection ended.
+enum Ended {
+    /// The client closed it.
+    Closed,
+    /// Cut instead of forwarding a commit.
+    Cut,
+    /// A commit was forwarded; its answer is to be withheld.
+    Withholding,
+}
+
+/// Client -> server: framed and counted, whole packets forwarded as they
+/// complete (a packet split across reads waits for its rest), and cut at a
+/// commit when asked.
+async fn client_to_server(
+    mut from: OwnedReadHalf,
+    mut to: OwnedWriteHalf,
+    shared: &Shared,
+    conn: &Conn,
+) -> std::io::Result<Ended> {
+    let mut framing = Framing::Login;
+    let mut buf: Vec<u8> = Vec::with_capacity(8192);
+    let mut chunk = vec![0u8; 16 * 1024];
+    loop {
+        let read = from.read(&mut chunk).await?;
+        if read == 0 {
+            return Ok(Ended::Closed);
+        }
+        if framing == Framing::Opaque {
+            to.write_all(&chunk[..read]).await?;
+            continue;
+        }
+        buf.extend_from_slice(&chunk[..read]);
+        let mut end = 0;
+        while let Some(packet) = next_packet(&buf[end..]) {
+            let start = end;
+            end += packet.len;
+            if framing == Framing::Login {
+                conn.capabilities
+                    .store(capabilities(packet.payload), Ordering::SeqCst);
+            }
+            if let Seen::Command(command) = framing.next(&packet) {
+                let cut = shared.cut_at(command, packet.payload);
+                if cut != CutOnCommit::Off {
+                    let session = conn.session.load(Ordering::SeqCst);
+                    shared.cut_sessions.lock().unwrap().push(session);
+                }
+                if cut == CutOnCommit::BeforeForwarding {
+                    to.write_all(&buf[..start]).await?;
+                    return Ok(Ended::Cut);
+                }
+                if cut == CutOnCommit::AfterForwarding {
+                    // Before forwarding: no byte of the answer slips through.
+                    conn.withhold.store(true, Ordering::SeqCst);
+                }
+                shared.count(command, packet.payload, &conn.answered);
+                if cut == CutOnCommit::AfterForwarding {
+                    to.write_all(&buf[..end]).await?;
+                    return Ok(Ended::Withholding);
+                }
+            }
+            if framing == Framing::Opaque {
+                // TLS or compression from here on: opaque bytes.
+                end = buf.len();
+                break;
+            }
+        }
+        // Counted before forwarding: the server cannot answer first.
+        to.write_all(&buf[..end]).await?;
+        buf.drain(..end);
+    }
+}
+
+/// Commands by round trip.
+#[derive(Default)]
+struct Log {
+    round_trips: Vec<Vec<String>>,
+    /// The last entry holds only unanswered commands sent after an answer:
+    /// the next round trip's first command joins them.
+    unanswered: bool,
+}
+
+impl Shared {
+    /// Whether (and how) to cut the connection at this command: a
+    /// `COM_QUERY` whose SQL has the word `COMMIT`, while a cut is set.
+    fn cut_at(&self, command: u8, payload: &[u8]) -> CutOnCommit {
+        let cut = CutOnCommit::from_u8(self.cut_on_commit.load(Ordering::SeqCst));
+        let commits = command == COM_QUERY && contains_word(&payload[1..], b"commit");
+        if commits { cut } else { CutOnCommit::Off }
+    }
+
+    /// Counts a command: a round trip unless the server never answers it,
+    /// or it follows another that the server has not answered yet.
+    fn count(&self, command: u8, payload: &[u8], answered: &AtomicBool) {
+        self.commands.fetch_add(1, Ordering::SeqCst);
+        let unanswered = NO_ANSWER.contains(&command);
+        // An unanswered command leaves the flag to the next one.
+        let after_answer = if unanswered {
+            answered.load(Ordering::SeqCst)
+        } else {
+            answered.swap(false, Ordering::SeqCst)
+        };
+        if after_answer && !unanswered {
+            self.round_trips.fetch_add(1, Ordering::SeqCst);
+        }
+        if let Some(log) = self.log.lock().unwrap().as_mut() {
+            let described = describe(command, payload);
+            let joins = !after_answer || log.unanswered;
+            match log.round_trips.last_mut() {
+                Some(round_trip) if joins => round_trip.push(described),
+                _ => log.round_trips.push(vec![described]),
+            }
+            if after_answer {
+                log.unanswered = unanswered;
+            }
+        }
+    }
+}
+
+/// One packet at the start of the buffer.
+struct Packet<'a> {
+    /// Header and payload.
+    len: usize,
+    seq: u8,
+    payload: &'a [u8],
+}
+
+/// The first complete packet of `buf`; `None` while more bytes are needed.
+fn next_packet(buf: &[u8]) -> Option<Packet<'_>> {
+    let header = buf.get(..4)?;
+    let payload_len =
+        usize::from(header[0]) | usize::from(header[1]) << 8 | usize::from(header[2]) << 16;
+    let payload = buf.get(4..4 + payload_len)?;
+    Some(Packet {
+        len: 4 + payload_len,
+        seq: header[3],
+        payload,
+    })
+}
+
+/// Where the client is in its half of the protocol.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Framing {
+    /// Before the login packet (the client's first, sequence id 1).
+    Login,
+    /// Logged in (or logging in): sequence id 0 starts a command.
+    Commands,
+    /// TLS or compression: not parsed.
+    Opaque,
+}
+
+enum Seen {
+    /// A command, by its first payload byte.
+    Command(u8),
+    /// The login, an auth exchange, a continuation.
+    Other,
+}
+
+/// `CLIENT_COMPRESS`: after the login, packets are wrapped in compressed
+/// frames.
+const CLIENT_COMPRESS: u32 = 0x20;
+/// `CLIENT_SSL`: in a 32-byte `SSLRequest`, TLS follows.
+const CLIENT_SSL: u32 = 0x800;
+/// The payload of an `SSLRequest`: capabilities, max packet, charset,
+/// filler.
+const SSL_REQUEST_LEN: usize = 32;
+
+const COM_QUIT: u8 = 0x01;
+const COM_QUERY: u8 = 0x03;
+const COM_PING: u8 = 0x0e;
+const COM_STMT_PREPARE: u8 = 0x16;
+const COM_STMT_EXECUTE: u8 = 0x17;
+const COM_STMT_SEND_LONG_DATA: u8 = 0x18;
+const COM_STMT_CLOSE: u8 = 0x19;
+const COM_STMT_RESET: u8 = 0x1a;
+const COM_RESET_CONNECTION: u8 = 0x1f;
+/// Commands the server sends nothing back for.
+const NO_ANSWER: [u8; 3] = [COM_QUIT, COM_STMT_SEND_LONG_DATA, COM_STMT_CLOSE];
+
+impl Framing {
+    /// What `packet` is, advancing the state.
+    fn next(&mut self, packet: &Packet<'_>) -> Seen {
+        match self {
+            Self::Opaque => Seen::Other,
+            Self::Login => {
+                *self = Self::Commands;
+                let capabilities = capabilities(packet.payload);
+                let tls = capabilities & CLIENT_SSL != 0 && packet.payload.len() == SSL_REQUEST_LEN;
+                if tls || capabilities & CLIENT_COMPRESS != 0 {
+                    *self = Self::Opaque;
+                }
+                Seen::Other
+            }
+            Self::Commands => match (packet.seq, packet.payload.first()) {
+                (0, Some(&command)) => Seen::Command(command),
+                _ => Seen::Other,
+            },
+        }
+    }
+}
+
+/// The capability flags a login packet (or `SSLRequest`) starts with.
+fn capabilities(payload: &[u8]) -> u32 {
+    payload
+        .get(..4)
+        .map_or(0, |bytes| u32::from_le_bytes(bytes.try_into().unwrap()))
+}
+
+/// The connection id in the server's greeting (`HandshakeV10`: protocol
+/// version 10, the server version up to a NUL, then the id), which the
+/// session's `CONNECTION_ID()` returns.
+fn session_id(greeting: &[u8]) -> Option<u32> {
+    let (&10, rest) = greeting.split_first()? else {
+        return None;
+    };
+    let nul = rest.iter().position(|&byte| byte == 0)?;
+    let id = rest.get(nul + 1..nul + 5)?;
+    Some(u32::from_le_bytes(id.try_into().unwrap()))
+}
+
+/// `CLIENT_DEPRECATE_EOF`: result sets end with an OK packet (header
+/// `0xFE`) instead of EOF packets, and no EOF follows the columns.
+const CLIENT_DEPRECATE_EOF: u32 = 1 << 24;
+/// In an OK or EOF packet's status: another result of the same command
+/// follows.
+const SERVER_MORE_RESULTS_EXISTS: u16 = 0x0008;
+
+/// Finds the end of the server's answer to one text command: its results
+/// (a multi-statement batch has one per statement), each an OK packet, an
+/// ERR packet (which ends the batch) or a result set, the last without
+/// `SERVER_MORE_RESULTS_EXISTS`.
+struct AnswerEnd {
+    deprecate_eof: bool,
+    buf: Vec<u8>,
+    expect: Expect,
+}
+
+/// The next packet of an answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Expect {
+    /// A result's first packet: OK, ERR, or a result set's column count.
+    Result,
+    /// Column definitions still to come.
+    Columns(u64),
+    /// The EOF after the columns (without `CLIENT_DEPRECATE_EOF`).
+    ColumnsEof,
+    /// Rows, until the EOF (or OK) that ends the set.
+    Rows,
+    /// The answer is complete.
+    Done,
+}
+
+impl AnswerEnd {
+    fn new(deprecate_eof: bool) -> AnswerEnd {
+        AnswerEnd {
+            deprecate_eof,
+            buf: Vec::new(),
+            expect: Expect::Result,
+        }
+    }
+
+    /// Takes the next bytes of the answer; `true` once it is complete.
+    fn feed(&mut self, bytes: &[u8]) -> bool {
+        self.buf.extend_from_slice(bytes);
+        let mut at = 0;
+        while self.expect != Expect::Done
+            && let Some(packet) = next_packet(&self.buf[at..])
+        {
+            at += packet.len;
+            self.expect = self.expect.after(packet.payload, self.deprecate_eof);
+        }
+        self.buf.drain(..at);
+        self.expect == Expect::Done
+    }
+}
+
+impl Expect {
+    /// What comes after `payload`.
+    fn after(self, payload: &[u8], deprecate_eof: bool) -> Expect {
+        let more = |status: Option<u16>| match status {
+            Some(status) if status & SERVER_MORE_RESULTS_EXISTS != 0 => Expect::Result,
+            _ => Expect::Done,
+        };
+        match self {
+            Expect::Result => match payload.first() {
+                Some(0x00) => more(ok_status(payload)),
+                // ERR (the batch stops), `LOCAL INFILE` (not for us), empty.
+                Some(0xFF | 0xFB) | None => Expect::Done,
+                Some(_) => match lenenc(payload) {
+                    Some((0, _)) | None => Expect::Done,
+                    Some((columns, _)) => Expect::Columns(columns),
+                },
+            },
+            Expect::Columns(1) if deprecate_eof => Expect::Rows,
+            Expect::Columns(1) => Expect::ColumnsEof,
+            Expect::Columns(left) => Expect::Columns(left - 1),
+            Expect::ColumnsEof => Expect::Rows,
+            Expect::Rows => match payload.first() {
+                Some(0xFF) => Expect::Done,
+                // EOF: header, warnings, status.
+                Some(0xFE) if !deprecate_eof && payload.len() < 9 => more(
+                    payload
+                        .get(3..5)
+                        .map(|bytes| u16::from_le_bytes(bytes.try_into().unwrap())),
+                ),
+                // An OK packet with the EOF header (a row starting with
+                // `0xFE` has an 8-byte length, so is longer).
+                Some(0xFE) if deprecate_eof && payload.len() < 0xFF_FFFF => {
+                    more(ok_status(payload))
+                }
+                _ => Expect::Rows,
+            },
+            Expect::Done => Expect::Done,
+        }
+    }
+}
+
+/// An OK packet's status flags: after the header, the affected rows and
+/// the last insert id (length-encoded integers).
+fn ok_status(payload: &[u8]) -> Option<u16> {
+    let mut at = 1;
+    for _ in 0..2 {
+        at += lenenc(payload.get(at..)?)?.1;
+    }
+    let status = payload.get(at..at + 2)?;
+    Some(u16::from_le_bytes(status.try_into().unwrap()))
+}
+
+/// A length-encoded integer at the start of `bytes`, and its size.
+fn lenenc(bytes: &[u8]) -> Option<(u64, usize)> {
+    let size = match *bytes.first()? {
+        small @ 0..=0xFA => return Some((u64::from(small), 1)),
+        0xFC => 2,
+        0xFD => 3,
+        0xFE => 8,
+        _ => return None,
+    };
+    let mut value = [0u8; 8];
+    value[..size].copy_from_slice(bytes.get(1..1 + size)?);
+    Some((u64::from_le_bytes(value), 1 + size))
+}
+
+/// A command as the log shows it.
+fn describe(command: u8, payload: &[u8]) -> String {
+    let sql = || {
+        let sql = String::from_utf8_lossy(&payload[1..]);
+        sql.split_whitespace().collect::<Vec<_>>().join(" ")
+    };
+    match command {
+        COM_QUERY => format!("QUERY {}", sql()),
+        COM_STMT_PREPARE => format!("PREPARE {}", sql()),
+        COM_STMT_EXECUTE => "EXECUTE".to_owned(),
+        COM_STMT_CLOSE => "CLOSE".to_owned(),
+        COM_STMT_RESET => "RESET".to_owned(),
+        COM_STMT_SEND_LONG_DATA => "LONG DATA".to_owned(),
+        COM_PING => "PING".to_owned(),
+        COM_QUIT => "QUIT".to_owned(),
+        COM_RESET_CONNECTION => "RESET CONNECTION".to_owned(),
+        other => format!("COMMAND 0x{other:02x}"),
+    }
+}
+
+#[cfg(test)]
+mod framing_tests {
+    #[allow(unused_imports)]
+    use super::*;
+
+    fn packet(seq: u8, payload: &[u8]) -> Vec<u8> {
+        let len = payload.len().to_le_bytes();
+        let mut packet = vec![len[0], len[1], len[2], seq];
+        packet.extend_from_slice(payload);
+        packet
+    }
+
+    /// The kinds the framing sees in `stream`, and the bytes it used.
+    fn kinds(framing: &mut Framing, stream: &[u8]) -> (Vec<Option<u8>>, usize) {
+        let mut kinds = Vec::new();
+        let mut at = 0;
+        while let Some(packet) = next_packet(&stream[at..]) {
+            at += packet.len;
+            kinds.push(match framing.next(&packet) {
+                Seen::Command(command) => Some(command),
+                Seen::Other => None,
+            });
+        }
+        (kinds, at)
+    }
+
+    #[test]
+    fn commands_are_sequence_zero_after_the_login() {
+        let mut stream = packet(1, &[0x0d, 0xa2, 0x0a, 0x00, 0, 0, 0, 1, 33, 0]);
+        stream.extend(packet(3, b"auth switch answer"));
+        stream.extend(packet(0, b"\x03SELECT 1"));
+        stream.extend(packet(0, b"\x0e"));
+        stream.extend(packet(1, b"continuation"));
+        let mut framing = Framing::Login;
+        let (seen, used) = kinds(&mut framing, &stream);
+        assert_eq!(seen, [None, None, Some(COM_QUERY), Some(COM_PING), None]);
+        assert_eq!(used, stream.len());
+    }
+
+    #[test]
+    fn a_split_packet_waits_for_its_rest() {
+        let whole = packet(0, b"\x03SELECT 1");
+        for cut in 0..whole.len() {
+            assert!(next_packet(&whole[..cut]).is_none(), "cut at {cut}");
+        }
+        let packet = next_packet(&whole).unwrap();
+        assert_eq!((packet.len, packet.seq), (whole.len(), 0));
+        assert_eq!(packet.payload, b"\x03SELECT 1");
+    }
+
+    #[test]
+    fn tls_and_compression_are_opaque() {
+        let mut ssl_request = (CLIENT_SSL | 0x0200).to_le_bytes().to_vec();
+        ssl_request.resize(SSL_REQUEST_LEN, 0);
+        let mut framing = Framing::Login;
+        kinds(&mut framing, &packet(1, &ssl_request));
+        assert_eq!(framing, Framing::Opaque);
+
+        let mut login = CLIENT_COMPRESS.to_le_bytes().to_vec();
+        login.resize(40, 0);
+        let mut framing = Framing::Login;
+        kinds(&mut framing, &packet(1, &login));
+        assert_eq!(framing, Framing::Opaque);
+    }
+
+    /// An OK packet: header, affected rows, insert id, status, warnings.
+    fn ok(header: u8, status: u16) -> Vec<u8> {
+        let mut ok = vec![header, 1, 0xFC, 0x10, 0x27];
+        ok.extend_from_slice(&status.to_le_bytes());
+        ok.extend_from_slice(&[0, 0]);
+        ok
+    }
+
+    #[test]
+    fn a_batch_answer_ends_with_its_last_result() {
+        let more = SERVER_MORE_RESULTS_EXISTS | 0x0002;
+        // Three OKs, the last without "more results", fed byte by byte.
+        let answer = [
+            packet(1, &ok(0, more)),
+            packet(2, &ok(0, more)),
+            packet(3, &ok(0, 2)),
+        ]
+        .concat();
+        let mut end = AnswerEnd::new(true);
+        for (at, byte) in answer.iter().enumerate() {
+            assert_eq!(end.feed(&[*byte]), at + 1 == answer.len(), "at byte {at}");
+        }
+        // An ERR stops the batch, whatever came before.
+        let mut end = AnswerEnd::new(true);
+        assert!(!end.feed(&packet(1, &ok(0, more))));
+        assert!(end.feed(&packet(2, b"\xff\x98\x04#42000oops")));
+    }
+
+    #[test]
+    fn a_result_set_ends_after_its_rows() {
+        let more = SERVER_MORE_RESULTS_EXISTS;
+        for deprecate_eof in [true, false] {
+            let mut answer = vec![packet(1, b"\x01"), packet(2, b"column definition")];
+            if !deprecate_eof {
+                answer.push(packet(3, &[0xFE, 0, 0, 0x02, 0]));
+            }
+            // A row whose first byte is 0x00, another of 0xFB (NULL).
+            answer.push(packet(4, b"\x00"));
+            answer.push(packet(5, b"\xfb"));
+            let end_of_set = |status: u16| match deprecate_eof {
+                true => ok(0xFE, status),
+                false => [vec![0xFE, 0, 0], status.to_le_bytes().to_vec()].concat(),
+            };
+            answer.push(packet(6, &end_of_set(more)));
+            let mut end = AnswerEnd::new(deprecate_eof);
+            assert!(!end.feed(&answer.concat()), "deprecate_eof {deprecate_eof}");
+            assert!(
+                end.feed(&packet(7, &ok(0, 0))),
+                "deprecate_eof {deprecate_eof}"
+            );
+
+            let mut end = AnswerEnd::new(deprecate_eof);
+            answer.pop();
+            answer.push(packet(6, &end_of_set(0)));
+            assert!(end.feed(&answer.concat()), "deprecate_eof {deprecate_eof}");
+        }
+    }
+
+    #[test]
+    fn the_greeting_names_the_session_and_commit_is_a_word() {
+        let mut greeting = b"\x0a10.11.19-MariaDB\x00".to_vec();
+        greeting.extend_from_slice(&4242u32.to_le_bytes());
+        greeting.extend_from_slice(b"salt");
+        assert_eq!(session_id(&greeting), Some(4242));
+        assert_eq!(session_id(b"\xff\x10\x04Too many connections"), None);
+
+        for sql in ["COMMIT", "x; commit; START TRANSACTION", "Commit;"] {
+            assert!(contains_word(sql.as_bytes(), b"commit"), "{sql}");
+        }
+        for sql in ["SELECT committed", "SET @commit_x = 1", "START TRANSACTION"] {
+            assert!(!contains_word(sql.as_bytes(), b"commit"), "{sql}");
+        }
+    }
+}

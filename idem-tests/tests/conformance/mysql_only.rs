@@ -1,0 +1,369 @@
+//! MySQL/MariaDB-only checks, at the storage layer: the claim's short lock
+//! wait must not leak into the handler's statements or the pool.
+
+use std::time::Duration;
+
+use axum::http::StatusCode;
+use idem::__private::{Acquire, Claim, ClaimOutcome, Fingerprint, FinishError, StoredResponse};
+use idem::Backend;
+use sqlx::mysql::MySqlPoolOptions;
+use sqlx::{Executor, MySql};
+
+use crate::app::TestDb;
+use crate::harness::{unique, until_idle};
+
+/// The lock wait the pool's sessions are configured with.
+const SESSION_LOCK_WAIT: u64 = 7;
+
+async fn lock_wait(conn: &mut sqlx::MySqlConnection) -> u64 {
+    sqlx::query_scalar("SELECT @@SESSION.innodb_lock_wait_timeout")
+        .fetch_one(conn)
+        .await
+        .unwrap()
+}
+
+/// A two-connection pool on the test server whose every session first
+/// runs `set`: a session setting the claim and finish must hold under.
+async fn session_pool(set: String) -> sqlx::MySqlPool {
+    MySqlPoolOptions::new()
+        .max_connections(2)
+        .after_connect(move |conn, _| {
+            let set = set.clone();
+            Box::pin(async move {
+                conn.execute(sqlx::AssertSqlSafe(set)).await?;
+                Ok(())
+            })
+        })
+        .connect(&crate::engines::mysql::url())
+        .await
+        .unwrap()
+}
+
+/// A claim of key `k` in `scope`, kept a minute, its fingerprint `fill`
+/// repeated.
+fn claim(scope: &str, fill: u8, wait: Duration) -> Claim<'_> {
+    Claim {
+        scope,
+        key: "k",
+        fingerprint: Fingerprint::from_bytes(&[fill; 32]).unwrap(),
+        ttl: Duration::from_secs(60),
+        wait,
+    }
+}
+
+/// A 201 with `body` and no headers, as a handler's answer is stored.
+fn created(body: &'static str) -> StoredResponse {
+    StoredResponse {
+        status: StatusCode::CREATED,
+        headers: Vec::new(),
+        body: body.into(),
+    }
+}
+
+/// The handler runs with the session's own `innodb_lock_wait_timeout`, and
+/// the connection goes back to the pool with it, whatever the claim set
+/// for its insert and whether the claim won (`Claimed`) or lost (`InUse`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_claim_restores_the_sessions_lock_wait() {
+    MySql::connect().await; // the server is there and the table migrated
+    let pool = session_pool(format!(
+        "SET SESSION innodb_lock_wait_timeout = {SESSION_LOCK_WAIT}"
+    ))
+    .await;
+    let scope = unique("lockwait");
+    let claim = claim(&scope, 7, Duration::from_millis(250));
+
+    let ClaimOutcome::Claimed(mut held) =
+        MySql::claim(&pool, Acquire::default(), "idem_keys", &claim)
+            .await
+            .unwrap()
+    else {
+        panic!("a fresh key is claimed")
+    };
+    assert_eq!(
+        lock_wait(&mut held).await,
+        SESSION_LOCK_WAIT,
+        "inside the handler"
+    );
+
+    // The duplicate's insert times out on the held row: its connection is
+    // reset before it goes back to the pool.
+    let duplicate = MySql::claim(&pool, Acquire::default(), "idem_keys", &claim)
+        .await
+        .unwrap();
+    assert!(matches!(duplicate, ClaimOutcome::InUse), "{duplicate:?}");
+    let mut other = pool.acquire().await.unwrap();
+    assert_eq!(
+        lock_wait(&mut other).await,
+        SESSION_LOCK_WAIT,
+        "after a lost claim"
+    );
+    let in_transaction: u64 = sqlx::query_scalar("SELECT @@in_transaction")
+        .fetch_one(&mut *other)
+        .await
+        .unwrap();
+    assert_eq!(in_transaction, 0, "the lost claim's transaction ended");
+    drop(other);
+
+    MySql::rollback(&mut held).await.unwrap();
+    held.release();
+}
+
+/// A statement of the handler's that commits implicitly (DDL) ends the
+/// request's transaction by committing it, claim row and all: the finish
+/// then stores the response on that committed row, so the key replays
+/// instead of answering 409 until it expires.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_implicit_commit_still_stores_the_response() {
+    let pool = MySql::connect().await;
+    let scope = unique("implicit");
+    let claim = claim(&scope, 9, Duration::ZERO);
+    let ClaimOutcome::Claimed(mut held) =
+        MySql::claim(&pool, Acquire::default(), "idem_keys", &claim)
+            .await
+            .unwrap()
+    else {
+        panic!("a fresh key is claimed")
+    };
+    held.execute("CREATE TABLE IF NOT EXISTS idem_implicit_commit (id INT) ENGINE = InnoDB")
+        .await
+        .unwrap();
+    let in_transaction: u64 = sqlx::query_scalar("SELECT @@in_transaction")
+        .fetch_one(&mut **held)
+        .await
+        .unwrap();
+    assert_eq!(in_transaction, 0, "the DDL committed the transaction");
+    let response = created("{\"id\":1}");
+    MySql::finish(&mut held, "idem_keys", Some(&claim), Some(&response))
+        .await
+        .expect("the response is stored on the committed claim");
+    held.release();
+
+    match MySql::claim(&pool, Acquire::default(), "idem_keys", &claim)
+        .await
+        .unwrap()
+    {
+        ClaimOutcome::Finished {
+            fingerprint,
+            response: stored,
+        } => {
+            assert_eq!(fingerprint, claim.fingerprint);
+            assert_eq!(stored, response);
+        }
+        other => panic!("the key must replay: {other:?}"),
+    }
+}
+
+/// In a session with `autocommit` off, the statement after a deadlock's
+/// rollback opens a new transaction, so the finish's open-transaction
+/// check passes: its `UPDATE` then misses the claim's row (rolled back),
+/// and the finish reports the transaction ended instead of a success,
+/// before its `COMMIT`: what the handler wrote after the error is rolled
+/// back too. (A `ROLLBACK` leaves the session as InnoDB's deadlock rollback
+/// does.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_autocommit_a_rolled_back_claim_is_not_a_success() {
+    MySql::connect().await;
+    let pool = session_pool("SET SESSION autocommit = 0".to_owned()).await;
+    let scope = unique("noautocommit");
+    let claim = claim(&scope, 5, Duration::ZERO);
+    let ClaimOutcome::Claimed(mut held) =
+        MySql::claim(&pool, Acquire::default(), "idem_keys", &claim)
+            .await
+            .unwrap()
+    else {
+        panic!("a fresh key is claimed")
+    };
+    held.execute("ROLLBACK").await.unwrap();
+    // The handler goes on writing, in the transaction the session opened.
+    sqlx::query(<MySql as TestDb>::INSERT_EFFECT)
+        .bind(scope.as_bytes())
+        .bind("k")
+        .bind("after the error")
+        .bind("")
+        .fetch_one(&mut **held)
+        .await
+        .unwrap();
+    let response = created("{}");
+    let finished = MySql::finish(&mut held, "idem_keys", Some(&claim), Some(&response)).await;
+    assert!(
+        matches!(finished, Err(FinishError::Ended(_))),
+        "{finished:?}"
+    );
+    MySql::rollback(&mut held).await.unwrap();
+    held.release();
+    let keys: i64 = sqlx::query_scalar("SELECT count(*) FROM idem_keys WHERE scope = ?")
+        .bind(scope.as_bytes())
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(keys, 0, "nothing was stored");
+    assert_eq!(
+        MySql::count_effects(&pool, &scope).await,
+        0,
+        "the write after the error was committed"
+    );
+}
+
+/// A session's `sql_select_limit` cannot defeat the claim's check: with a
+/// limit of 1 (every two-row check would pass) or 0 (no status read), a
+/// fresh key is still claimed and a finished one still replayed, never
+/// claimed again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sessions_select_limit_cannot_defeat_the_claim() {
+    MySql::connect().await;
+    for limit in [1, 0] {
+        let pool = session_pool(format!("SET SESSION sql_select_limit = {limit}")).await;
+        let scope = unique("selectlimit");
+        let claim = claim(&scope, 6, Duration::ZERO);
+        let ClaimOutcome::Claimed(mut held) =
+            MySql::claim(&pool, Acquire::default(), "idem_keys", &claim)
+                .await
+                .unwrap()
+        else {
+            panic!("limit {limit}: a fresh key is claimed")
+        };
+        let response = created("{\"id\":1}");
+        MySql::finish(&mut held, "idem_keys", Some(&claim), Some(&response))
+            .await
+            .unwrap_or_else(|error| panic!("limit {limit}: {error}"));
+        held.release();
+        match MySql::claim(&pool, Acquire::default(), "idem_keys", &claim)
+            .await
+            .unwrap()
+        {
+            ClaimOutcome::Finished {
+                response: stored, ..
+            } => assert_eq!(stored, response, "limit {limit}"),
+            other => panic!("limit {limit}: a finished key must replay: {other:?}"),
+        }
+    }
+}
+
+/// With `autocommit` off, neither the sweeper nor a replay's read leaves a
+/// transaction open on the connection it hands back to the pool: the
+/// sweep's deletes are committed (another session sees them, and their
+/// locks are gone), and the read's snapshot ends with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_autocommit_sweeps_and_reads_leave_no_transaction_open() {
+    MySql::connect().await;
+    let pool = session_pool("SET SESSION autocommit = 0".to_owned()).await;
+    let table = format!("idem_noautocommit_{}", std::process::id());
+    let scope = unique("noautocommit_sweep");
+    let live = claim(&scope, 9, Duration::ZERO);
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP TABLE IF EXISTS {table}")))
+        .execute(&pool)
+        .await
+        .unwrap();
+    MySql::migrate(&pool, &table).await.expect("migrate");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO {table} (scope, `key`, fingerprint, status, created_at, expires_at) VALUES \
+         (X'{scope}', 'old', X'00', 201, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6) - INTERVAL 1 SECOND), \
+         (X'{scope}', 'k', X'{fingerprint}', 201, UTC_TIMESTAMP(6), \
+          UTC_TIMESTAMP(6) + INTERVAL 1 HOUR); COMMIT",
+        scope = hex::encode(&scope),
+        fingerprint = "09".repeat(32),
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+
+    assert_eq!(MySql::sweep(&pool, &table, 100).await.unwrap(), 1);
+    let found = MySql::peek(&pool, Acquire::default(), &table, &live)
+        .await
+        .unwrap();
+    assert!(
+        matches!(found, Some(ClaimOutcome::Finished { .. })),
+        "{found:?}"
+    );
+
+    let other = MySqlPoolOptions::new()
+        .max_connections(1)
+        .connect(&crate::engines::mysql::url())
+        .await
+        .unwrap();
+    let left: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT CAST(`key` AS CHAR) FROM {table} ORDER BY `key`"
+    )))
+    .fetch_all(&other)
+    .await
+    .unwrap();
+    assert_eq!(left, ["k"], "the sweep's delete was not committed");
+    let (mut a, mut b) = (pool.acquire().await.unwrap(), pool.acquire().await.unwrap());
+    for conn in [&mut a, &mut b] {
+        let open: u64 = sqlx::query_scalar("SELECT @@in_transaction")
+            .fetch_one(&mut **conn)
+            .await
+            .unwrap();
+        assert_eq!(
+            open, 0,
+            "a pooled connection came back inside a transaction"
+        );
+    }
+    drop((a, b));
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP TABLE {table}")))
+        .execute(&other)
+        .await
+        .unwrap();
+}
+
+/// A claim that waits less than a second for another process's attempt
+/// (MariaDB's `max_statement_time`: error 1969, SQLSTATE 70100, on a live
+/// session) answers 409 and hands its connection back to the pool, reset,
+/// in either way of acquiring: it is not taken for a connection that was
+/// gone and closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_that_waited_keeps_its_connection() {
+    MySql::connect().await;
+    let pool = session_pool(format!(
+        "SET SESSION innodb_lock_wait_timeout = {SESSION_LOCK_WAIT}"
+    ))
+    .await;
+    let scope = unique("waited");
+    // Another process's attempt in flight: its uncommitted claim row.
+    let mut holder = crate::engines::mysql::pool(1)
+        .await
+        .acquire()
+        .await
+        .unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "START TRANSACTION; INSERT INTO idem_keys (scope, `key`, fingerprint, created_at, \
+         expires_at) VALUES (X'{}', 'k', X'{}', UTC_TIMESTAMP(6), \
+         UTC_TIMESTAMP(6) + INTERVAL 1 HOUR)",
+        hex::encode(&scope),
+        "07".repeat(32),
+    )))
+    .execute(&mut *holder)
+    .await
+    .unwrap();
+    let session = async || {
+        // The pool's one connection, once it is back.
+        until_idle(&pool).await;
+        let mut conn = pool.try_acquire().expect("an idle connection");
+        let id: u64 = sqlx::query_scalar("SELECT CONNECTION_ID()")
+            .fetch_one(&mut *conn)
+            .await
+            .unwrap();
+        (id, lock_wait(&mut conn).await)
+    };
+    // One connection in the pool: the claim takes it.
+    drop(pool.acquire().await.unwrap());
+    for acquire in [Acquire::Idle, Acquire::Checked] {
+        let (before, _) = session().await;
+        let claim = claim(&scope, 7, Duration::from_millis(100));
+        let outcome = MySql::claim(&pool, acquire, "idem_keys", &claim)
+            .await
+            .unwrap();
+        assert!(matches!(outcome, ClaimOutcome::InUse), "{outcome:?}");
+        let (after, lock_wait) = session().await;
+        assert_eq!(
+            after, before,
+            "{acquire:?}: the claim's connection was closed"
+        );
+        assert_eq!(lock_wait, SESSION_LOCK_WAIT, "{acquire:?}: not reset");
+    }
+    sqlx::raw_sql("ROLLBACK")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+}
