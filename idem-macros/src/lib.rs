@@ -16,24 +16,162 @@ use proc_macro::TokenStream;
 
 /// Makes an axum write handler safe to retry with an `Idempotency-Key`.
 ///
-/// See the `idem` crate for the arguments and the full contract.
+/// The client sends one key per logical operation on every attempt. The
+/// first attempt claims the key in the handler's own transaction, runs the
+/// handler, and stores its response in the same commit as its writes; every
+/// retry with the same key and the same request gets that response again,
+/// with `Idempotent-Replayed: true`, and the handler does not run.
 ///
-/// A handler declared to return a `Result` (under any alias) rolls its
-/// transaction back on `Err`, whatever the error's status; any answer
-/// rolls back on a transient status (5xx, 408, 429). The return type must
-/// name the `Result` for that: behind `-> impl IntoResponse` only the
-/// status is seen.
+/// ```ignore
+/// use idem::{Tx, idempotent};
+/// use sqlx::Postgres;
+///
+/// #[idempotent(scope = "account", ttl = "24h")]
+/// async fn create_charge(
+///     account: Account,           // the caller: implements `idem::Scope`
+///     mut tx: Tx<Postgres>,       // the request's transaction; exactly one
+///     Json(new): Json<NewCharge>, // other extractors; the body's last
+/// ) -> Result<(StatusCode, Json<Charge>), ApiError> {
+///     let charge = insert_charge(&mut *tx, &account, new).await?; // `Err`: rolled back
+///     Ok((StatusCode::CREATED, Json(charge)))                    // committed and stored
+/// }
+///
+/// let app = Router::new()
+///     .route("/v1/charges", post(create_charge))
+///     .with_state(state); // any state where `Idem<Postgres>: FromRef<State>`
+/// ```
+///
+/// # The handler
+///
+/// - A free `async fn`: not a method (`self`), not in an `impl` block, not
+///   generic (nor taking `impl Trait`), `const`, `unsafe`, `extern` or
+///   variadic.
+/// - Exactly one `Tx<DB>` parameter, anywhere among the others: `DB` is one
+///   of the enabled engines (`sqlx::Postgres`, `sqlx::Sqlite`,
+///   `sqlx::MySql`). An alias works if it is named `Tx`
+///   (`type Tx = idem::Tx<Postgres>;`, then `tx: db::Tx`).
+/// - Every other parameter is an axum extractor, run in order. One that
+///   consumes the body (`Json`, `Form`, `Bytes`, `String`, `Body`,
+///   `Request`, `Multipart`, `RawForm`, ...) comes last.
+/// - `scope` names one of them, bound to a plain name; its type implements
+///   `idem::Scope` and reads the request's head (`FromRequestParts`), never
+///   its body.
+/// - No `#[cfg]` on a parameter (put it on the whole handler), and no
+///   `#[debug_handler]`: the `Tx` is not one of axum's extractors.
+/// - The return type is any `IntoResponse`. The transaction commits, with
+///   the stored response, when the handler answers a storable status
+///   (below 500, not 408 or 429); it rolls back on a transient status, on a
+///   panic and on any `Err`, whatever the error's status, if the return
+///   type names a `Result` (under any alias): behind `-> impl IntoResponse`
+///   only the status is seen.
+///
+/// The handler works in any `Router<S>` where `Idem<DB>: FromRef<S>`; the
+/// state is never named here.
+///
+/// # Arguments
+///
+/// Every argument is `name = "string literal"`, separated by commas, each
+/// at most once.
+///
+/// ## `scope` (required)
+///
+/// `scope = "<parameter>"`: the parameter that identifies the caller, such
+/// as the authenticated account. Keys are looked up per (scope, key), so two
+/// callers never share a key and a stored response is never replayed to
+/// another caller. It cannot name the `Tx`, a body extractor, or a binding
+/// inside a pattern (`Json(x)`, `account @ Account(..)`): bind the
+/// extractor whole. A scope longer than 2,048 bytes (`idem::MAX_SCOPE_LEN`)
+/// is answered 500.
+/// A caller that authentication middleware puts in the request's
+/// extensions scopes through `Extension<User>` where `User: idem::Scope`.
+///
+/// ```ignore
+/// #[idempotent(scope = "user")]
+/// async fn refund(user: Extension<User>, mut tx: Tx<Postgres>, Json(r): Json<Refund>) -> Response { ... }
+/// ```
+///
+/// ## `ttl`
+///
+/// `ttl = "<whole number><unit>"`, the unit one of `ms`, `s`, `m`, `h`,
+/// `d`, with no space: how long a key and its response are kept and
+/// replayed. Default `"24h"`; more than zero, at most `"365d"`. The time
+/// counts from the claim, or from the response for a request that ran a
+/// tenth of its `ttl` or longer. After it the key is free again: a retry
+/// with it runs as a first attempt.
+///
+/// ```ignore
+/// #[idempotent(scope = "account", ttl = "7d")]
+/// ```
+///
+/// ## `key`
+///
+/// `key = "required"` (the default) or `key = "optional"`: whether a
+/// request without an `Idempotency-Key` header is refused (400,
+/// `idempotency_key_missing`) or runs in a plain transaction, with nothing
+/// claimed or stored (`tx.key()` is then `None`).
+///
+/// ```ignore
+/// #[idempotent(scope = "account", key = "optional")]
+/// ```
+///
+/// ## `wait`
+///
+/// `wait = "<whole number><unit>"`, written as `ttl` is: how long a
+/// concurrent duplicate (a retry that arrives while the first attempt with
+/// its key is still running) waits for that attempt to end. It gets the
+/// replay if the first attempt finishes in time, runs as the first attempt
+/// if that one rolls back, and gets 409 (`idempotency_key_in_use`,
+/// `Retry-After`) otherwise. Default `"0s"`: 409 at once. At most `"60s"`
+/// (a waiting duplicate may hold a connection), and not longer than `ttl`.
+/// How long a duplicate in another process waits depends on the engine:
+/// MySQL counts whole seconds (and waits at least one), SQLite waits for
+/// its write lock up to the pool's `busy_timeout` and answers 503 after it.
+///
+/// ```ignore
+/// #[idempotent(scope = "account", wait = "2s")]
+/// ```
+///
+/// ## `crate`
+///
+/// `crate = "<path>"`: the path of the `idem` crate, for a service that
+/// renamed the dependency (`my_idem = { package = "idem", ... }` in
+/// `Cargo.toml`). Default `"::idem"`. The generated code names only paths
+/// under it.
+///
+/// ```ignore
+/// #[idempotent(scope = "account", crate = "::my_idem")]
+/// ```
+///
+/// # Errors
+///
+/// Every mistake in the arguments or the handler's shape is a compile
+/// error on the token that is wrong, all of them at once:
+///
+/// ```text
+/// error: `scope = "acount"` names no parameter of this handler; it could name `account`
+///   --> src/charges.rs:10:22
+///    |
+/// 10 | #[idempotent(scope = "acount")]
+///    |                      ^^^^^^^^
+/// ```
+///
+/// Once those are fixed, rustc reports a scope type that does not implement
+/// `idem::Scope`, a parameter that is not an extractor (where the handler is
+/// routed, with the parameter labelled), or a return type that is not a
+/// response.
+///
+/// # What the handler becomes
 ///
 /// The handler's name becomes a unit struct (the value `post(name)`
-/// routes) in the function's module, so a handler is a free function (not
-/// in an `impl` block) and no module or type beside it has its name. Doc
-/// comments and `#[deprecated]` go onto that struct; other attributes
-/// below `#[idempotent]` (lints, `#[tracing::instrument]`) onto the body,
-/// kept as the struct's associated function of the same name. axum's
-/// `#[debug_handler]` is refused: the `Tx` is not one of its extractors. Inside the handler, parameters and
-/// locals may still be named like it: there, the name is a plain function,
-/// not the handler. Elsewhere in that module a pattern of that name
-/// matches the struct instead of binding, as with any unit struct.
+/// routes) in the function's module, so no module or type beside it may
+/// have its name. Doc comments and `#[deprecated]` go onto that struct;
+/// other attributes below `#[idempotent]` (lints, `#[tracing::instrument]`)
+/// onto the body, kept as the struct's associated function of the same
+/// name, so a span is named after the handler; a `#[cfg]` onto everything
+/// generated. Inside the handler, parameters and locals may still be named
+/// like it: there, the name is a plain function, not the handler. Elsewhere
+/// in that module a pattern of that name matches the struct instead of
+/// binding, as with any unit struct.
 #[proc_macro_attribute]
 pub fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
     idempotent_impl(args.into(), item.into()).into()
