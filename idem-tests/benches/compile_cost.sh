@@ -8,13 +8,13 @@
 # Prints one line per crate and the cost of one more handler (the slope
 # between the smallest and the largest N).
 #
-#   benches/compile_cost.sh                         # N = 50 and 200
-#   IDEM_CC_N="20 100" IDEM_CC_PROFILES=check benches/compile_cost.sh
+#   idem-tests/benches/compile_cost.sh                         # N = 50 and 200
+#   IDEM_CC_N="20 100" IDEM_CC_PROFILES=check idem-tests/benches/compile_cost.sh
 #
 # IDEM_CC_DIR: where the crates and their target dir go (default
 # target/compile-cost). Needs no database: nothing runs.
 set -euo pipefail
-root=$(cd "$(dirname "$0")/.." && pwd)
+root=$(cd "$(dirname "$0")/../.." && pwd)
 dir=${IDEM_CC_DIR:-$root/target/compile-cost}
 sizes=${IDEM_CC_N:-50 200}
 profiles=${IDEM_CC_PROFILES:-check,debug,release}

@@ -1,4 +1,4 @@
-//! How the benchmark turns rounds into ratios; also compiled into
+//! How the benchmark turns rounds into ratios; also tested by
 //! `tests/bench_stats.rs`, so CI checks it.
 
 /// `rounds[r][a] / rounds[r][b]` for every round `r` where both ran (a

@@ -1,4 +1,4 @@
-//! The benchmark's aggregation of rounds (`benches/throughput/stats.rs`):
+//! The benchmark's aggregation of rounds (`idem_tests::stats`):
 //! the benchmark itself is not run by CI, its arithmetic is.
 
 use idem_tests::stats;

@@ -12,7 +12,7 @@
 //! The server runs in a child process (so its memory and CPU are its own);
 //! the load generator is in this process. Before the load, the round trips
 //! of one request per scenario are counted exactly through a proxy
-//! (`tests/support/pg_proxy.rs`): `extra_round_trips` is idempotent minus
+//! (`idem_tests::pg_proxy`): `extra_round_trips` is idempotent minus
 //! baseline. Each row also shows the CPU per request of the load generator,
 //! the server and PostgreSQL, from `/proc`: on a machine whose cores are all
 //! busy, throughput is cores / CPU per request, so that column says what

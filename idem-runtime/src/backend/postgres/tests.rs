@@ -95,7 +95,7 @@ impl crate::backend::claim::ClaimAttempt<Postgres> for &mut Scripted {
 async fn claims_are_retried_only_when_the_engine_asks() {
     let pool = test_pool(1, |options| options).await;
     let retry = || Failure::Retry(sqlx::Error::PoolTimedOut.into());
-    let fatal = || Failure::Fatal(StoreError::Vanished);
+    let fatal = || Failure::Fatal(sqlx::Error::RowNotFound.into());
     let in_use = || Failure::InUse;
     let cases: [(&[Step], &str, &[usize]); 5] = [
         (&[Some(retry), Some(retry), None], "claimed", &[1, 2, 3]),

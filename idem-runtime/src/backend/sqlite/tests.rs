@@ -84,8 +84,10 @@ async fn an_expired_key_is_taken_over() {
     let pool = key_table().await;
     sqlx::query(
         "INSERT INTO keys (scope, \"key\", fingerprint, status, created_at, expires_at) \
-         VALUES ('acct', 'k', ?1, 201, 0, 1)",
+         VALUES (?1, ?2, ?3, 201, 0, 1)",
     )
+    .bind(&b"acct"[..])
+    .bind(&b"k"[..])
     .bind(&[9_u8; 32][..])
     .execute(&pool)
     .await
@@ -101,9 +103,9 @@ async fn an_expired_key_is_taken_over() {
         .await
         .expect("finish");
     conn.release();
-    let stored: Vec<u8> = sqlx::query_scalar("SELECT fingerprint FROM keys")
-        .fetch_one(&pool)
+    let stored: Vec<Vec<u8>> = sqlx::query_scalar("SELECT fingerprint FROM keys")
+        .fetch_all(&pool)
         .await
         .unwrap();
-    assert_eq!(stored, [1_u8; 32]);
+    assert_eq!(stored, [[1_u8; 32]], "one row, the new claim's");
 }
