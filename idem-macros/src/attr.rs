@@ -5,14 +5,17 @@ use syn::ext::IdentExt;
 use syn::parse::{ParseStream, Parser};
 use syn::{Expr, ExprLit, Ident, Lit, LitStr, Token};
 
-use crate::duration::{MAX_TTL_MS, MAX_WAIT_MS, parse_ms};
+use crate::duration::{MAX_TIMEOUT_MS, MAX_TTL_MS, MAX_WAIT_MS, parse_ms};
 use crate::errors::Errors;
 
-const KEYS: &[&str] = &["scope", "ttl", "key", "wait", "crate"];
-const VALID_KEYS: &str = "valid arguments are `scope`, `ttl`, `key`, `wait` and `crate`";
+const KEYS: &[&str] = &["scope", "ttl", "key", "wait", "timeout", "crate"];
+const VALID_KEYS: &str = "valid arguments are `scope`, `ttl`, `key`, `wait`, `timeout` and `crate`";
 
 /// The default `ttl`: 24 hours.
 pub const DEFAULT_TTL_MS: u64 = 24 * 60 * 60 * 1000;
+
+/// The default `timeout`: 30 seconds.
+pub const DEFAULT_TIMEOUT_MS: u64 = 30 * 1000;
 
 /// Whether requests must carry a key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,6 +33,7 @@ pub struct Args {
     pub scope_written: bool,
     pub ttl: Option<(u64, Span)>,
     pub wait: Option<(u64, Span)>,
+    pub timeout: Option<(u64, Span)>,
     pub key: Option<KeyMode>,
     pub krate: Option<syn::Path>,
 }
@@ -43,12 +47,17 @@ impl Args {
         self.wait.map_or(0, |(ms, _)| ms)
     }
 
+    pub fn timeout_ms(&self) -> u64 {
+        self.timeout.map_or(DEFAULT_TIMEOUT_MS, |(ms, _)| ms)
+    }
+
     /// Fills the slot of a known `key` written once, from its value.
     fn set(&mut self, key: &str, value: &Expr) -> syn::Result<()> {
         match key {
             "scope" => self.scope = Some(scope(value)?),
             "ttl" => self.ttl = Some((duration(key, value)?, value_span(value))),
             "wait" => self.wait = Some((duration(key, value)?, value_span(value))),
+            "timeout" => self.timeout = Some((duration(key, value)?, value_span(value))),
             "key" => self.key = Some(key_mode(value)?),
             _ => self.krate = Some(krate(value)?),
         }
@@ -246,29 +255,41 @@ fn krate(value: &Expr) -> syn::Result<syn::Path> {
 }
 
 fn duration(key: &str, value: &Expr) -> syn::Result<u64> {
-    let example = if key == "ttl" { "24h" } else { "2s" };
+    let example = match key {
+        "ttl" => "24h",
+        "timeout" => "30s",
+        _ => "2s",
+    };
     let lit = string(
         key,
         value,
         &format!("a duration such as `{key} = \"{example}\"`"),
     )?;
     let ms = parse_ms(&lit.value()).map_err(|message| syn::Error::new(lit.span(), message))?;
-    let (max, max_text) = if key == "ttl" {
-        (
+    let (max, max_text) = match key {
+        "ttl" => (
             MAX_TTL_MS,
             "365d: keys kept longer are a storage leak, not a retry window",
-        )
-    } else {
-        (
+        ),
+        "timeout" => (
+            MAX_TIMEOUT_MS,
+            "1h: a running handler holds its transaction, a connection and its key",
+        ),
+        _ => (
             MAX_WAIT_MS,
             "60s: a waiting duplicate holds a connection; past a minute, a 409 and a \
              client retry serve everyone better",
-        )
+        ),
     };
-    if key == "ttl" && ms == 0 {
+    if ms == 0 && key != "wait" {
+        let why = if key == "ttl" {
+            "a key that expires at once protects nothing"
+        } else {
+            "a handler stopped at once never runs"
+        };
         return Err(syn::Error::new(
             lit.span(),
-            "`ttl` must be greater than zero: a key that expires at once protects nothing",
+            format!("`{key}` must be greater than zero: {why}"),
         ));
     }
     if ms > max {
@@ -316,11 +337,13 @@ mod tests {
             ttl = "1h",
             key = "optional",
             wait = "2s",
+            timeout = "5s",
             crate = "::my_idem"
         ));
         assert_eq!(args.scope.as_ref().unwrap().value(), "account");
         assert_eq!(args.ttl_ms(), 3_600_000);
         assert_eq!(args.wait_ms(), 2_000);
+        assert_eq!(args.timeout_ms(), 5_000);
         assert_eq!(args.key, Some(KeyMode::Optional));
         let krate = args.krate.as_ref().unwrap();
         assert_eq!(quote!(#krate).to_string(), ":: my_idem");
@@ -335,6 +358,7 @@ mod tests {
             (defaults.ttl_ms(), defaults.wait_ms(), defaults.key),
             (DEFAULT_TTL_MS, 0, None)
         );
+        assert_eq!(defaults.timeout_ms(), DEFAULT_TIMEOUT_MS);
         assert!(defaults.krate.is_none());
         let args = parse_ok(quote!(r#scope = "a", crate = "my_idem"));
         assert_eq!(args.scope.unwrap().value(), "a");
@@ -342,9 +366,9 @@ mod tests {
 
     #[test]
     fn every_duplicate_is_named() {
-        for key in ["scope", "ttl", "key", "wait", "crate"] {
+        for key in ["scope", "ttl", "key", "wait", "timeout", "crate"] {
             let value = match key {
-                "ttl" | "wait" => "1s",
+                "ttl" | "wait" | "timeout" => "1s",
                 "key" => "required",
                 "crate" => "::idem",
                 _ => "a",
@@ -363,7 +387,7 @@ mod tests {
 
     #[test]
     fn a_duplicate_is_reported_even_when_the_first_value_is_wrong() {
-        for key in ["scope", "ttl", "key", "wait", "crate"] {
+        for key in ["scope", "ttl", "key", "wait", "timeout", "crate"] {
             let name: TokenStream = key.parse().unwrap();
             let found = messages(quote!(#name = 5, #name = "1s"));
             assert_eq!(found.len(), 2, "{key}: {found:?}");
@@ -402,7 +426,7 @@ mod tests {
         let message = one_message(quote!(scope = "a", colour = "red"));
         assert_eq!(
             message,
-            "unknown argument `colour`; valid arguments are `scope`, `ttl`, `key`, `wait` and `crate`"
+            "unknown argument `colour`; valid arguments are `scope`, `ttl`, `key`, `wait`, `timeout` and `crate`"
         );
         assert!(one_message(quote!(scope)).contains("expected `scope = \"...\"`"));
         assert!(one_message(quote!("account")).contains("write `scope = \"account\"`"));
@@ -451,6 +475,13 @@ mod tests {
         assert!(one_message(quote!(scope = "a", ttl = "0ms")).contains("greater than zero"));
         assert!(one_message(quote!(scope = "a", ttl = "366d")).contains("at most 365d"));
         assert!(one_message(quote!(scope = "a", wait = "61s")).contains("at most 60s"));
+        assert!(one_message(quote!(scope = "a", timeout = "0s")).contains("greater than zero"));
+        assert!(one_message(quote!(scope = "a", timeout = "61m")).contains("at most 1h"));
+        assert!(one_message(quote!(scope = "a", timeout = "-1s")).contains("negative"));
+        assert_eq!(
+            parse_ok(quote!(scope = "a", timeout = "1h")).timeout_ms(),
+            MAX_TIMEOUT_MS
+        );
         assert!(one_message(quote!(scope = "a", ttl = "-5m")).contains("negative"));
         assert!(one_message(quote!(scope = "a", wait = "-1s")).contains("negative"));
         assert!(one_message(quote!(scope = "a", ttl = "24")).contains("no unit"));

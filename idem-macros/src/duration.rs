@@ -8,6 +8,10 @@ pub const MAX_TTL_MS: u64 = 365 * DAY_MS;
 /// waits; past a minute a 409 and a client retry serve everyone better.
 pub const MAX_WAIT_MS: u64 = 60 * 1000;
 
+/// The longest `timeout`: an hour. A handler holds its transaction, a
+/// pooled connection and its key while it runs.
+pub const MAX_TIMEOUT_MS: u64 = 60 * 60 * 1000;
+
 const DAY_MS: u64 = 24 * 60 * 60 * 1000;
 
 /// Parses `<digits><unit>` into milliseconds; the error says what is wrong.

@@ -118,13 +118,14 @@ pub fn expand(item: &ItemFn, args: &Args, handler: &Handler) -> TokenStream {
 fn config(args: &Args, private: &TokenStream) -> TokenStream {
     let ttl = args.ttl_ms();
     let wait = args.wait_ms();
+    let timeout = args.timeout_ms();
     let mode = match args.key.unwrap_or(KeyMode::Required) {
         KeyMode::Required => quote!(Required),
         KeyMode::Optional => quote!(Optional),
     };
     quote! {
         const __IDEM_CONFIG: #private::Config =
-            #private::Config::new(#ttl, #wait, #private::KeyMode::#mode);
+            #private::Config::new(#ttl, #wait, #timeout, #private::KeyMode::#mode);
     }
 }
 

@@ -34,6 +34,9 @@ pub enum Outcome {
     /// The handler ran but nothing was kept: a transient answer, an error,
     /// a panic, or a response over the cap.
     RolledBack,
+    /// The handler passed its deadline (`timeout`): dropped, rolled back,
+    /// 504.
+    TimedOut,
     /// The store could not be reached, or the commit failed: 503.
     StoreUnavailable,
     /// No key on a `key = "optional"` handler: it ran in a plain transaction.
@@ -50,6 +53,7 @@ impl Outcome {
             Self::Reused => "reused",
             Self::Rejected => "rejected",
             Self::RolledBack => "rolled_back",
+            Self::TimedOut => "timed_out",
             Self::StoreUnavailable => "store_unavailable",
             Self::Unkeyed => "unkeyed",
         }

@@ -17,6 +17,10 @@ pub enum Problem {
     KeyInvalid(KeyError),
     /// 409: another attempt with this key is still running.
     KeyInUse,
+    /// 409: the key is held, by an attempt that may be running or by a
+    /// session the server has yet to end (its client gone), or by an
+    /// attempt that committed early and failed.
+    KeyHeld,
     /// 422: the key was used for a different request.
     KeyReused,
     /// 413: the request body is over the limit.
@@ -27,12 +31,22 @@ pub enum Problem {
     BodyTimeout,
     /// 503: the key store cannot be reached or refused the claim.
     StoreUnavailable,
+    /// 503: the connection to the key store was lost after the claim may
+    /// have reached it; the key is held until the server ends that session,
+    /// within `retry_after` seconds.
+    ConnectionLost {
+        /// Seconds until the key is free again.
+        retry_after: u32,
+    },
     /// 503: the database failed while committing a request that carried no
     /// key (`key = "optional"`): it may or may not have been done, so no
     /// `Retry-After` invites a retry.
     CommitOutcomeUnknown,
     /// 500: the handler panicked; nothing was committed.
     HandlerPanicked,
+    /// 504: the handler did not answer within its deadline (the attribute's
+    /// `timeout`); it was dropped and nothing was committed.
+    HandlerTimeout,
     /// 500: the handler's transaction failed or ended before the commit: a
     /// database error the handler caught rather than returned, a deferred
     /// constraint its writes broke at the commit, or the transaction ended
@@ -47,7 +61,7 @@ pub enum Problem {
 }
 
 /// Seconds a client should wait before retrying a 409 or 503.
-const RETRY_AFTER_SECS: &str = "1";
+const RETRY_AFTER_SECS: u32 = 1;
 
 impl Problem {
     /// The HTTP status.
@@ -56,11 +70,14 @@ impl Problem {
             Self::KeyMissing | Self::KeyInvalid(_) | Self::BodyUnreadable => {
                 StatusCode::BAD_REQUEST
             }
-            Self::KeyInUse => StatusCode::CONFLICT,
+            Self::KeyInUse | Self::KeyHeld => StatusCode::CONFLICT,
             Self::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             Self::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
-            Self::StoreUnavailable | Self::CommitOutcomeUnknown => StatusCode::SERVICE_UNAVAILABLE,
+            Self::StoreUnavailable | Self::ConnectionLost { .. } | Self::CommitOutcomeUnknown => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
+            Self::HandlerTimeout => StatusCode::GATEWAY_TIMEOUT,
             Self::HandlerPanicked
             | Self::TransactionFailed
             | Self::ResponseNotStored
@@ -73,13 +90,16 @@ impl Problem {
         match self {
             Self::KeyMissing => "idempotency_key_missing",
             Self::KeyInvalid(_) => "idempotency_key_invalid",
-            Self::KeyInUse => "idempotency_key_in_use",
+            Self::KeyInUse | Self::KeyHeld => "idempotency_key_in_use",
             Self::KeyReused => "idempotency_key_reused",
             Self::BodyTooLarge => "request_body_too_large",
             Self::BodyUnreadable => "request_body_unreadable",
             Self::BodyTimeout => "request_body_timeout",
-            Self::StoreUnavailable | Self::CommitOutcomeUnknown => "idempotency_store_unavailable",
+            Self::StoreUnavailable | Self::ConnectionLost { .. } | Self::CommitOutcomeUnknown => {
+                "idempotency_store_unavailable"
+            }
             Self::HandlerPanicked | Self::TransactionFailed => "internal_error",
+            Self::HandlerTimeout => "handler_timeout",
             Self::ResponseNotStored => "idempotency_response_not_stored",
             Self::ScopeTooLong => "idempotency_scope_too_long",
         }
@@ -90,13 +110,17 @@ impl Problem {
             Self::KeyMissing => "Idempotency-Key header missing",
             Self::KeyInvalid(_) => "Idempotency-Key header invalid",
             Self::KeyInUse => "A request with this Idempotency-Key is still in progress",
+            Self::KeyHeld => "This Idempotency-Key is held by another attempt",
             Self::KeyReused => "Idempotency-Key reused with a different request",
             Self::BodyTooLarge => "Request body too large",
             Self::BodyUnreadable => "Request body could not be read",
             Self::BodyTimeout => "Request body too slow",
-            Self::StoreUnavailable => "Idempotency key store unavailable",
+            Self::StoreUnavailable | Self::ConnectionLost { .. } => {
+                "Idempotency key store unavailable"
+            }
             Self::CommitOutcomeUnknown => "Outcome unknown",
             Self::HandlerPanicked | Self::TransactionFailed => "Internal server error",
+            Self::HandlerTimeout => "Request took too long",
             Self::ResponseNotStored => "Response could not be stored",
             Self::ScopeTooLong => "Idempotency scope too long",
         }
@@ -107,6 +131,8 @@ impl Problem {
             Self::KeyMissing => "Send an Idempotency-Key header, one per logical operation, on every attempt.".into(),
             Self::KeyInvalid(error) => format!("{error}."),
             Self::KeyInUse => "Retry after the time given in Retry-After; the first attempt's response will be replayed.".into(),
+            Self::KeyHeld => "Another attempt holds this key. Retry after the time given in Retry-After, with the same key: if that attempt completed, its response will be replayed; if it did nothing, your request will run.".into(),
+            Self::ConnectionLost { .. } => "The connection to the key store was lost while this request held its key; the store releases it within the time given in Retry-After. Retry then, with the same Idempotency-Key: the request either did nothing, or its answer will be replayed.".into(),
             Self::KeyReused => "This key was first used with a different method, path, query or body. Use a new key for a new operation.".into(),
             Self::BodyTooLarge => "The request body is larger than this endpoint accepts.".into(),
             Self::BodyUnreadable => "The request body ended before it was complete.".into(),
@@ -114,14 +140,22 @@ impl Problem {
             Self::StoreUnavailable => "Retry after the time given in Retry-After, with the same Idempotency-Key if the request had one: the request either did nothing, or its answer will be replayed.".into(),
             Self::CommitOutcomeUnknown => "The database failed while committing this request, which carried no Idempotency-Key: it may or may not have been done. Send an Idempotency-Key to make retries safe.".into(),
             Self::HandlerPanicked => "Nothing was done. Retrying is safe, with the same Idempotency-Key if the request had one.".into(),
+            Self::HandlerTimeout => "The request did not finish within the server's deadline and was stopped. Nothing was done: retry after the time given in Retry-After, with the same Idempotency-Key if the request had one.".into(),
             Self::TransactionFailed => "The request's transaction failed or ended before it could commit, and no answer was stored: a retry with the same key runs the request again.".into(),
             Self::ResponseNotStored => "Nothing was done: the response is larger than can be stored for replay.".into(),
             Self::ScopeTooLong => "Nothing was done: the server identifies this caller by a scope longer than its idempotency key store keeps. Retrying will not help.".into(),
         }
     }
 
-    fn retry_after(self) -> bool {
-        matches!(self, Self::KeyInUse | Self::StoreUnavailable)
+    /// Seconds for `Retry-After`, where the answer invites a retry.
+    fn retry_after(self) -> Option<u32> {
+        match self {
+            Self::KeyInUse | Self::KeyHeld | Self::StoreUnavailable | Self::HandlerTimeout => {
+                Some(RETRY_AFTER_SECS)
+            }
+            Self::ConnectionLost { retry_after } => Some(retry_after),
+            _ => None,
+        }
     }
 }
 
@@ -140,11 +174,8 @@ impl IntoResponse for Problem {
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/problem+json"),
         );
-        if self.retry_after() {
-            headers.insert(
-                header::RETRY_AFTER,
-                HeaderValue::from_static(RETRY_AFTER_SECS),
-            );
+        if let Some(seconds) = self.retry_after() {
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(seconds));
         }
         response
     }
@@ -173,6 +204,48 @@ mod tests {
                 .into_response()
                 .headers()
                 .contains_key(header::RETRY_AFTER)
+        );
+    }
+
+    async fn body(problem: Problem) -> serde_json::Value {
+        let body = problem.into_response().into_body().collect().await.unwrap();
+        serde_json::from_slice(&body.to_bytes()).unwrap()
+    }
+
+    /// Only a 409 for an attempt known to be running promises a replay;
+    /// a held key, a lost connection and a deadline each say what they
+    /// know, and when to come back.
+    #[tokio::test]
+    async fn each_retryable_problem_says_what_is_known() {
+        let running = body(Problem::KeyInUse).await;
+        let held = body(Problem::KeyHeld).await;
+        assert_eq!(held["code"], running["code"]);
+        assert_eq!(held["status"], 409);
+        assert!(
+            running["detail"]
+                .as_str()
+                .unwrap()
+                .contains("will be replayed")
+        );
+        assert!(
+            !held["detail"]
+                .as_str()
+                .unwrap()
+                .contains("response will be replayed.")
+        );
+
+        let lost = Problem::ConnectionLost { retry_after: 33 }.into_response();
+        assert_eq!(lost.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(lost.headers()[header::RETRY_AFTER], "33");
+        let lost = body(Problem::ConnectionLost { retry_after: 33 }).await;
+        assert_eq!(lost["code"], "idempotency_store_unavailable");
+
+        let late = Problem::HandlerTimeout.into_response();
+        assert_eq!(late.status(), StatusCode::GATEWAY_TIMEOUT);
+        assert_eq!(late.headers()[header::RETRY_AFTER], "1");
+        assert_eq!(
+            body(Problem::HandlerTimeout).await["code"],
+            "handler_timeout"
         );
     }
 }

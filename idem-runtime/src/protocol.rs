@@ -46,17 +46,25 @@ pub enum KeyMode {
 pub struct Config {
     ttl: Duration,
     wait: Duration,
+    timeout: Duration,
     key: KeyMode,
 }
 
 impl Config {
     /// The arguments of one handler.
-    pub const fn new(ttl_ms: u64, wait_ms: u64, key: KeyMode) -> Self {
+    pub const fn new(ttl_ms: u64, wait_ms: u64, timeout_ms: u64, key: KeyMode) -> Self {
         Self {
             ttl: Duration::from_millis(ttl_ms),
             wait: Duration::from_millis(wait_ms),
+            timeout: Duration::from_millis(timeout_ms),
             key,
         }
+    }
+
+    /// The handler's deadline in milliseconds (at most an hour, as the
+    /// attribute checks).
+    fn timeout_ms(&self) -> u32 {
+        u32::try_from(self.timeout.as_millis()).unwrap_or(u32::MAX)
     }
 }
 
@@ -259,13 +267,14 @@ async fn run_dyn<'f, DB: Backend>(
                 fingerprint,
                 ttl: prepared.config.ttl,
                 wait: prepared.config.wait,
+                timeout_ms: prepared.config.timeout_ms(),
             };
             run_keyed(&idem, &claim, handler)
                 .instrument(span.clone())
                 .await
         }
         None => {
-            run_without_key(&idem, handler)
+            run_without_key(&idem, prepared.config.timeout, handler)
                 .instrument(span.clone())
                 .await
         }
@@ -309,9 +318,27 @@ async fn run_keyed<'f, DB: Backend>(
                 (Outcome::Reused, Problem::KeyReused.into_response())
             };
         }
-        Ok(ClaimOutcome::InUse) => {
+        Ok(ClaimOutcome::InUse { running }) => {
             observe::claim_latency("in_use", started.elapsed());
-            return (Outcome::InUse, Problem::KeyInUse.into_response());
+            let problem = if running {
+                Problem::KeyInUse
+            } else {
+                Problem::KeyHeld
+            };
+            return (Outcome::InUse, problem.into_response());
+        }
+        Err(StoreError::Orphaned { bound }) => {
+            observe::claim_latency("error", started.elapsed());
+            tracing::warn!(
+                bound_ms = bound.as_millis(),
+                "the key store connection was lost during the claim; the key is held until \
+                 the server ends that session"
+            );
+            let retry_after = u32::try_from(bound.as_secs() + 1).unwrap_or(u32::MAX);
+            return (
+                Outcome::StoreUnavailable,
+                Problem::ConnectionLost { retry_after }.into_response(),
+            );
         }
         Err(error) => {
             observe::claim_latency("error", started.elapsed());
@@ -323,13 +350,13 @@ async fn run_keyed<'f, DB: Backend>(
         }
     };
     let key = IdempotencyKey::new(claim.scope.to_owned(), claim.key.to_owned());
-    let (response, mut conn) = match execute(conn, Some(key), handler).await {
+    let (response, mut conn) = match execute(conn, Some(key), claim.timeout(), handler).await {
         Ok((answer, conn)) if answer.commits() => (answer.response, conn),
         Ok((answer, conn)) => {
             abandon(conn).await;
             return (Outcome::RolledBack, answer.response);
         }
-        Err(response) => return (Outcome::RolledBack, response),
+        Err(ended) => return ended,
     };
     let (stored, parts) = match StoredResponse::capture(
         response,
@@ -410,6 +437,7 @@ async fn claim_or_read<DB: Backend>(
 /// transaction, committed on a storable answer, nothing remembered.
 async fn run_without_key<'f, DB: Backend>(
     idem: &Idem<DB>,
+    timeout: Duration,
     handler: &mut DynHandler<'_, 'f, DB>,
 ) -> (Outcome, Response) {
     let conn = match DB::begin(idem.pool(), idem.acquire()).await {
@@ -422,13 +450,13 @@ async fn run_without_key<'f, DB: Backend>(
             );
         }
     };
-    let (response, mut conn) = match execute(conn, None, handler).await {
+    let (response, mut conn) = match execute(conn, None, timeout, handler).await {
         Ok((answer, conn)) if answer.commits() => (answer.response, conn),
         Ok((answer, conn)) => {
             abandon(conn).await;
             return (Outcome::RolledBack, answer.response);
         }
-        Err(response) => return (Outcome::RolledBack, response),
+        Err(ended) => return ended,
     };
     match DB::finish(&mut conn, idem.table_name(), None, None).await {
         Ok(()) => {
@@ -444,10 +472,25 @@ async fn run_without_key<'f, DB: Backend>(
 async fn execute<'f, DB: Backend>(
     conn: OpenTx<DB>,
     key: Option<IdempotencyKey>,
+    timeout: Duration,
     handler: &mut DynHandler<'_, 'f, DB>,
-) -> Result<(Answer, OpenTx<DB>), Response> {
+) -> Result<(Answer, OpenTx<DB>), (Outcome, Response)> {
     let (tx, mut back) = Tx::new(conn, key);
-    let outcome = AssertUnwindSafe(handler(tx)).catch_unwind().await;
+    let run = tokio::time::timeout(timeout, AssertUnwindSafe(handler(tx)).catch_unwind());
+    let outcome = match run.await {
+        Ok(outcome) => outcome,
+        Err(_elapsed) => {
+            // The handler was dropped where it stood, perhaps inside a
+            // statement: its connection is closed, never reused, and the
+            // server rolls its transaction back.
+            drop(back.try_recv());
+            tracing::warn!(
+                timeout_ms = timeout.as_millis(),
+                "idempotent handler passed its deadline; dropped and rolled back"
+            );
+            return Err((Outcome::TimedOut, Problem::HandlerTimeout.into_response()));
+        }
+    };
     let mut conn = back.try_recv();
     // Whether the handler left the transaction as the claim opened it.
     let intact = match &mut conn {
@@ -464,7 +507,10 @@ async fn execute<'f, DB: Backend>(
                 abandon(conn).await;
             }
             tracing::error!("idempotent handler panicked; its transaction was rolled back");
-            return Err(Problem::HandlerPanicked.into_response());
+            return Err((
+                Outcome::RolledBack,
+                Problem::HandlerPanicked.into_response(),
+            ));
         }
     };
     match conn {
@@ -480,7 +526,10 @@ async fn execute<'f, DB: Backend>(
                  nothing was committed by idem"
             );
             drop(conn);
-            Err(Problem::TransactionFailed.into_response())
+            Err((
+                Outcome::RolledBack,
+                Problem::TransactionFailed.into_response(),
+            ))
         }
         Err(_) => {
             // Dropping the stray Tx later closes its connection, which
@@ -488,7 +537,10 @@ async fn execute<'f, DB: Backend>(
             tracing::error!(
                 "an idempotent handler kept its Tx after returning; nothing was committed"
             );
-            Err(Problem::HandlerPanicked.into_response())
+            Err((
+                Outcome::RolledBack,
+                Problem::HandlerPanicked.into_response(),
+            ))
         }
     }
 }
@@ -553,7 +605,7 @@ mod tests {
         builder.body(Body::from(body)).unwrap().into_parts()
     }
 
-    const REQUIRED: Config = Config::new(1000, 0, KeyMode::Required);
+    const REQUIRED: Config = Config::new(1000, 0, 30_000, KeyMode::Required);
 
     /// `prepare` only reads the store's settings: a pool that never connects.
     use crate::idem::tests::idem;
@@ -587,7 +639,7 @@ mod tests {
         let response = prepare(&idem(), parts, body, &REQUIRED).await.unwrap_err();
         assert_eq!(response.status(), 400);
         let (parts, body) = request(&[], "{}");
-        let optional = Config::new(1000, 0, KeyMode::Optional);
+        let optional = Config::new(1000, 0, 30_000, KeyMode::Optional);
         let (prepared, _) = prepare(&idem(), parts, body, &optional).await.unwrap();
         assert!(prepared.key.is_none());
     }
@@ -642,6 +694,7 @@ mod tests {
                 fingerprint: Fingerprint::from_bytes(&[0; 32]).unwrap(),
                 ttl: Duration::from_secs(1),
                 wait: Duration::ZERO,
+                timeout_ms: 30_000,
             };
             let acquire = std::mem::size_of_val(&idem.pool().acquire());
             let mut answer = |_tx| -> HandlerFuture<'static> {

@@ -552,6 +552,8 @@ macro_rules! define_app {
                     }
                     "panic" => panic!("handler panicked on purpose"),
                     "big" => return Ok("x".repeat(64 * 1024).into_response()),
+                    // Past any deadline: the effect is written, then nothing.
+                    "stall" => std::future::pending::<()>().await,
                     "announce" => {
                         // The kill tests wait for this line, then SIGKILL us.
                         println!("EFFECT_WRITTEN {key}");
@@ -676,6 +678,7 @@ macro_rules! define_app {
             $crate::handler!($db, create_short, scope = "caller", ttl = "1s");
             $crate::handler!($db, create_slow, scope = "caller", ttl = "2s");
             $crate::handler!($db, create_optional, scope = "caller", key = "optional");
+            $crate::handler!($db, create_deadline, scope = "caller", timeout = "500ms");
 
             pub fn router(state: app::AppState<$db>) -> axum::Router {
                 use axum::routing::post;
@@ -687,6 +690,7 @@ macro_rules! define_app {
                     .route("/effects/short", post(create_short))
                     .route("/effects/slow", post(create_slow))
                     .route("/effects/optional", post(create_optional))
+                    .route("/effects/deadline", post(create_deadline))
                     .layer(axum::extract::DefaultBodyLimit::max(app::BODY_LIMIT))
                     .with_state(state)
             }

@@ -3,6 +3,7 @@
 //! claim the engine asks to retry is attempted again on a fresh connection.
 
 use std::future::Future;
+use std::time::Duration;
 
 use sqlx::{Database, Pool};
 
@@ -72,6 +73,13 @@ pub(crate) trait ClaimAttempt<DB: Database>: Send {
         conn: OpenTx<DB>,
         number: usize,
     ) -> impl Future<Output = Result<ClaimOutcome<DB>, Failure>> + Send;
+
+    /// Makes the next attempts claim without waiting for the key's holder.
+    fn skip_wait(&mut self);
+
+    /// How long the server may keep a session of this claim whose client
+    /// vanished ([`Claim::orphan_bound`]).
+    fn orphan_bound(&self) -> Duration;
 }
 
 /// A claimed key's connection holds this process's flight for the key, if
@@ -82,6 +90,9 @@ pub(crate) fn held<DB: Database>(
 ) -> ClaimOutcome<DB> {
     match (outcome, flight) {
         (ClaimOutcome::Claimed(conn), Some(flight)) => ClaimOutcome::Claimed(conn.hold(flight)),
+        // No flight: an attempt of the key in this process was still
+        // running when the wait ran out.
+        (ClaimOutcome::InUse { .. }, None) => ClaimOutcome::InUse { running: true },
         (outcome, _) => outcome,
     }
 }
@@ -90,17 +101,29 @@ pub(crate) fn held<DB: Database>(
 /// `acquire` says) and either settles or says how it failed. The retry
 /// policy PostgreSQL and MySQL share (SQLite serializes claims in the
 /// process and never retries).
+///
+/// After a connection found gone, the claim may have reached the server
+/// before the connection died, leaving a session that holds the key until
+/// the server ends it (within the claim's orphan bound). The claim on the new
+/// connection therefore does not wait, and a key it finds held is that
+/// error, not a 409 promising a running attempt.
 pub(crate) async fn claim_with_retries<DB: Backend>(
     pool: &Pool<DB>,
     mut acquire: Acquire,
     mut claim: impl ClaimAttempt<DB>,
 ) -> Result<ClaimOutcome<DB>, StoreError> {
     let mut number = 1;
+    let mut replacement = false;
     loop {
         let (conn, untested) = OpenTx::checkout(pool, acquire).await?;
         match claim.attempt(conn, number).await {
             Ok(outcome) => return Ok(outcome),
-            Err(Failure::InUse) => return Ok(ClaimOutcome::InUse),
+            Err(Failure::InUse) if replacement => {
+                return Err(StoreError::Orphaned {
+                    bound: claim.orphan_bound(),
+                });
+            }
+            Err(Failure::InUse) => return Ok(ClaimOutcome::InUse { running: false }),
             // Nothing a claim attempt does commits: on another connection
             // it starts afresh. Not counted as an attempt.
             Err(Failure::Retry(error) | Failure::Fatal(error))
@@ -108,6 +131,8 @@ pub(crate) async fn claim_with_retries<DB: Backend>(
             {
                 replaced(&error);
                 acquire = Acquire::Checked;
+                replacement = true;
+                claim.skip_wait();
             }
             Err(Failure::Retry(_)) if number < CLAIM_ATTEMPTS => number += 1,
             Err(Failure::Retry(error) | Failure::Fatal(error)) => return Err(error),

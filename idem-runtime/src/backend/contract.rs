@@ -26,6 +26,29 @@ pub struct Claim<'a> {
     pub ttl: Duration,
     /// How long to wait for a concurrent attempt before answering 409.
     pub wait: Duration,
+    /// The handler's deadline in milliseconds: a session left behind by a
+    /// lost connection is ended by the server soon after it
+    /// ([`ORPHAN_MARGIN`] later). (Milliseconds, not a `Duration`: claims
+    /// are copied into every request's future.)
+    pub timeout_ms: u32,
+}
+
+/// How long after a handler's deadline the server ends a session whose
+/// client vanished with the claim open (a half-open connection), releasing
+/// the key.
+pub const ORPHAN_MARGIN: Duration = Duration::from_secs(2);
+
+impl Claim<'_> {
+    /// How long the server may keep a claim's session whose client
+    /// vanished: the handler's deadline plus [`ORPHAN_MARGIN`].
+    pub fn orphan_bound(&self) -> Duration {
+        self.timeout() + ORPHAN_MARGIN
+    }
+
+    /// The handler's deadline.
+    pub fn timeout(&self) -> Duration {
+        Duration::from_millis(self.timeout_ms.into())
+    }
 }
 
 /// What a claim found.
@@ -42,7 +65,14 @@ pub enum ClaimOutcome<DB: Database> {
         response: StoredResponse,
     },
     /// Another attempt holds the key and did not finish within `wait`.
-    InUse,
+    /// `running`: that attempt is known to be running (in this process);
+    /// otherwise the holder may also be a session whose client vanished
+    /// (ended by the server within the claim's orphan bound) or an attempt
+    /// that committed early and then failed.
+    InUse {
+        /// Whether the holder is known to be running.
+        running: bool,
+    },
 }
 
 /// Why the key store failed: the database's own errors, and the
@@ -67,6 +97,16 @@ pub enum StoreError {
     /// The key's row vanished (swept) between the claim's write and its read.
     #[error("idempotency row vanished during its claim")]
     Vanished,
+    /// The connection was lost after the claim may have reached the server,
+    /// and the key is held: perhaps by this request's own claim, in a
+    /// session the server ends within `bound`.
+    #[error(
+        "the key store connection was lost during the claim; the key is held until its session ends"
+    )]
+    Orphaned {
+        /// How long the server may keep that session.
+        bound: Duration,
+    },
     /// A scope longer than the engine's key column takes.
     #[error("idempotency scope is {len} bytes; the key store takes at most {max}")]
     ScopeTooLong {

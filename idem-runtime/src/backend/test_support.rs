@@ -19,6 +19,7 @@ pub(crate) fn claim() -> Claim<'static> {
         fingerprint: Fingerprint::from_bytes(&[1; 32]).unwrap(),
         ttl: Duration::from_secs(60),
         wait: Duration::ZERO,
+        timeout_ms: 30_000,
     }
 }
 
@@ -39,7 +40,7 @@ pub(crate) async fn in_use_then_taken_over<DB: Backend>(
     .await
     .expect("the claim waited for the row's holder, not `wait`")
     .expect("claim");
-    assert!(matches!(outcome, ClaimOutcome::InUse), "{outcome:?}");
+    assert!(matches!(outcome, ClaimOutcome::InUse { .. }), "{outcome:?}");
     release.await;
     match DB::claim(pool, Acquire::default(), table, &claim)
         .await

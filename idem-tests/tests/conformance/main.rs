@@ -46,6 +46,7 @@ macro_rules! all_engines {
                 scopes_are_independent,
                 long_scopes_are_kept_or_refused_whole,
                 transient_answers_roll_back,
+                handlers_past_their_deadline_are_504,
                 panics_roll_back,
                 killed_server_leaves_nothing_behind,
                 bad_keys_are_400,

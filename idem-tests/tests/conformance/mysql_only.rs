@@ -48,6 +48,7 @@ fn claim(scope: &str, fill: u8, wait: Duration) -> Claim<'_> {
         fingerprint: Fingerprint::from_bytes(&[fill; 32]).unwrap(),
         ttl: Duration::from_secs(60),
         wait,
+        timeout_ms: 30_000,
     }
 }
 
@@ -91,7 +92,10 @@ async fn the_claim_restores_the_sessions_lock_wait() {
     let duplicate = MySql::claim(&pool, Acquire::default(), "idem_keys", &claim)
         .await
         .unwrap();
-    assert!(matches!(duplicate, ClaimOutcome::InUse), "{duplicate:?}");
+    assert!(
+        matches!(duplicate, ClaimOutcome::InUse { .. }),
+        "{duplicate:?}"
+    );
     let mut other = pool.acquire().await.unwrap();
     assert_eq!(
         lock_wait(&mut other).await,
@@ -354,7 +358,7 @@ async fn a_claim_that_waited_keeps_its_connection() {
         let outcome = MySql::claim(&pool, acquire, "idem_keys", &claim)
             .await
             .unwrap();
-        assert!(matches!(outcome, ClaimOutcome::InUse), "{outcome:?}");
+        assert!(matches!(outcome, ClaimOutcome::InUse { .. }), "{outcome:?}");
         let (after, lock_wait) = session().await;
         assert_eq!(
             after, before,

@@ -198,6 +198,7 @@ async fn a_deferred_foreign_key_broken_at_commit_ends_the_transaction() {
         fingerprint: Fingerprint::from_bytes(&[4; 32]).unwrap(),
         ttl: std::time::Duration::from_secs(60),
         wait: std::time::Duration::ZERO,
+        timeout_ms: 30_000,
     };
     let ClaimOutcome::Claimed(mut conn) =
         Sqlite::claim(&pool, Acquire::default(), "idem_keys", &claim)
@@ -249,6 +250,7 @@ async fn a_handlers_own_commit_still_stores_the_response() {
         fingerprint: Fingerprint::from_bytes(&[8; 32]).unwrap(),
         ttl: std::time::Duration::from_secs(60),
         wait: std::time::Duration::ZERO,
+        timeout_ms: 30_000,
     };
     let ClaimOutcome::Claimed(mut conn) =
         Sqlite::claim(&pool, Acquire::default(), "idem_keys", &claim)
@@ -319,6 +321,7 @@ async fn private_memory_databases_do_not_share_keys() {
         fingerprint: Fingerprint::from_bytes(&[7; 32]).unwrap(),
         ttl: std::time::Duration::from_secs(60),
         wait: std::time::Duration::ZERO,
+        timeout_ms: 30_000,
     };
     let table = idem::DEFAULT_TABLE;
     let ClaimOutcome::Claimed(_held) =

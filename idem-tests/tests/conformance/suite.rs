@@ -721,6 +721,38 @@ pub async fn optional_keys<DB: TestDb>() {
     assert_eq!(server.effects(&caller).await, 3);
 }
 
+/// A handler past its deadline (`timeout`) is dropped where it stands: 504
+/// `handler_timeout` with `Retry-After`, its write rolled back, nothing
+/// stored, the key free at once; the retry runs once and is replayed after.
+pub async fn handlers_past_their_deadline_are_504<DB: TestDb>() {
+    let server = start::<DB>().await;
+    let caller = unique("deadline");
+    let client = server.client(&caller);
+    let late = send(
+        client
+            .post("/effects/deadline", "k", BODY)
+            .header("x-test-mode", "stall"),
+    )
+    .await;
+    assert_eq!(late.status, StatusCode::GATEWAY_TIMEOUT);
+    assert_eq!(late.problem_code(), "handler_timeout");
+    assert_eq!(late.header("retry-after"), Some("1"));
+    assert_eq!(
+        server.effects(&caller).await,
+        0,
+        "the write was rolled back"
+    );
+    assert_eq!(server.keys(&caller).await, 0, "nothing stored");
+
+    let retry = send(client.post("/effects/deadline", "k", BODY)).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
+    assert!(!retry.replayed());
+    let again = send(client.post("/effects/deadline", "k", BODY)).await;
+    assert!(again.replayed());
+    assert_eq!(again.body, retry.body);
+    assert_eq!(server.effects(&caller).await, 1);
+}
+
 /// Replies carry what the handler produced; its JSON decodes.
 pub async fn first_answer_is_the_handlers<DB: TestDb>() {
     let server = start::<DB>().await;

@@ -423,6 +423,18 @@ impl super::claim::ClaimAttempt<MySql> for MySqlClaim<'_> {
             Err(error) => Err(Failure::Fatal(error)),
         }
     }
+
+    fn skip_wait(&mut self) {
+        let now = Claim {
+            wait: std::time::Duration::ZERO,
+            ..*self.claim
+        };
+        self.batch = Arc::new(claim_sql(self.table, &now));
+    }
+
+    fn orphan_bound(&self) -> std::time::Duration {
+        self.claim.orphan_bound()
+    }
 }
 
 /// What a failed claim batch means: a lock wait that ran out is a 409, a

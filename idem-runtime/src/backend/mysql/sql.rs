@@ -70,9 +70,15 @@ pub(super) fn claim_sql(table: &str, claim: &Claim<'_>) -> String {
     } else {
         String::new()
     };
+    // MariaDB ends a session left idle in a transaction (its client gone,
+    // the socket half-open) after `idle_transaction_timeout`, releasing the
+    // key; MySQL skips the executable comment and relies on `wait_timeout`.
+    let bound = claim.orphan_bound();
+    let orphan_secs = bound.as_secs() + u64::from(bound.subsec_nanos() > 0);
     format!(
         "SET {SAVED_LOCK_WAIT} = @@SESSION.innodb_lock_wait_timeout, {STATUS} = NULL, \
-             {OURS} = FALSE, SESSION innodb_lock_wait_timeout = {lock_wait_secs}; \
+             {OURS} = FALSE, SESSION innodb_lock_wait_timeout = {lock_wait_secs} \
+             /*M!100300 , SESSION idle_transaction_timeout = {orphan_secs} */; \
          START TRANSACTION; \
          {bounded}INSERT INTO {table} (scope, `key`, fingerprint, headers, created_at, expires_at) \
              VALUES (X'{scope}', X'{key}', X'{fingerprint}', X'{token}', {now}, {expires}) \

@@ -250,6 +250,7 @@ async fn sweeps_skip_a_row_a_claim_holds() {
         fingerprint: crate::fingerprint::Fingerprint::from_bytes(&[1; 32]).unwrap(),
         ttl: Duration::from_secs(60),
         wait: Duration::ZERO,
+        timeout_ms: 30_000,
     };
     let ClaimOutcome::Claimed(held) = MySql::claim(&pool, Acquire::default(), &table, &claim)
         .await
@@ -303,6 +304,7 @@ async fn sweeps_never_wait_for_a_fresh_claim() {
         fingerprint: crate::fingerprint::Fingerprint::from_bytes(&[1; 32]).unwrap(),
         ttl: Duration::from_secs(60),
         wait: Duration::ZERO,
+        timeout_ms: 30_000,
     };
     let ClaimOutcome::Claimed(mut held) = MySql::claim(&pool, Acquire::default(), &table, &claim)
         .await

@@ -319,6 +319,14 @@ impl super::claim::ClaimAttempt<Postgres> for PgClaim<'_> {
             Failure::Fatal(error)
         })
     }
+
+    fn skip_wait(&mut self) {
+        self.row.skip_wait();
+    }
+
+    fn orphan_bound(&self) -> std::time::Duration {
+        self.row.orphan_bound()
+    }
 }
 
 /// Below this `wait`, a lock timeout during the claim is retried once.

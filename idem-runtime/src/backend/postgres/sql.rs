@@ -233,6 +233,16 @@ impl<'c> ClaimRow<'c> {
         self.claim.wait
     }
 
+    /// See [`Claim::orphan_bound`].
+    pub(super) fn orphan_bound(&self) -> std::time::Duration {
+        self.claim.orphan_bound()
+    }
+
+    /// Claims without waiting for the key's holder from now on.
+    pub(super) fn skip_wait(&mut self) {
+        self.claim.wait = std::time::Duration::ZERO;
+    }
+
     /// A buffer for one round trip's text, sized for the key's values.
     fn buffer(&self, extra: usize) -> String {
         let values = self.claim.scope.len() + self.claim.key.len() + 32;
@@ -264,8 +274,16 @@ impl<'c> ClaimRow<'c> {
         // `lock_timeout = 0` means "wait forever" in PostgreSQL, so
         // `wait = 0` becomes the smallest positive timeout instead.
         let timeout = self.claim.wait.as_millis().max(1);
-        write!(out, "BEGIN; SET LOCAL lock_timeout = '{timeout}ms'; ")
-            .expect("writing to a String");
+        // A session whose client vanished with the claim open (a half-open
+        // connection) is ended by the server this long after its last
+        // statement, releasing the key: the handler's deadline and a margin.
+        let orphan = self.claim.orphan_bound().as_millis();
+        write!(
+            out,
+            "BEGIN; SET LOCAL lock_timeout = '{timeout}ms'; \
+             SET LOCAL idle_in_transaction_session_timeout = '{orphan}ms'; "
+        )
+        .expect("writing to a String");
         if expired {
             self.statements
                 .push_run(out, &EXPIRE, self.prepared, &self.key_args());
@@ -374,6 +392,7 @@ mod tests {
             fingerprint: Fingerprint::from_bytes(&[0xab; 32]).unwrap(),
             ttl: Duration::from_secs(60),
             wait: Duration::ZERO,
+            timeout_ms: 30_000,
         }
     }
 
@@ -409,7 +428,10 @@ mod tests {
         );
         assert!(insert.contains(&values), "{insert}");
         // `wait = 0` is the smallest timeout, never 0 (which waits forever).
-        assert!(insert.starts_with("BEGIN; SET LOCAL lock_timeout = '1ms'; INSERT INTO keys"));
+        assert!(insert.starts_with(
+            "BEGIN; SET LOCAL lock_timeout = '1ms'; \
+             SET LOCAL idle_in_transaction_session_timeout = '32000ms'; INSERT INTO keys"
+        ));
         assert!(insert.ends_with("; SET LOCAL lock_timeout TO DEFAULT;"));
     }
 
@@ -425,7 +447,9 @@ mod tests {
         // The expired row's delete is in the transaction, under the timeout.
         let expire = row.expire_and_insert();
         assert!(expire.starts_with(&format!(
-            "BEGIN; SET LOCAL lock_timeout = '1ms'; EXECUTE {}(E'\\\\x61', E'\\\\x62'); EXECUTE {}(",
+            "BEGIN; SET LOCAL lock_timeout = '1ms'; \
+             SET LOCAL idle_in_transaction_session_timeout = '32000ms'; \
+             EXECUTE {}(E'\\\\x61', E'\\\\x62'); EXECUTE {}(",
             row.statements.name(&EXPIRE),
             row.statements.name(&CLAIM)
         )));

@@ -69,6 +69,8 @@ type Step = Option<fn() -> Failure>;
 struct Scripted {
     script: std::collections::VecDeque<Step>,
     attempts: Vec<usize>,
+    /// Whether the policy asked the claim to stop waiting.
+    skipped_wait: bool,
 }
 
 impl crate::backend::claim::ClaimAttempt<Postgres> for &mut Scripted {
@@ -85,6 +87,14 @@ impl crate::backend::claim::ClaimAttempt<Postgres> for &mut Scripted {
                 Err(failure())
             }
         }
+    }
+
+    fn skip_wait(&mut self) {
+        self.skipped_wait = true;
+    }
+
+    fn orphan_bound(&self) -> Duration {
+        Duration::from_secs(32)
     }
 }
 
@@ -112,6 +122,7 @@ async fn claims_are_retried_only_when_the_engine_asks() {
         let mut claim = Scripted {
             script: script.iter().copied().collect(),
             attempts: Vec::new(),
+            skipped_wait: false,
         };
         let outcome = crate::backend::claim::claim_with_retries(
             &pool,
@@ -129,7 +140,10 @@ async fn claims_are_retried_only_when_the_engine_asks() {
                 conn.release();
                 "claimed".to_owned()
             }
-            Ok(ClaimOutcome::InUse) => "in use".to_owned(),
+            Ok(ClaimOutcome::InUse { running }) => {
+                assert!(!running, "the database cannot tell a running holder");
+                "in use".to_owned()
+            }
             Ok(ClaimOutcome::Finished { .. }) => "finished".to_owned(),
             Err(error) => error.to_string(),
         };
@@ -137,6 +151,50 @@ async fn claims_are_retried_only_when_the_engine_asks() {
         assert_eq!(claim.attempts, attempts, "{expected}");
         assert!(claim.script.is_empty(), "{expected}: script not used up");
     }
+}
+
+/// A claim whose idle connection was found gone may have reached the
+/// server first, leaving a session that holds the key: the claim on the
+/// checked connection does not wait, and a key it finds held is the
+/// connection loss (503 with the orphan's bound), not a 409 promising a
+/// running attempt.
+#[tokio::test]
+async fn a_held_key_after_a_lost_connection_is_not_a_running_attempt() {
+    let pool = test_pool(1, |options| options).await;
+    // An idle connection, so the first attempt takes it untested.
+    drop(pool.acquire().await.unwrap());
+    while pool.num_idle() == 0 {
+        tokio::task::yield_now().await;
+    }
+    let gone = || {
+        Failure::Fatal(
+            sqlx::Error::Io(std::io::Error::from(std::io::ErrorKind::ConnectionReset)).into(),
+        )
+    };
+    let in_use = || Failure::InUse;
+    let mut claim = Scripted {
+        script: [Some(gone as fn() -> Failure), Some(in_use)]
+            .into_iter()
+            .collect(),
+        attempts: Vec::new(),
+        skipped_wait: false,
+    };
+    let outcome = crate::backend::claim::claim_with_retries(
+        &pool,
+        crate::backend::Acquire::default(),
+        &mut claim,
+    )
+    .await;
+    assert!(
+        matches!(outcome, Err(StoreError::Orphaned { bound }) if bound == Duration::from_secs(32)),
+        "{outcome:?}"
+    );
+    assert!(
+        claim.skipped_wait,
+        "the replacement claim waited for the holder"
+    );
+    // The gone connection's attempt is not counted.
+    assert_eq!(claim.attempts, [1, 1]);
 }
 
 /// Values reach the row byte for byte, prepared or inlined, even on a
@@ -158,6 +216,7 @@ async fn bytes_arrive_intact_whatever_standard_conforming_strings_says() {
                 fingerprint: Fingerprint::from_bytes(&[0x5c; 32]).unwrap(),
                 ttl: Duration::from_secs(60),
                 wait: Duration::from_millis(100),
+                timeout_ms: 30_000,
             };
             let mut row = ClaimRow::new(&table, &claim);
             row.prepared = prepared;
@@ -198,6 +257,7 @@ async fn inlined_statements_claim_finish_replay_and_take_over() {
         fingerprint,
         ttl: Duration::from_secs(60),
         wait: Duration::from_millis(100),
+        timeout_ms: 30_000,
     };
     let mut row = ClaimRow::new(&table, &claim);
     row.prepared = false;
@@ -284,6 +344,7 @@ async fn an_older_revisions_statements_are_never_run() {
         fingerprint: Fingerprint::from_bytes(&[3; 32]).unwrap(),
         ttl: Duration::from_secs(60),
         wait: Duration::ZERO,
+        timeout_ms: 30_000,
     };
     let conn = match Postgres::claim(&pool, Acquire::default(), &table, &claim).await {
         Ok(ClaimOutcome::Claimed(conn)) => conn,
@@ -331,11 +392,12 @@ async fn a_committed_row_without_a_response_is_in_use() {
         fingerprint: Fingerprint::from_bytes(&[0; 32]).unwrap(),
         ttl: Duration::from_secs(60),
         wait: Duration::ZERO,
+        timeout_ms: 30_000,
     };
     let outcome = Postgres::claim(&pool, Acquire::default(), &table, &claim)
         .await
         .expect("claim");
-    assert!(matches!(outcome, ClaimOutcome::InUse), "{outcome:?}");
+    assert!(matches!(outcome, ClaimOutcome::InUse { .. }), "{outcome:?}");
     // The one connection came back to the pool, out of any transaction.
     let status: Option<i16> = sqlx::query_scalar(AssertSqlSafe(format!(
         "SELECT status FROM {table} WHERE key = 'held'"
@@ -439,6 +501,7 @@ async fn a_deferred_constraint_broken_at_commit_ends_the_transaction() {
         fingerprint: Fingerprint::from_bytes(&[3; 32]).unwrap(),
         ttl: Duration::from_secs(60),
         wait: Duration::ZERO,
+        timeout_ms: 30_000,
     };
     let response = StoredResponse {
         status: StatusCode::CREATED,

@@ -122,7 +122,7 @@ impl Backend for Sqlite {
         let flight = loop {
             if let Some(busy) = single_flight::in_flight(&slot) {
                 if !busy.ended_by(deadline).await {
-                    return Ok(ClaimOutcome::InUse);
+                    return Ok(ClaimOutcome::InUse { running: true });
                 }
                 continue;
             }
@@ -133,7 +133,7 @@ impl Backend for Sqlite {
                 Ok(flight) => break flight.keep(options),
                 Err(busy) => {
                     if !busy.ended_by(deadline).await {
-                        return Ok(ClaimOutcome::InUse);
+                        return Ok(ClaimOutcome::InUse { running: true });
                     }
                 }
             }
@@ -158,7 +158,7 @@ impl Backend for Sqlite {
             Ok(Found::Ours) => Ok(ClaimOutcome::Claimed(conn.hold(flight))),
             Ok(Found::Stranded) => {
                 abandon(conn).await;
-                Ok(ClaimOutcome::InUse)
+                Ok(ClaimOutcome::InUse { running: false })
             }
             Ok(Found::Finished(finished)) => {
                 abandon(conn).await;

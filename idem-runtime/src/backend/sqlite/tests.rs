@@ -26,6 +26,7 @@ fn claim(fingerprint: u8) -> Claim<'static> {
         fingerprint: Fingerprint::from_bytes(&[fingerprint; 32]).unwrap(),
         ttl: Duration::from_secs(60),
         wait: Duration::ZERO,
+        timeout_ms: 30_000,
     }
 }
 
