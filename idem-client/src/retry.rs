@@ -95,7 +95,17 @@ impl fmt::Display for Attempt {
                 WaitReason::RetryAfter => "Retry-After",
                 WaitReason::Backoff => "backoff",
             };
-            write!(f, ", waiting {:?} ({reason})", wait.duration)?;
+            // Whole seconds as `2s`, anything else to the millisecond.
+            let (secs, millis) = (wait.duration.as_secs(), wait.duration.subsec_millis());
+            if wait.duration.subsec_nanos() == 0 {
+                write!(f, ", waiting {secs}s ({reason})")?;
+            } else {
+                write!(
+                    f,
+                    ", waiting {}ms ({reason})",
+                    secs * 1000 + u64::from(millis)
+                )?;
+            }
         }
         Ok(())
     }
@@ -298,4 +308,35 @@ impl Run<'_> {
 
 fn draw_from<R: Rng + Send + 'static>(mut rng: R) -> Draw {
     Box::new(move |max| rng.random_range(0..=max))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_attempt_reads_as_one_line() {
+        let mut attempt = Attempt {
+            number: 1,
+            outcome: Outcome::Status(StatusCode::CONFLICT),
+            replayed: false,
+            wait: Some(Wait {
+                duration: Duration::from_secs(2),
+                reason: WaitReason::RetryAfter,
+            }),
+        };
+        assert_eq!(
+            attempt.to_string(),
+            "attempt 1: 409 Conflict, replayed: no, waiting 2s (Retry-After)"
+        );
+        attempt.wait = Some(Wait {
+            duration: Duration::from_micros(1_199_974),
+            reason: WaitReason::Backoff,
+        });
+        assert!(attempt.to_string().ends_with("waiting 1199ms (backoff)"));
+        attempt.outcome = Outcome::Status(StatusCode::CREATED);
+        attempt.replayed = true;
+        attempt.wait = None;
+        assert_eq!(attempt.to_string(), "attempt 1: 201 Created, replayed: yes");
+    }
 }
