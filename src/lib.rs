@@ -3,3 +3,7 @@
 
 pub use idem_macros::idempotent;
 pub use idem_runtime::*;
+
+/// The client half: intents and a retrying reqwest sender (`client` feature).
+#[cfg(feature = "client")]
+pub use idem_client as client;
