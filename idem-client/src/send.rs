@@ -325,3 +325,15 @@ fn no_answer<T>(error: reqwest::Error) -> Tried<T, LastAttempt> {
         },
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Callers spawn sends on multi-threaded runtimes.
+    #[allow(dead_code)]
+    fn a_send_is_send(client: &IdemClient, intent: &Intent, request: RequestBuilder) {
+        fn assert_send<T: Send>(_: T) {}
+        assert_send(client.send(intent, request));
+    }
+}
