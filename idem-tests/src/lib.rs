@@ -4,6 +4,7 @@
 
 pub mod account;
 pub mod engines;
+pub mod half_open;
 #[cfg(feature = "postgres")]
 pub mod hardening;
 #[cfg(feature = "mysql")]

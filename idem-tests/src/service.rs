@@ -679,6 +679,7 @@ macro_rules! define_app {
             $crate::handler!($db, create_slow, scope = "caller", ttl = "2s");
             $crate::handler!($db, create_optional, scope = "caller", key = "optional");
             $crate::handler!($db, create_deadline, scope = "caller", timeout = "500ms");
+            $crate::handler!($db, create_bounded, scope = "caller", timeout = "2s");
 
             pub fn router(state: app::AppState<$db>) -> axum::Router {
                 use axum::routing::post;
@@ -691,6 +692,7 @@ macro_rules! define_app {
                     .route("/effects/slow", post(create_slow))
                     .route("/effects/optional", post(create_optional))
                     .route("/effects/deadline", post(create_deadline))
+                    .route("/effects/bounded", post(create_bounded))
                     .layer(axum::extract::DefaultBodyLimit::max(app::BODY_LIMIT))
                     .with_state(state)
             }
