@@ -131,6 +131,21 @@ use proc_macro::TokenStream;
 /// #[idempotent(scope = "account", wait = "2s")]
 /// ```
 ///
+/// ## `timeout`
+///
+/// `timeout = "<whole number><unit>"`, written as `ttl` is: the handler's
+/// deadline, counted from the claim. Past it the handler's future is
+/// dropped where it stands, its connection closed (the server rolls the
+/// transaction back), and the client answered 504 (`handler_timeout`,
+/// `Retry-After`); nothing is stored, so a retry runs again. Default
+/// `"30s"`; more than zero, at most `"1h"`. The claim also bounds a
+/// database session whose client vanished (a half-open connection) by the
+/// deadline plus 2 s, so no key stays held longer than that.
+///
+/// ```ignore
+/// #[idempotent(scope = "account", timeout = "10s")]
+/// ```
+///
 /// ## `crate`
 ///
 /// `crate = "<path>"`: the path of the `idem` crate, for a service that

@@ -353,7 +353,7 @@ async fn run_keyed<'f, DB: Backend>(
     let (response, mut conn) = match execute(conn, Some(key), claim.timeout(), handler).await {
         Ok((answer, conn)) if answer.commits() => (answer.response, conn),
         Ok((answer, conn)) => {
-            abandon(conn).await;
+            abandon_keyed(conn, idem, claim).await;
             return (Outcome::RolledBack, answer.response);
         }
         Err(ended) => return ended,
@@ -431,6 +431,33 @@ async fn claim_or_read<DB: Backend>(
         finished.remember(claim.scope, claim.key);
     }
     claimed
+}
+
+/// Rolls back a claimed request that will not be stored, and says so where
+/// the handler had committed the transaction itself: its claim row stayed,
+/// without a response, and the key answers 409 until it expires.
+async fn abandon_keyed<DB: Backend>(mut conn: OpenTx<DB>, idem: &Idem<DB>, claim: &Claim<'_>) {
+    // A rollback can fail because the handler's own commit left nothing to
+    // roll back (SQLite says so): the check runs either way, and only a
+    // connection whose rollback and check both succeeded goes back.
+    let rolled_back = DB::rollback(&mut conn).await;
+    if let Err(error) = &rolled_back {
+        tracing::warn!(%error, "rollback failed; closing the connection");
+    }
+    let checked = DB::stranded(&mut conn, idem.table_name(), claim).await;
+    match &checked {
+        Ok(true) => tracing::error!(
+            scope = observe::redact(&[claim.scope]),
+            key = observe::redact(&[claim.scope, claim.key]),
+            "an idempotent handler committed its transaction itself and then failed: \
+             its key is held without a response and answers 409 until it expires"
+        ),
+        Ok(false) => {}
+        Err(error) => tracing::debug!(%error, "checking the key after a rollback failed"),
+    }
+    if rolled_back.is_ok() && checked.is_ok() {
+        conn.release();
+    }
 }
 
 /// A request without a key on a `key = "optional"` handler: one plain

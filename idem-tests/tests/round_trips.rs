@@ -157,12 +157,13 @@ async fn sent(
 /// What the server parses for a first attempt, beyond the baseline's
 /// `BEGIN` and `COMMIT`: the claim and the stored response, each one
 /// `EXECUTE` of a prepared statement, the claim's lock timeout set and
-/// reset, and the empty transaction that keeps sqlx's transaction depth
+/// reset, the bound on a session whose client vanishes, and the empty
+/// transaction that keeps sqlx's transaction depth
 /// right (opened after the commit, rolled back with the pool's ping).
 /// Statements, not round trips, are most of the wrapper's database cost
 /// (`benches/instructions.sh`): this pins their number.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_first_attempt_adds_six_statements_and_a_replay_through_the_claim_two() {
+async fn a_first_attempt_adds_seven_statements_and_a_replay_through_the_claim_two() {
     let fixture = Proxied::start("verbs").await;
     let Proxied {
         proxy,
@@ -183,6 +184,7 @@ async fn a_first_attempt_adds_six_statements_and_a_replay_through_the_claim_two(
     let claim = [
         "BEGIN",
         "SET LOCAL lock_timeout",
+        "SET LOCAL idle_in_transaction_session_timeout",
         "EXECUTE claim",
         "SET LOCAL lock_timeout",
     ];

@@ -202,6 +202,18 @@ pub trait Backend: Database + sealed::Sealed {
         response: Option<&StoredResponse>,
     ) -> impl Future<Output = Result<(), FinishError>> + Send;
 
+    /// After the request's transaction was rolled back: whether the key's
+    /// row is nonetheless there, committed without a response. Only a
+    /// handler that committed the transaction itself (a raw `COMMIT`, or a
+    /// MySQL statement that commits implicitly) leaves one; the key then
+    /// answers 409 until it expires.
+    #[doc(hidden)]
+    fn stranded(
+        conn: &mut PoolConnection<Self>,
+        table: &str,
+        claim: &Claim<'_>,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+
     /// Rolls the open transaction back.
     #[doc(hidden)]
     fn rollback(

@@ -274,6 +274,23 @@ impl Backend for MySql {
         Err(FinishError::Ended(error.into()))
     }
 
+    async fn stranded(
+        conn: &mut PoolConnection<Self>,
+        table: &str,
+        claim: &Claim<'_>,
+    ) -> Result<bool, sqlx::Error> {
+        let sql = format!(
+            "SELECT 1 FROM {table} WHERE scope = ? AND `key` = ? \
+             AND status IS NULL AND expires_at > UTC_TIMESTAMP(6)"
+        );
+        let row = sqlx::query(AssertSqlSafe(sql))
+            .bind(claim.scope.as_bytes())
+            .bind(claim.key.as_bytes())
+            .fetch_optional(&mut **conn)
+            .await?;
+        Ok(row.is_some())
+    }
+
     async fn rollback(conn: &mut PoolConnection<Self>) -> Result<(), sqlx::Error> {
         super::connection::rollback_transaction(conn).await
     }

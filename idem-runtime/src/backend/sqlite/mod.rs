@@ -257,6 +257,24 @@ impl Backend for Sqlite {
         })
     }
 
+    async fn stranded(
+        conn: &mut sqlx::pool::PoolConnection<Self>,
+        table: &str,
+        claim: &Claim<'_>,
+    ) -> Result<bool, sqlx::Error> {
+        let sql = format!(
+            "SELECT 1 FROM {table} WHERE scope = ?1 AND \"key\" = ?2 \
+             AND status IS NULL AND expires_at > ?3"
+        );
+        let row = sqlx::query(AssertSqlSafe(sql))
+            .bind(claim.scope.as_bytes())
+            .bind(claim.key.as_bytes())
+            .bind(now_ms())
+            .fetch_optional(&mut **conn)
+            .await?;
+        Ok(row.is_some())
+    }
+
     async fn rollback(conn: &mut sqlx::pool::PoolConnection<Self>) -> Result<(), sqlx::Error> {
         super::connection::rollback_transaction(conn).await
     }
