@@ -709,9 +709,8 @@ mod tests {
 
     /// sqlx's `acquire` future is several KiB; held inline, it would make
     /// every idempotent handler's future as big, and each `.await` on the
-    /// way down would copy it. The backends box it. (Measured: boxed, the
-    /// claim-and-run future is 1.3 to 1.7 KiB in a test build and 1.7 KiB
-    /// in a release build; inline, 2.5 to 3.6 KiB and over 9 KiB.)
+    /// way down would copy it. The backends box it (sizes measured either
+    /// way: docs/design.md).
     #[tokio::test]
     async fn the_wrapper_future_stays_small() {
         fn size<DB: Backend>(idem: &Idem<DB>) -> (usize, usize) {

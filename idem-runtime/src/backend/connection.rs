@@ -109,7 +109,7 @@ impl<DB: Database> OpenTx<DB> {
     /// sqlx's `acquire` future is several KiB (it holds the whole connect
     /// path); boxed here, it is moved once, instead of inflating every
     /// future that awaits a claim, which the handler's own future then
-    /// copies at each `.await` (most of the wrapper's CPU, before this).
+    /// copies at each `.await`.
     pub(crate) async fn acquire(pool: &Pool<DB>) -> Result<Self, sqlx::Error> {
         Ok(Self::new(Box::pin(pool.acquire()).await?))
     }

@@ -263,10 +263,7 @@ impl<'c> ClaimRow<'c> {
     /// whole handler instead of `wait`.)
     ///
     /// `SET LOCAL` is a utility statement, nothing to plan, so this costs
-    /// little. (Saving and restoring the exact previous value with
-    /// `set_config` doubled the database's CPU per claim in the benchmark;
-    /// folding `set_config` calls into the claim's `INSERT` cost more
-    /// instructions than the two `SET`s.) The default is what
+    /// little (less than `set_config`: docs/design.md). The default is what
     /// `postgresql.conf`, the role, the database or the connection's
     /// startup options say; a plain session `SET lock_timeout` does not
     /// reach into `idem`'s transactions.
