@@ -6,7 +6,7 @@ use std::future::Future;
 use sqlx::pool::PoolConnection;
 use sqlx::{Database, Pool};
 
-use super::Backend;
+use super::{Backend, Claim};
 
 /// How a request's first statement gets its connection from the pool
 /// (see [`Idem::checked_acquire`](crate::Idem::checked_acquire)).
@@ -205,6 +205,27 @@ where
         sqlx::raw_sql("ROLLBACK").execute(&mut **conn).await?;
         Ok(())
     }
+}
+
+/// Whether `sql`, given the claim's scope and key as its two parameters,
+/// finds a row on `conn`. Every engine's [`Backend::stranded`].
+pub(crate) async fn row_exists<DB>(
+    conn: &mut PoolConnection<DB>,
+    sql: String,
+    claim: &Claim<'_>,
+) -> Result<bool, sqlx::Error>
+where
+    DB: Database,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    for<'q> &'q [u8]: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    DB::Arguments: sqlx::IntoArguments<DB>,
+{
+    let row = sqlx::query(sqlx::AssertSqlSafe(sql))
+        .bind(claim.scope.as_bytes())
+        .bind(claim.key.as_bytes())
+        .fetch_optional(&mut **conn)
+        .await?;
+    Ok(row.is_some())
 }
 
 /// The transactions sqlx counts on `conn` (1 while a request's is open).

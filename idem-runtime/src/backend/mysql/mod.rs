@@ -45,6 +45,7 @@
 //! exceed twice `Idem::max_response_bytes` (16 MiB on MariaDB and 64 MiB on
 //! MySQL 8 by default, against the 1 MiB default cap).
 
+use std::future::Future;
 use std::sync::Arc;
 
 use sqlx::mysql::{MySqlRow, MySqlTransactionManager};
@@ -274,21 +275,13 @@ impl Backend for MySql {
         Err(FinishError::Ended(error.into()))
     }
 
-    async fn stranded(
+    fn stranded(
         conn: &mut PoolConnection<Self>,
         table: &str,
         claim: &Claim<'_>,
-    ) -> Result<bool, sqlx::Error> {
-        let sql = format!(
-            "SELECT 1 FROM {table} WHERE scope = ? AND `key` = ? \
-             AND status IS NULL AND expires_at > UTC_TIMESTAMP(6)"
-        );
-        let row = sqlx::query(AssertSqlSafe(sql))
-            .bind(claim.scope.as_bytes())
-            .bind(claim.key.as_bytes())
-            .fetch_optional(&mut **conn)
-            .await?;
-        Ok(row.is_some())
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send {
+        let sql = format!("SELECT 1 FROM {table} WHERE scope = ? AND `key` = ? AND status IS NULL");
+        super::connection::row_exists(conn, sql, claim)
     }
 
     async fn rollback(conn: &mut PoolConnection<Self>) -> Result<(), sqlx::Error> {

@@ -13,6 +13,8 @@
 //! transaction-mode pooler), the same statements run with inlined
 //! arguments.
 
+use std::future::Future;
+
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgRow, PgTransactionManager};
 use sqlx::{AssertSqlSafe, Pool, Postgres, Row, SqlSafeStr};
@@ -204,21 +206,13 @@ impl Backend for Postgres {
         Ok(())
     }
 
-    async fn stranded(
+    fn stranded(
         conn: &mut PoolConnection<Self>,
         table: &str,
         claim: &Claim<'_>,
-    ) -> Result<bool, sqlx::Error> {
-        let sql = format!(
-            "SELECT 1 FROM {table} WHERE scope = $1 AND key = $2 \
-             AND status IS NULL AND expires_at > now()"
-        );
-        let row = sqlx::query(AssertSqlSafe(sql))
-            .bind(claim.scope.as_bytes())
-            .bind(claim.key.as_bytes())
-            .fetch_optional(&mut **conn)
-            .await?;
-        Ok(row.is_some())
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send {
+        let sql = format!("SELECT 1 FROM {table} WHERE scope = $1 AND key = $2 AND status IS NULL");
+        super::connection::row_exists(conn, sql, claim)
     }
 
     async fn rollback(conn: &mut PoolConnection<Self>) -> Result<(), sqlx::Error> {

@@ -44,6 +44,7 @@
 //! Values are bound, not inlined: a "round trip" to SQLite is a hop to the
 //! connection's worker thread, not a network exchange.
 
+use std::future::Future;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -257,22 +258,14 @@ impl Backend for Sqlite {
         })
     }
 
-    async fn stranded(
+    fn stranded(
         conn: &mut sqlx::pool::PoolConnection<Self>,
         table: &str,
         claim: &Claim<'_>,
-    ) -> Result<bool, sqlx::Error> {
-        let sql = format!(
-            "SELECT 1 FROM {table} WHERE scope = ?1 AND \"key\" = ?2 \
-             AND status IS NULL AND expires_at > ?3"
-        );
-        let row = sqlx::query(AssertSqlSafe(sql))
-            .bind(claim.scope.as_bytes())
-            .bind(claim.key.as_bytes())
-            .bind(now_ms())
-            .fetch_optional(&mut **conn)
-            .await?;
-        Ok(row.is_some())
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send {
+        let sql =
+            format!("SELECT 1 FROM {table} WHERE scope = ?1 AND \"key\" = ?2 AND status IS NULL");
+        super::connection::row_exists(conn, sql, claim)
     }
 
     async fn rollback(conn: &mut sqlx::pool::PoolConnection<Self>) -> Result<(), sqlx::Error> {
