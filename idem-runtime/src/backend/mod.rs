@@ -20,7 +20,7 @@ pub(crate) mod single_flight;
 mod sql;
 #[cfg(feature = "sqlite")]
 mod sqlite;
-#[cfg(all(test, any(feature = "postgres", feature = "mysql")))]
+#[cfg(test)]
 mod test_support;
 
 pub use connection::{Acquire, OpenTx};

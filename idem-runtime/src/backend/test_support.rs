@@ -10,17 +10,23 @@ use super::{Acquire, Backend, Claim, ClaimOutcome};
 use crate::fingerprint::Fingerprint;
 use crate::response::StoredResponse;
 
+/// A claim of `key` in `scope` as the engines' tests make them: kept a
+/// minute, its fingerprint `fill` repeated, a 30 s deadline.
+pub(crate) fn claim_of<'a>(scope: &'a str, key: &'a str, fill: u8, wait: Duration) -> Claim<'a> {
+    Claim {
+        scope,
+        key,
+        fingerprint: Fingerprint::from_bytes(&[fill; 32]).unwrap(),
+        ttl: Duration::from_secs(60),
+        wait,
+        timeout_ms: 30_000,
+    }
+}
+
 /// The key the tests' expired row has: `old` in `acct`, claimed anew
 /// with the fingerprint `[1; 32]`, without a wait.
 pub(crate) fn claim() -> Claim<'static> {
-    Claim {
-        scope: "acct",
-        key: "old",
-        fingerprint: Fingerprint::from_bytes(&[1; 32]).unwrap(),
-        ttl: Duration::from_secs(60),
-        wait: Duration::ZERO,
-        timeout_ms: 30_000,
-    }
+    claim_of("acct", "old", 1, Duration::ZERO)
 }
 
 /// While another transaction holds the expired row, the claim is told

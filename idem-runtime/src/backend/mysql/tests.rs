@@ -244,14 +244,7 @@ async fn sweeps_skip_a_row_a_claim_holds() {
     .execute(&pool)
     .await
     .unwrap();
-    let claim = Claim {
-        scope: "acct",
-        key: "k2",
-        fingerprint: crate::fingerprint::Fingerprint::from_bytes(&[1; 32]).unwrap(),
-        ttl: Duration::from_secs(60),
-        wait: Duration::ZERO,
-        timeout_ms: 30_000,
-    };
+    let claim = crate::backend::test_support::claim_of("acct", "k2", 1, Duration::ZERO);
     let ClaimOutcome::Claimed(held) = MySql::claim(&pool, Acquire::default(), &table, &claim)
         .await
         .unwrap()
@@ -298,14 +291,7 @@ async fn sweeps_never_wait_for_a_fresh_claim() {
     )
     .await
     .unwrap();
-    let claim = Claim {
-        scope: "acct",
-        key: "fresh",
-        fingerprint: crate::fingerprint::Fingerprint::from_bytes(&[1; 32]).unwrap(),
-        ttl: Duration::from_secs(60),
-        wait: Duration::ZERO,
-        timeout_ms: 30_000,
-    };
+    let claim = crate::backend::test_support::claim_of("acct", "fresh", 1, Duration::ZERO);
     let ClaimOutcome::Claimed(mut held) = MySql::claim(&pool, Acquire::default(), &table, &claim)
         .await
         .unwrap()

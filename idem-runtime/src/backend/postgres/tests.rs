@@ -338,14 +338,7 @@ async fn an_older_revisions_statements_are_never_run() {
     .unwrap();
     drop(conn);
 
-    let claim = Claim {
-        scope: "acct",
-        key: "revision-1",
-        fingerprint: Fingerprint::from_bytes(&[3; 32]).unwrap(),
-        ttl: Duration::from_secs(60),
-        wait: Duration::ZERO,
-        timeout_ms: 30_000,
-    };
+    let claim = crate::backend::test_support::claim_of("acct", "revision-1", 3, Duration::ZERO);
     let conn = match Postgres::claim(&pool, Acquire::default(), &table, &claim).await {
         Ok(ClaimOutcome::Claimed(conn)) => conn,
         other => panic!("the key was not claimed: {other:?}"),
@@ -386,14 +379,7 @@ async fn a_committed_row_without_a_response_is_in_use() {
     .execute(&pool)
     .await
     .unwrap();
-    let claim = Claim {
-        scope: "acct",
-        key: "held",
-        fingerprint: Fingerprint::from_bytes(&[0; 32]).unwrap(),
-        ttl: Duration::from_secs(60),
-        wait: Duration::ZERO,
-        timeout_ms: 30_000,
-    };
+    let claim = crate::backend::test_support::claim_of("acct", "held", 0, Duration::ZERO);
     let outcome = Postgres::claim(&pool, Acquire::default(), &table, &claim)
         .await
         .expect("claim");
@@ -495,14 +481,7 @@ async fn a_deferred_constraint_broken_at_commit_ends_the_transaction() {
     .execute(&pool)
     .await
     .unwrap();
-    let claim = Claim {
-        scope: "s",
-        key: "k",
-        fingerprint: Fingerprint::from_bytes(&[3; 32]).unwrap(),
-        ttl: Duration::from_secs(60),
-        wait: Duration::ZERO,
-        timeout_ms: 30_000,
-    };
+    let claim = crate::backend::test_support::claim_of("s", "k", 3, Duration::ZERO);
     let response = StoredResponse {
         status: StatusCode::CREATED,
         headers: Vec::new(),

@@ -6,7 +6,6 @@ use http::StatusCode;
 use sqlx::sqlite::SqlitePoolOptions;
 
 use super::*;
-use crate::fingerprint::Fingerprint;
 
 /// A one-connection in-memory database with a migrated key table.
 async fn key_table() -> Pool<Sqlite> {
@@ -20,14 +19,7 @@ async fn key_table() -> Pool<Sqlite> {
 }
 
 fn claim(fingerprint: u8) -> Claim<'static> {
-    Claim {
-        scope: "acct",
-        key: "k",
-        fingerprint: Fingerprint::from_bytes(&[fingerprint; 32]).unwrap(),
-        ttl: Duration::from_secs(60),
-        wait: Duration::ZERO,
-        timeout_ms: 30_000,
-    }
+    crate::backend::test_support::claim_of("acct", "k", fingerprint, Duration::ZERO)
 }
 
 fn created() -> StoredResponse {
