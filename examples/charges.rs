@@ -62,7 +62,7 @@ struct NewCharge {
     currency: String,
 }
 
-#[derive(Serialize, sqlx::FromRow)]
+#[derive(Serialize)]
 struct Charge {
     id: i64,
     amount: i64,
@@ -226,13 +226,19 @@ macro_rules! charges_api {
                 State(pool): State<Pool<$db>>,
                 Path(id): Path<i64>,
             ) -> Result<Response, ApiError> {
-                let charge: Option<Charge> = sqlx::query_as(<$db as Dialect>::SELECT_CHARGE)
-                    .bind(id)
-                    .bind(&account.0)
-                    .fetch_optional(&pool)
-                    .await?;
+                let charge: Option<(i64, i64, String)> =
+                    sqlx::query_as(<$db as Dialect>::SELECT_CHARGE)
+                        .bind(id)
+                        .bind(&account.0)
+                        .fetch_optional(&pool)
+                        .await?;
                 Ok(match charge {
-                    Some(charge) => Json(charge).into_response(),
+                    Some((id, amount, currency)) => Json(Charge {
+                        id,
+                        amount,
+                        currency,
+                    })
+                    .into_response(),
                     None => (StatusCode::NOT_FOUND, "no such charge\n").into_response(),
                 })
             }
