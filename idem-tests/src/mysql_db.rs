@@ -1,6 +1,6 @@
-//! The MySQL/MariaDB test server as the proxy-based suites reach it
-//! (`mysql_round_trips.rs`, `mysql_chaos.rs`): its URL, run-unique names,
-//! a direct pool and a one-connection pool through a proxy.
+//! The MySQL/MariaDB test server as `mysql_chaos.rs` reaches it: its
+//! URL, run-unique names, a direct pool and a one-connection pool through
+//! a proxy.
 
 use std::net::SocketAddr;
 use std::time::Duration;
