@@ -7,8 +7,6 @@ pub mod engines;
 #[cfg(feature = "postgres")]
 pub mod hardening;
 #[cfg(feature = "mysql")]
-pub mod mysql_db;
-#[cfg(feature = "mysql")]
 pub mod mysql_proxy;
 pub mod pg_proxy;
 pub mod proxied;
