@@ -7,8 +7,8 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use idem::Idem;
-use sqlx::postgres::PgPool;
 use sqlx::Postgres;
+use sqlx::postgres::PgPool;
 
 use crate::proxied::Proxied;
 use crate::service::TestDb;

@@ -43,12 +43,12 @@ use std::ops::Deref;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 
+use crate::proxy::{
+    Conn, Ended, Forward, Wire, client_to_server, connect, contains_word, relay, server_to_client,
+};
 pub use crate::proxy::{CutOnCommit, Proxy};
-use crate::proxy::{Conn, Ended, Wire, connect, contains_word, relay};
 
 /// A proxy on `127.0.0.1:<ephemeral>` in front of one MySQL/MariaDB server.
 ///
@@ -84,113 +84,38 @@ async fn serve(client: TcpStream, wire: Arc<Wire>) {
     };
     let conn = Conn::default();
     // The capabilities of the client's login packet.
-    let capabilities = AtomicU32::new(0);
-    relay(
-        client_to_server(client_read, server_write, &wire, &conn, &capabilities),
-        server_to_client(server_read, client_write, &conn, &capabilities),
-    )
-    .await;
-}
-
-/// Server -> client: copied through, noting that the server answered and
-/// the session id its greeting gives; after a withheld commit, read to the
-/// end of the answer and not forwarded.
-async fn server_to_client(
-    mut from: OwnedReadHalf,
-    mut to: OwnedWriteHalf,
-    conn: &Conn,
-    capabilities: &AtomicU32,
-) -> std::io::Result<()> {
-    let mut chunk = vec![0u8; 16 * 1024];
+    let login_capabilities = AtomicU32::new(0);
+    let mut framing = Framing::Login;
     // The greeting's bytes, until its packet is complete.
     let mut greeting = Some(Vec::new());
+    // The end of a withheld answer.
     let mut withheld: Option<AnswerEnd> = None;
-    loop {
-        let read = from.read(&mut chunk).await?;
-        if read == 0 {
-            return Ok(());
-        }
-        if let Some(bytes) = greeting.as_mut() {
-            bytes.extend_from_slice(&chunk[..read]);
-            if let Some(packet) = next_packet(bytes) {
-                conn.session
-                    .store(session_id(packet.payload).unwrap_or(0), Ordering::SeqCst);
-                greeting = None;
-            }
-        }
-        if conn.withhold.load(Ordering::SeqCst) {
-            let capabilities = capabilities.load(Ordering::SeqCst);
-            let answer = withheld
-                .get_or_insert_with(|| AnswerEnd::new(capabilities & CLIENT_DEPRECATE_EOF != 0));
-            if answer.feed(&chunk[..read]) {
-                return Ok(());
-            }
-            continue;
-        }
-        // Before the client can see the answer and send again.
-        conn.answered.store(true, Ordering::SeqCst);
-        to.write_all(&chunk[..read]).await?;
-    }
-}
-
-/// Client -> server: framed and counted, whole packets forwarded as they
-/// complete (a packet split across reads waits for its rest), and cut at a
-/// commit when asked.
-async fn client_to_server(
-    mut from: OwnedReadHalf,
-    mut to: OwnedWriteHalf,
-    wire: &Wire,
-    conn: &Conn,
-    capabilities: &AtomicU32,
-) -> std::io::Result<Ended> {
-    let mut framing = Framing::Login;
-    let mut buf: Vec<u8> = Vec::with_capacity(8192);
-    let mut chunk = vec![0u8; 16 * 1024];
-    loop {
-        let read = from.read(&mut chunk).await?;
-        if read == 0 {
-            return Ok(Ended::Closed);
-        }
-        if framing == Framing::Opaque {
-            to.write_all(&chunk[..read]).await?;
-            continue;
-        }
-        buf.extend_from_slice(&chunk[..read]);
-        let mut end = 0;
-        while let Some(packet) = next_packet(&buf[end..]) {
-            let start = end;
-            end += packet.len;
-            if framing == Framing::Login {
-                capabilities.store(self::capabilities(packet.payload), Ordering::SeqCst);
-            }
-            if let Seen::Command(command) = framing.next(&packet) {
-                let commits = command == COM_QUERY && contains_word(&packet.payload[1..], b"commit");
-                let cut = wire.cut_at(commits, conn);
-                if cut == CutOnCommit::BeforeForwarding {
-                    to.write_all(&buf[..start]).await?;
-                    return Ok(Ended::Closed);
-                }
-                if cut == CutOnCommit::AfterForwarding {
-                    // Before forwarding: no byte of the answer slips through.
-                    conn.withhold.store(true, Ordering::SeqCst);
-                }
-                let answers = !NO_ANSWER.contains(&command);
-                wire.count(&conn.answered, answers, || describe(command, packet.payload));
-                if cut == CutOnCommit::AfterForwarding {
-                    to.write_all(&buf[..end]).await?;
-                    return Ok(Ended::Withholding);
+    relay(
+        client_to_server(client_read, server_write, |buf| {
+            framing.frame(buf, &wire, &conn, &login_capabilities)
+        }),
+        // The greeting names the session; a withheld answer is read to its
+        // end.
+        server_to_client(server_read, client_write, &conn, |bytes, withholding| {
+            if let Some(greeting_bytes) = greeting.as_mut() {
+                greeting_bytes.extend_from_slice(bytes);
+                if let Some(packet) = next_packet(greeting_bytes) {
+                    let session = session_id(packet.payload).unwrap_or(0);
+                    conn.session.store(session, Ordering::SeqCst);
+                    greeting = None;
                 }
             }
-            if framing == Framing::Opaque {
-                // TLS or compression from here on: opaque bytes.
-                end = buf.len();
-                break;
+            if !withholding {
+                return false;
             }
-        }
-        // Counted before forwarding: the server cannot answer first.
-        to.write_all(&buf[..end]).await?;
-        buf.drain(..end);
-    }
+            let answer = withheld.get_or_insert_with(|| {
+                let capabilities = login_capabilities.load(Ordering::SeqCst);
+                AnswerEnd::new(capabilities & CLIENT_DEPRECATE_EOF != 0)
+            });
+            answer.feed(bytes)
+        }),
+    )
+    .await;
 }
 
 /// One packet at the start of the buffer.
@@ -272,6 +197,61 @@ impl Framing {
                 _ => Seen::Other,
             },
         }
+    }
+}
+
+impl Framing {
+    /// Whole packets go on as they complete (a packet split across reads
+    /// waits for its rest), counted before they go (the server cannot
+    /// answer first), up to a cut at a commit.
+    fn frame(
+        &mut self,
+        buf: &[u8],
+        wire: &Wire,
+        conn: &Conn,
+        login_capabilities: &AtomicU32,
+    ) -> Forward {
+        let framed = |used: usize, ended| Forward {
+            forward: buf[..used].to_vec(),
+            used,
+            opaque: false,
+            ended,
+        };
+        let mut end = 0;
+        while let Some(packet) = next_packet(&buf[end..]) {
+            let start = end;
+            end += packet.len;
+            if *self == Framing::Login {
+                login_capabilities.store(capabilities(packet.payload), Ordering::SeqCst);
+            }
+            if let Seen::Command(command) = self.next(&packet) {
+                let commits =
+                    command == COM_QUERY && contains_word(&packet.payload[1..], b"commit");
+                let cut = wire.cut_at(commits, conn);
+                if cut == CutOnCommit::BeforeForwarding {
+                    return framed(start, Some(Ended::Closed));
+                }
+                if cut == CutOnCommit::AfterForwarding {
+                    // Before forwarding: no byte of the answer slips through.
+                    conn.withhold.store(true, Ordering::SeqCst);
+                }
+                let answers = !NO_ANSWER.contains(&command);
+                wire.count(&conn.answered, answers, || {
+                    describe(command, packet.payload)
+                });
+                if cut == CutOnCommit::AfterForwarding {
+                    return framed(end, Some(Ended::Withholding));
+                }
+            }
+            if *self == Framing::Opaque {
+                // TLS or compression from here on: opaque bytes.
+                return Forward {
+                    opaque: true,
+                    ..framed(buf.len(), None)
+                };
+            }
+        }
+        framed(end, None)
     }
 }
 

@@ -35,12 +35,12 @@ use std::ops::Deref;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 
+use crate::proxy::{
+    Conn, Ended, Forward, Wire, client_to_server, connect, contains_word, relay, server_to_client,
+};
 pub use crate::proxy::{CutOnCommit, Proxy};
-use crate::proxy::{Conn, Ended, Wire, connect, contains_word, relay};
 
 /// A proxy on `127.0.0.1:<ephemeral>` in front of one PostgreSQL server.
 ///
@@ -112,72 +112,51 @@ async fn serve(client: TcpStream, wire: Arc<Wire>, shared: Arc<Shared>) {
     // `Query` and `Sync` messages forwarded whose `ReadyForQuery` has not
     // come back yet.
     let pending = AtomicI64::new(0);
+    let mut frontend = Frontend::default();
+    let mut replies = Replies::default();
     relay(
-        frontend(client_read, server_write, &wire, &shared, &conn, &pending),
-        backend(server_read, client_write, &conn, &pending),
+        client_to_server(client_read, server_write, |buf| {
+            frontend.frame(buf, &wire, &shared, &conn, &pending)
+        }),
+        // A withheld answer is complete once every pending `ReadyForQuery`
+        // has come.
+        server_to_client(server_read, client_write, &conn, |bytes, _| {
+            let ready = replies.feed(bytes, &conn);
+            pending.fetch_sub(ready, Ordering::SeqCst) - ready <= 0
+        }),
     )
     .await;
 }
 
-/// Server -> client: copied through, noting that the server answered and
-/// the session it named; once a commit's answer is withheld, read until
-/// every pending `ReadyForQuery` has come, and not forwarded.
-async fn backend(
-    mut from: OwnedReadHalf,
-    mut to: OwnedWriteHalf,
-    conn: &Conn,
-    pending: &AtomicI64,
-) -> std::io::Result<()> {
-    let mut chunk = vec![0u8; 16 * 1024];
-    let mut replies = Replies::default();
-    loop {
-        let read = from.read(&mut chunk).await?;
-        if read == 0 {
-            return Ok(());
-        }
-        let ready = replies.feed(&chunk[..read], conn);
-        let left = pending.fetch_sub(ready, Ordering::SeqCst) - ready;
-        if conn.withhold.load(Ordering::SeqCst) {
-            if left <= 0 {
-                return Ok(());
-            }
-            continue;
-        }
-        // Before the client can see the answer and send again.
-        conn.answered.store(true, Ordering::SeqCst);
-        to.write_all(&chunk[..read]).await?;
-    }
+/// The client's half of a connection: framed, counted, and cut at a
+/// commit when asked.
+#[derive(Default)]
+struct Frontend {
+    framing: Framing,
+    /// A `Parse` of a commit was forwarded under `AfterForwarding`: the
+    /// connection goes with the next `Sync`.
+    cut_at_sync: bool,
 }
 
-/// Client -> server: framed, counted, and cut at a commit when asked.
-async fn frontend(
-    mut from: OwnedReadHalf,
-    mut to: OwnedWriteHalf,
-    wire: &Wire,
-    shared: &Shared,
-    conn: &Conn,
-    pending: &AtomicI64,
-) -> std::io::Result<Ended> {
-    let mut framing = Framing::Startup;
-    let mut buf: Vec<u8> = Vec::with_capacity(8192);
-    let mut chunk = vec![0u8; 16 * 1024];
-    // A `Parse` of a commit was forwarded under `AfterForwarding`: the
-    // connection goes with the next `Sync`.
-    let mut cut_at_sync = false;
-    loop {
-        let read = from.read(&mut chunk).await?;
-        if read == 0 {
-            return Ok(Ended::Closed);
-        }
-        if framing == Framing::Opaque {
-            to.write_all(&chunk[..read]).await?;
-            continue;
-        }
-        buf.extend_from_slice(&chunk[..read]);
-        // Whole messages go on in one write, up to a cut point.
+impl Frontend {
+    /// Whole messages go on in one write, up to a cut point.
+    fn frame(
+        &mut self,
+        buf: &[u8],
+        wire: &Wire,
+        shared: &Shared,
+        conn: &Conn,
+        pending: &AtomicI64,
+    ) -> Forward {
         let mut end = 0;
         let mut out = Vec::with_capacity(buf.len());
-        while let Some(message) = framing.next(&buf[end..]) {
+        let framed = |forward, used, ended| Forward {
+            forward,
+            used,
+            opaque: false,
+            ended,
+        };
+        while let Some(message) = self.framing.next(&buf[end..]) {
             let raw = &buf[end..end + message.len];
             end += message.len;
             let Message::Typed(kind, body) = message.kind else {
@@ -186,13 +165,12 @@ async fn frontend(
             };
             let cut = wire.cut_at(carries_commit(kind, body), conn);
             if cut == CutOnCommit::BeforeForwarding {
-                to.write_all(&out).await?;
-                return Ok(Ended::Closed);
+                return framed(out, end, Some(Ended::Closed));
             }
-            cut_at_sync |= cut == CutOnCommit::AfterForwarding && kind == b'P';
+            self.cut_at_sync |= cut == CutOnCommit::AfterForwarding && kind == b'P';
             let answered = matches!(kind, b'Q' | b'S');
             let withhold = (cut == CutOnCommit::AfterForwarding && kind == b'Q')
-                || (cut_at_sync && kind == b'S');
+                || (self.cut_at_sync && kind == b'S');
             if answered {
                 // Before the server can answer it.
                 pending.fetch_add(1, Ordering::SeqCst);
@@ -212,18 +190,20 @@ async fn frontend(
                 None => out.extend_from_slice(raw),
             }
             if withhold {
-                to.write_all(&out).await?;
-                to.flush().await?;
-                return Ok(Ended::Withholding);
+                return framed(out, end, Some(Ended::Withholding));
             }
         }
-        if framing == Framing::Opaque {
+        if self.framing == Framing::Opaque {
             // TLS started: everything from here on is opaque bytes.
             out.extend_from_slice(&buf[end..]);
-            end = buf.len();
+            return Forward {
+                forward: out,
+                used: buf.len(),
+                opaque: true,
+                ended: None,
+            };
         }
-        to.write_all(&out).await?;
-        buf.drain(..end);
+        framed(out, end, None)
     }
 }
 
@@ -275,9 +255,10 @@ fn typed(kind: u8, body: &[u8]) -> Vec<u8> {
 }
 
 /// Where the client is in the frontend protocol.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 enum Framing {
     /// Untyped messages until the `StartupMessage`.
+    #[default]
     Startup,
     /// After an encryption request: the next bytes are either another
     /// untyped message (the server said no) or a TLS handshake.
@@ -399,7 +380,9 @@ impl Replies {
             };
             match (kind, self.state) {
                 (b'K', _) => {
-                    let pid = body.get(..4).map(|pid| u32::from_be_bytes(pid.try_into().unwrap()));
+                    let pid = body
+                        .get(..4)
+                        .map(|pid| u32::from_be_bytes(pid.try_into().unwrap()));
                     conn.session.store(pid.unwrap_or(0), Ordering::SeqCst);
                 }
                 (b'Z', Replying::Startup) => self.state = Replying::Answering,
@@ -485,7 +468,11 @@ mod framing_tests {
         startup.extend(typed(b'R', &[0, 0, 0, 0]));
         startup.extend(typed(b'K', &key_data));
         startup.extend(typed(b'Z', b"I"));
-        assert_eq!(replies.feed(&startup, &conn), 0, "startup's ready answers nothing");
+        assert_eq!(
+            replies.feed(&startup, &conn),
+            0,
+            "startup's ready answers nothing"
+        );
         assert_eq!(conn.session.load(Ordering::SeqCst), 4242);
         // Two answers, the second split across reads.
         let mut answers = typed(b'C', b"COMMIT\0");

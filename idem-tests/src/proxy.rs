@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
@@ -401,6 +402,82 @@ pub(crate) async fn connect(
     let (client_read, client_write) = client.into_split();
     let (server_read, server_write) = server.into_split();
     Some((client_read, client_write, server_read, server_write))
+}
+
+/// What a protocol's framing made of the client's bytes not yet forwarded.
+pub(crate) struct Forward {
+    /// What goes on to the server now.
+    pub(crate) forward: Vec<u8>,
+    /// How many of the bytes it used (the rest waits for more).
+    pub(crate) used: usize,
+    /// From here on the bytes are opaque (TLS, compression): they pass
+    /// untouched.
+    pub(crate) opaque: bool,
+    /// The connection ends once `forward` has gone (a cut at a commit).
+    pub(crate) ended: Option<Ended>,
+}
+
+/// Client -> server: each read is framed by `frame` (with the bytes left
+/// from before) and what it makes of them forwarded, until the client
+/// closes or `frame` ends the connection.
+pub(crate) async fn client_to_server(
+    mut from: OwnedReadHalf,
+    mut to: OwnedWriteHalf,
+    mut frame: impl FnMut(&[u8]) -> Forward,
+) -> std::io::Result<Ended> {
+    let mut buf: Vec<u8> = Vec::with_capacity(8192);
+    let mut chunk = vec![0u8; 16 * 1024];
+    let mut opaque = false;
+    loop {
+        let read = from.read(&mut chunk).await?;
+        if read == 0 {
+            return Ok(Ended::Closed);
+        }
+        if opaque {
+            to.write_all(&chunk[..read]).await?;
+            continue;
+        }
+        buf.extend_from_slice(&chunk[..read]);
+        let framed = frame(&buf);
+        to.write_all(&framed.forward).await?;
+        if let Some(ended) = framed.ended {
+            to.flush().await?;
+            return Ok(ended);
+        }
+        opaque = framed.opaque;
+        buf.drain(..framed.used);
+    }
+}
+
+/// Server -> client: copied through as read, noting that the server
+/// answered. `read(bytes, withholding)` sees every byte first (the
+/// protocol's framing: the session's id, the end of an answer) and says
+/// whether the withheld answer is complete: once a commit's answer is
+/// withheld, nothing more is forwarded, and this returns when it is.
+pub(crate) async fn server_to_client(
+    mut from: OwnedReadHalf,
+    mut to: OwnedWriteHalf,
+    conn: &Conn,
+    mut read: impl FnMut(&[u8], bool) -> bool,
+) -> std::io::Result<()> {
+    let mut chunk = vec![0u8; 16 * 1024];
+    loop {
+        let got = from.read(&mut chunk).await?;
+        if got == 0 {
+            return Ok(());
+        }
+        let withholding = conn.withhold.load(Ordering::SeqCst);
+        let complete = read(&chunk[..got], withholding);
+        if withholding {
+            if complete {
+                return Ok(());
+            }
+            continue;
+        }
+        // Before the client can see the answer and send again.
+        conn.answered.store(true, Ordering::SeqCst);
+        to.write_all(&chunk[..got]).await?;
+    }
 }
 
 /// Runs a connection's two directions until either ends; when the client's

@@ -70,8 +70,7 @@ pub trait Proxied: TestDb {
     fn pool(size: u32) -> impl Future<Output = Pool<Self>> + Send;
 
     /// Runs `sql` (statements as text); the error is the server's.
-    fn run(pool: &Pool<Self>, sql: String)
-    -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+    fn run(pool: &Pool<Self>, sql: String) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
     /// [`run`](Self::run) on one connection.
     fn run_on(
         conn: &mut Self::Connection,
@@ -120,7 +119,11 @@ pub async fn upstream<DB: Proxied>() -> SocketAddr {
 /// The test database's URL through a proxy at `proxy`, over plain TCP.
 pub fn url_via<DB: Proxied>(proxy: SocketAddr) -> String {
     let ServerUrl { user, database, .. } = DB::server();
-    format!("{}://{user}@{proxy}/{database}?{}", DB::SCHEME, DB::PLAIN_TCP)
+    format!(
+        "{}://{user}@{proxy}/{database}?{}",
+        DB::SCHEME,
+        DB::PLAIN_TCP
+    )
 }
 
 /// A proxy in front of the server.
@@ -138,10 +141,30 @@ pub async fn through<DB: Proxied>(proxy: &Proxy, size: u32) -> Pool<DB> {
         .expect("connect through the proxy")
 }
 
-/// The `Proxied` methods every engine writes alike, from its SQL.
+/// The `Proxied` methods every engine writes alike: from its module in
+/// `engines` (its URL, parsed as `$options`, and its pool), its proxy, and
+/// its SQL.
 #[macro_export]
-macro_rules! proxied_sql {
-    () => {
+macro_rules! proxied_common {
+    ($engine:ident, $options:ty, $proxy:ty) => {
+        fn server() -> $crate::proxied::ServerUrl {
+            let options: $options = $engine::url().parse().expect("the test server's URL");
+            $crate::proxied::ServerUrl {
+                host: options.get_host().to_owned(),
+                port: options.get_port(),
+                user: options.get_username().to_owned(),
+                database: options.get_database().unwrap_or("test").to_owned(),
+            }
+        }
+
+        async fn start_proxy(upstream: std::net::SocketAddr) -> $proxy {
+            <$proxy>::start(upstream).await
+        }
+
+        async fn pool(size: u32) -> sqlx::Pool<Self> {
+            $engine::pool(size).await
+        }
+
         async fn run(pool: &sqlx::Pool<Self>, sql: String) -> Result<(), sqlx::Error> {
             sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
                 .execute(pool)

@@ -1,10 +1,8 @@
 //! MySQL/MariaDB behind [`MySqlProxy`].
 
-use std::net::SocketAddr;
+use sqlx::{MySql, MySqlConnection};
 
-use sqlx::{MySql, MySqlConnection, Pool};
-
-use super::{Proxied, ServerUrl};
+use super::Proxied;
 use crate::engines::mysql as engine;
 use crate::mysql_proxy::MySqlProxy;
 use crate::round_trip_service::{Charge, RoundTripState};
@@ -37,26 +35,7 @@ impl Proxied for MySql {
     const DUPLICATES: &'static str = "SELECT CAST(COUNT(*) - COUNT(DISTINCT `key`) AS SIGNED) \
          FROM idem_service_effects WHERE scope = ?";
 
-    crate::proxied_sql!();
-
-    fn server() -> ServerUrl {
-        let options: sqlx::mysql::MySqlConnectOptions =
-            engine::url().parse().expect("the MySQL URL");
-        ServerUrl {
-            host: options.get_host().to_owned(),
-            port: options.get_port(),
-            user: options.get_username().to_owned(),
-            database: options.get_database().unwrap_or("test").to_owned(),
-        }
-    }
-
-    async fn start_proxy(upstream: SocketAddr) -> MySqlProxy {
-        MySqlProxy::start(upstream).await
-    }
-
-    async fn pool(size: u32) -> Pool<MySql> {
-        engine::pool(size).await
-    }
+    crate::proxied_common!(engine, sqlx::mysql::MySqlConnectOptions, MySqlProxy);
 
     async fn charge(
         conn: &mut MySqlConnection,

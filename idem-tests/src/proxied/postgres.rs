@@ -1,12 +1,10 @@
 //! PostgreSQL behind [`PgProxy`].
 
-use std::net::SocketAddr;
-
 use axum::response::{IntoResponse, Response};
 use idem::{Tx, idempotent};
-use sqlx::{PgConnection, Pool, Postgres};
+use sqlx::{PgConnection, Postgres};
 
-use super::{Proxied, ServerUrl};
+use super::Proxied;
 use crate::account::Account;
 use crate::engines::postgres as engine;
 use crate::pg_proxy::PgProxy;
@@ -23,9 +21,11 @@ async fn lock_timeout(account: Account, mut tx: Tx<Postgres>) -> Response {
         .await
     {
         Ok(value) => (axum::http::StatusCode::OK, value).into_response(),
-        Err(error) => {
-            (axum::http::StatusCode::INTERNAL_SERVER_ERROR, error.to_string()).into_response()
-        }
+        Err(error) => (
+            axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+            error.to_string(),
+        )
+            .into_response(),
     }
 }
 
@@ -55,26 +55,7 @@ impl Proxied for Postgres {
     const DUPLICATES: &'static str =
         "SELECT count(*) - count(DISTINCT key) FROM idem_service_effects WHERE scope = $1";
 
-    crate::proxied_sql!();
-
-    fn server() -> ServerUrl {
-        let options: sqlx::postgres::PgConnectOptions =
-            engine::url().parse().expect("the PostgreSQL URL");
-        ServerUrl {
-            host: options.get_host().to_owned(),
-            port: options.get_port(),
-            user: options.get_username().to_owned(),
-            database: options.get_database().unwrap_or("test").to_owned(),
-        }
-    }
-
-    async fn start_proxy(upstream: SocketAddr) -> PgProxy {
-        PgProxy::start(upstream).await
-    }
-
-    async fn pool(size: u32) -> Pool<Postgres> {
-        engine::pool(size).await
-    }
+    crate::proxied_common!(engine, sqlx::postgres::PgConnectOptions, PgProxy);
 
     async fn charge(
         conn: &mut PgConnection,

@@ -27,7 +27,11 @@ const BODY: &str = r#"{"note":"cut"}"#;
 /// the same key", never success.
 fn assert_unavailable(answer: &Answer, what: &str) {
     assert_eq!(answer.status, 503, "{what}: {answer:?}");
-    assert_eq!(answer.header("retry-after"), Some("1"), "{what}: {answer:?}");
+    assert_eq!(
+        answer.header("retry-after"),
+        Some("1"),
+        "{what}: {answer:?}"
+    );
     assert_eq!(
         answer.problem_code(),
         "idempotency_store_unavailable",
@@ -47,7 +51,10 @@ fn assert_outcome_unknown(answer: &Answer, what: &str) {
         "idempotency_store_unavailable",
         "{what}: {answer:?}"
     );
-    let detail = answer.json()["detail"].as_str().unwrap_or_default().to_owned();
+    let detail = answer.json()["detail"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
     assert!(
         detail.contains("may or may not have been done") && detail.contains("Idempotency-Key"),
         "{what}: {answer:?}"
@@ -84,6 +91,21 @@ impl<DB: Proxied> Fixture<DB> {
         send(self.client.post(key, BODY)).await
     }
 
+    /// A first attempt with a new key whose commit the proxy cuts in
+    /// `mode`: 503, retry with the key. The key and the answer.
+    async fn charge_cut(&self, mode: CutOnCommit) -> (String, Answer) {
+        let key = unique("k");
+        self.proxy.set_cut_on_commit(mode);
+        let first = self.charge(&key).await;
+        self.proxy.set_cut_on_commit(CutOnCommit::Off);
+        println!("the finish's COMMIT cut ({mode:?}): {first:?}");
+        assert_unavailable(
+            &first,
+            &format!("the first attempt, its commit cut {mode:?}"),
+        );
+        (key, first)
+    }
+
     /// `POST /effects/optional` without a key, for `caller`.
     async fn keyless(&self, caller: &str) -> Answer {
         let client = self.server.client(caller);
@@ -92,6 +114,19 @@ impl<DB: Proxied> Fixture<DB> {
             .header("content-type", "application/json")
             .body(BODY);
         send(request).await
+    }
+
+    /// A request without a key, for a caller of its own, whose commit the
+    /// proxy cuts in `mode` (the cut after `cuts_before` others): 503,
+    /// outcome unknown. The caller, once the server ended the session.
+    async fn keyless_cut(&self, mode: CutOnCommit, cuts_before: usize) -> String {
+        let caller = unique("op");
+        self.proxy.set_cut_on_commit(mode);
+        let answer = self.keyless(&caller).await;
+        self.proxy.set_cut_on_commit(CutOnCommit::Off);
+        assert_outcome_unknown(&answer, &format!("keyless, its commit cut {mode:?}"));
+        self.cut_once(cuts_before).await;
+        caller
     }
 
     /// The committed effects of `key` in the caller's scope, their ids.
@@ -158,15 +193,7 @@ async fn ended<DB: Proxied>(admin: &Pool<DB>, id: u32) {
 /// told 503 (retry with the key), and the retry is a first attempt.
 pub async fn a_commit_cut_before_the_server_sees_it_is_503_and_the_retry_runs_once<DB: Proxied>() {
     let fixture = Fixture::<DB>::start("cut_before").await;
-    let key = unique("k");
-
-    fixture
-        .proxy
-        .set_cut_on_commit(CutOnCommit::BeforeForwarding);
-    let first = fixture.charge(&key).await;
-    fixture.proxy.set_cut_on_commit(CutOnCommit::Off);
-    println!("cut before forwarding the finish's COMMIT: {first:?}");
-    assert_unavailable(&first, "the first attempt, its commit cut");
+    let (key, _) = fixture.charge_cut(CutOnCommit::BeforeForwarding).await;
     fixture.cut_once(0).await;
     assert!(
         fixture.effects(&key).await.is_empty(),
@@ -181,7 +208,11 @@ pub async fn a_commit_cut_before_the_server_sees_it_is_503_and_the_retry_runs_on
     fixture.assert_committed(&key, &retry).await;
 
     let replay = fixture.charge(&key).await;
-    assert_eq!((replay.status.as_u16(), replay.replayed()), (201, true), "{replay:?}");
+    assert_eq!(
+        (replay.status.as_u16(), replay.replayed()),
+        (201, true),
+        "{replay:?}"
+    );
     assert_eq!(replay.body, retry.body);
     assert_eq!(fixture.effects(&key).await.len(), 1, "exactly one effect");
     fixture.stop().await;
@@ -191,15 +222,7 @@ pub async fn a_commit_cut_before_the_server_sees_it_is_503_and_the_retry_runs_on
 /// cannot know), and the retry replays what committed.
 pub async fn a_commit_cut_after_the_server_answered_is_503_and_the_retry_replays<DB: Proxied>() {
     let fixture = Fixture::<DB>::start("cut_after").await;
-    let key = unique("k");
-
-    fixture
-        .proxy
-        .set_cut_on_commit(CutOnCommit::AfterForwarding);
-    let first = fixture.charge(&key).await;
-    fixture.proxy.set_cut_on_commit(CutOnCommit::Off);
-    println!("cut after the server answered the finish's COMMIT: {first:?}");
-    assert_unavailable(&first, "the first attempt, its commit's answer cut");
+    let (key, _) = fixture.charge_cut(CutOnCommit::AfterForwarding).await;
     // The proxy read the whole answer before it cut: committed already.
     let effects = fixture.effects(&key).await;
     assert_eq!(effects.len(), 1, "the effect committed: {effects:?}");
@@ -263,7 +286,11 @@ pub async fn the_pool_reconnects_after_cut_commits<DB: Proxied>() {
     for _ in 0..5 {
         let key = unique("new");
         let answer = fixture.charge(&key).await;
-        assert_eq!((answer.status.as_u16(), answer.replayed()), (201, false), "{answer:?}");
+        assert_eq!(
+            (answer.status.as_u16(), answer.replayed()),
+            (201, false),
+            "{answer:?}"
+        );
         fixture.assert_committed(&key, &answer).await;
     }
     for (mode, key) in &cut {
@@ -291,34 +318,28 @@ pub async fn a_keyless_commit_cut_is_503_and_stores_nothing<DB: Proxied>() {
     let fixture = Fixture::<DB>::start("cut_keyless").await;
     let admin = &fixture.admin;
 
-    fixture
-        .proxy
-        .set_cut_on_commit(CutOnCommit::BeforeForwarding);
-    let before = unique("op");
-    let answer = fixture.keyless(&before).await;
-    assert_outcome_unknown(&answer, "keyless, cut before forwarding");
-    fixture.cut_once(0).await;
+    let before = fixture.keyless_cut(CutOnCommit::BeforeForwarding, 0).await;
     assert!(
         effect_ids(admin, &before, "").await.is_empty(),
         "rolled back"
     );
-
-    fixture
-        .proxy
-        .set_cut_on_commit(CutOnCommit::AfterForwarding);
-    let after = unique("op");
-    let answer = fixture.keyless(&after).await;
-    assert_outcome_unknown(&answer, "keyless, cut after the answer");
-    fixture.cut_once(1).await;
+    let after = fixture.keyless_cut(CutOnCommit::AfterForwarding, 1).await;
     assert_eq!(effect_ids(admin, &after, "").await.len(), 1, "committed");
 
-    fixture.proxy.set_cut_on_commit(CutOnCommit::Off);
     let calm = unique("op");
     let answer = fixture.keyless(&calm).await;
-    assert_eq!((answer.status.as_u16(), answer.replayed()), (201, false), "{answer:?}");
+    assert_eq!(
+        (answer.status.as_u16(), answer.replayed()),
+        (201, false),
+        "{answer:?}"
+    );
     assert_eq!(effect_ids(admin, &calm, "").await, [answer.effect().id]);
     for caller in [&before, &after, &calm] {
-        assert_eq!(DB::count_keys(admin, caller).await, 0, "no key, nothing stored");
+        assert_eq!(
+            DB::count_keys(admin, caller).await,
+            0,
+            "no key, nothing stored"
+        );
     }
     fixture.stop().await;
 }

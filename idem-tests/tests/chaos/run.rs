@@ -150,8 +150,13 @@ impl Servers {
             old.kill().await;
         }
         self.generation += 1;
-        let (child, addr) =
-            Child::spawn(self.engine, &self.url, self.generation, self.announced_tx.clone()).await;
+        let (child, addr) = Child::spawn(
+            self.engine,
+            &self.url,
+            self.generation,
+            self.announced_tx.clone(),
+        )
+        .await;
         self.child = Some(child);
         self.addr.send_replace(Some(addr));
     }
@@ -644,7 +649,10 @@ pub async fn exactly_once_under_kills_and_cut_connections<DB: Proxied>() {
         chaos.kills_mid_transaction > 0,
         "no process was killed with an effect written: {chaos:?}"
     );
-    assert!(cuts.all > 0, "cut_all cut no connection: {cuts:?}, {chaos:?}");
+    assert!(
+        cuts.all > 0,
+        "cut_all cut no connection: {cuts:?}, {chaos:?}"
+    );
     assert!(
         cuts.before_commit > 0,
         "no commit was cut before the server saw it: {cuts:?}, {chaos:?}"

@@ -62,11 +62,7 @@ async fn sent(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_first_attempt_adds_six_statements_and_a_replay_through_the_claim_two() {
     let fixture = Proxied::start("verbs").await;
-    let Proxied {
-        pool,
-        service,
-        ..
-    } = &fixture;
+    let Proxied { pool, service, .. } = &fixture;
     // Statements prepared on the connection, sqlx's cached.
     for route in ["/baseline", "/idempotent"] {
         let status = service.post(route, &unique("warm"), 1).await.status();
@@ -116,11 +112,7 @@ async fn a_first_attempt_adds_six_statements_and_a_replay_through_the_claim_two(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_read_falls_back_to_the_claim() {
     let fixture = Proxied::start("peek").await;
-    let Proxied {
-        proxy,
-        service,
-        ..
-    } = &fixture;
+    let Proxied { proxy, service, .. } = &fixture;
     let key = unique("k");
     let first = service.post("/idempotent", &key, 1).await;
     assert_eq!(first.status(), 201);
@@ -226,11 +218,7 @@ async fn statements_are_prepared_once_per_connection_and_again_when_lost() {
     let key = unique("finish-lost");
     let response = service.post("/idempotent", &key, 1).await;
     assert_eq!(response.status(), 503);
-    assert_eq!(
-        fixture.rows().await,
-        before,
-        "no effect without its memory"
-    );
+    assert_eq!(fixture.rows().await, before, "no effect without its memory");
     let stored: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
         "SELECT count(*) FROM {keys} WHERE key = $1"
     )))

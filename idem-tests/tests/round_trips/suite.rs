@@ -104,9 +104,8 @@ async fn first_attempts_and_replays<DB: Proxied>(checked: bool) {
         other.account.clone_from(&service.account);
         let before = fixture.rows().await;
         for (attempt, expected) in [(1, pings - saved + 2), (2, pings - saved + 1)] {
-            let (round_trips, sent, answer) = fixture
-                .count(&other, "/idempotent", &key, statements)
-                .await;
+            let (round_trips, sent, answer) =
+                fixture.count(&other, "/idempotent", &key, statements).await;
             assert_eq!(answer.status(), 201);
             assert_eq!(answer.headers()["idempotent-replayed"], "true");
             println!(
@@ -193,10 +192,7 @@ pub async fn the_proxy_counts_round_trips<DB: Proxied>() {
     DB::run(&pool, "SELECT 1".to_owned()).await.unwrap();
     settle(&pool).await;
     let simple = proxy.round_trips();
-    assert_eq!(
-        proxy.recorded(),
-        [ping(), vec![query("SELECT 1")], ping()]
-    );
+    assert_eq!(proxy.recorded(), [ping(), vec![query("SELECT 1")], ping()]);
     assert_eq!(simple, 3, "SELECT 1 is one round trip beyond the two pings");
 
     let mut prepared = Vec::new();
