@@ -40,6 +40,12 @@ fn assert_unavailable(answer: &Answer, what: &str) {
     assert!(!answer.replayed(), "{what}: {answer:?}");
 }
 
+/// 201, a replay or not.
+fn assert_created(answer: &Answer, replayed: bool, what: &str) {
+    let got = (answer.status.as_u16(), answer.replayed());
+    assert_eq!(got, (201, replayed), "{what}: {answer:?}");
+}
+
 /// Without a key: 503 with the same stable code, but no `Retry-After`
 /// and a detail that says the outcome is unknown (a retry could do the
 /// work twice), and why a key would have helped.
@@ -208,11 +214,7 @@ pub async fn a_commit_cut_before_the_server_sees_it_is_503_and_the_retry_runs_on
     fixture.assert_committed(&key, &retry).await;
 
     let replay = fixture.charge(&key).await;
-    assert_eq!(
-        (replay.status.as_u16(), replay.replayed()),
-        (201, true),
-        "{replay:?}"
-    );
+    assert_created(&replay, true, "the replay");
     assert_eq!(replay.body, retry.body);
     assert_eq!(fixture.effects(&key).await.len(), 1, "exactly one effect");
     fixture.stop().await;
@@ -286,21 +288,13 @@ pub async fn the_pool_reconnects_after_cut_commits<DB: Proxied>() {
     for _ in 0..5 {
         let key = unique("new");
         let answer = fixture.charge(&key).await;
-        assert_eq!(
-            (answer.status.as_u16(), answer.replayed()),
-            (201, false),
-            "{answer:?}"
-        );
+        assert_created(&answer, false, "a new key");
         fixture.assert_committed(&key, &answer).await;
     }
     for (mode, key) in &cut {
         let answer = fixture.charge(key).await;
         let replayed = *mode == CutOnCommit::AfterForwarding;
-        assert_eq!(
-            (answer.status.as_u16(), answer.replayed()),
-            (201, replayed),
-            "{mode:?}: {answer:?}"
-        );
+        assert_created(&answer, replayed, &format!("{mode:?}"));
         fixture.assert_committed(key, &answer).await;
     }
     // One more connection, which served every later request.
@@ -328,11 +322,7 @@ pub async fn a_keyless_commit_cut_is_503_and_stores_nothing<DB: Proxied>() {
 
     let calm = unique("op");
     let answer = fixture.keyless(&calm).await;
-    assert_eq!(
-        (answer.status.as_u16(), answer.replayed()),
-        (201, false),
-        "{answer:?}"
-    );
+    assert_created(&answer, false, "keyless, no cut");
     assert_eq!(effect_ids(admin, &calm, "").await, [answer.effect().id]);
     for caller in [&before, &after, &calm] {
         assert_eq!(
