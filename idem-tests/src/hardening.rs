@@ -7,8 +7,11 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use idem::Idem;
+use sqlx::Postgres;
 use sqlx::postgres::PgPool;
-use sqlx::{Postgres, Row};
+
+use crate::proxied::Proxied;
+use crate::service::TestDb;
 
 pub use crate::engines;
 pub use crate::service as app;
@@ -21,49 +24,38 @@ pub use engines::postgres::pool as connect;
 
 /// Where PostgreSQL listens, for a proxy to forward to.
 pub async fn upstream() -> SocketAddr {
-    use std::str::FromStr;
-    let options = sqlx::postgres::PgConnectOptions::from_str(&engines::postgres::url()).unwrap();
-    tokio::net::lookup_host((options.get_host(), options.get_port()))
-        .await
-        .unwrap()
-        .next()
-        .expect("the PostgreSQL host resolves")
+    crate::proxied::upstream::<Postgres>().await
 }
 
 /// The test database's URL, through a proxy at `proxy` (plain TCP, so the
 /// proxy can read the protocol).
 pub fn url_via(proxy: SocketAddr) -> String {
-    use std::str::FromStr;
-    let options = sqlx::postgres::PgConnectOptions::from_str(&engines::postgres::url()).unwrap();
-    format!(
-        "postgres://{}@{proxy}/{}?sslmode=disable",
-        options.get_username(),
-        options.get_database().unwrap_or("test")
-    )
+    crate::proxied::url_via::<Postgres>(proxy)
 }
 
-/// The service on 127.0.0.1, stopped when dropped.
-pub struct Server {
+/// The service on 127.0.0.1, stopped when dropped (on PostgreSQL unless
+/// started on another engine's pool).
+pub struct Server<DB: TestDb = Postgres> {
     pub addr: SocketAddr,
-    pub state: AppState<Postgres>,
+    pub state: AppState<DB>,
     task: tokio::task::JoinHandle<()>,
 }
 
-impl Drop for Server {
+impl<DB: TestDb> Drop for Server<DB> {
     fn drop(&mut self) {
         self.task.abort();
     }
 }
 
-impl Server {
-    pub async fn start(idem: Idem<Postgres>) -> Server {
+impl<DB: TestDb> Server<DB> {
+    pub async fn start(idem: Idem<DB>) -> Server<DB> {
         let state = AppState {
             idem,
             holds: Holds::default(),
         };
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let app = engines::postgres::handlers::router(state.clone());
+        let app = DB::router(state.clone());
         let task = tokio::spawn(async move {
             axum::serve(listener, app).await.unwrap();
         });
@@ -74,7 +66,7 @@ impl Server {
         Client::new(self.addr, scope)
     }
 
-    pub fn pool(&self) -> &PgPool {
+    pub fn pool(&self) -> &sqlx::Pool<DB> {
         self.state.idem.pool()
     }
 }
@@ -134,51 +126,23 @@ impl Client {
 
 /// The effects written for `(scope, key)`: `(id, nonce)`.
 pub async fn effects(pool: &PgPool, scope: &str, key: &str) -> Vec<(i64, String)> {
-    sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT id, nonce FROM {EFFECTS} WHERE scope = $1 AND key = $2 ORDER BY id"
-    )))
-    .bind(scope.as_bytes())
-    .bind(key)
-    .fetch_all(pool)
-    .await
-    .unwrap()
+    <Postgres as Proxied>::effects(pool, scope, key).await
 }
 
 /// Effects written for a scope, all keys.
 pub async fn effects_in_scope(pool: &PgPool, scope: &str) -> i64 {
-    sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-        "SELECT count(*) FROM {EFFECTS} WHERE scope = $1"
-    )))
-    .bind(scope.as_bytes())
-    .fetch_one(pool)
-    .await
-    .unwrap()
+    Postgres::count_effects(pool, scope).await
 }
 
 /// What the store kept for `(scope, key)` in the default table:
 /// `(status, body)`, `status` `None` while a claim is open.
 pub async fn stored(pool: &PgPool, scope: &str, key: &str) -> Option<(Option<i16>, Vec<u8>)> {
-    sqlx::query("SELECT status, body FROM idem_keys WHERE scope = $1 AND key = $2")
-        .bind(scope.as_bytes())
-        .bind(key.as_bytes())
-        .fetch_optional(pool)
-        .await
-        .unwrap()
-        .map(|row| {
-            (
-                row.get::<Option<i16>, _>("status"),
-                row.get::<Option<Vec<u8>>, _>("body").unwrap_or_default(),
-            )
-        })
+    <Postgres as Proxied>::stored(pool, scope, key).await
 }
 
 /// Rows stored for a scope in the default table.
 pub async fn keys_in_scope(pool: &PgPool, scope: &str) -> i64 {
-    sqlx::query_scalar("SELECT count(*) FROM idem_keys WHERE scope = $1")
-        .bind(scope.as_bytes())
-        .fetch_one(pool)
-        .await
-        .unwrap()
+    Postgres::count_keys(pool, scope).await
 }
 
 /// A small deterministic generator (xorshift64*), seeded and printed by

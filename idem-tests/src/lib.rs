@@ -8,12 +8,10 @@ pub mod half_open;
 #[cfg(feature = "postgres")]
 pub mod hardening;
 #[cfg(feature = "mysql")]
-pub mod mysql_db;
-#[cfg(feature = "mysql")]
 pub mod mysql_proxy;
 pub mod pg_proxy;
+pub mod proxied;
 pub mod proxy;
-#[cfg(feature = "postgres")]
 pub mod round_trip_service;
 pub mod service;
 pub mod stats;

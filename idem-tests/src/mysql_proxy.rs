@@ -33,379 +33,89 @@
 //! assert_eq!(proxy.round_trips(), 3); // ping, query, ping
 //! ```
 //!
-//! Chaos controls: [`MySqlProxy::cut_all`] drops every open connection,
-//! [`MySqlProxy::set_cut_on_commit`] drops a connection at a `COM_QUERY`
-//! whose SQL contains the word `COMMIT`, before forwarding it or after the
-//! server has answered it (the answer withheld from the client);
-//! [`MySqlProxy::cut_sessions`] names the server sessions it cut that way
-//! (their `CONNECTION_ID()`, from the server's greeting), so a test can wait
-//! until the server has ended them. Dropping the [`MySqlProxy`] stops it and
-//! drops its connections.
+//! Chaos controls, and the counters every proxy has, are [`Proxy`]'s
+//! (which `MySqlProxy` derefs to). A commit is a `COM_QUERY` whose SQL
+//! has the word `COMMIT`; the session a cut names is the server's
+//! `CONNECTION_ID()`, from its greeting.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::ops::Deref;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
-use tokio::sync::watch;
 
-pub use crate::proxy::CutOnCommit;
-use crate::proxy::{Listener, contains_word};
-
-/// How long [`CutOnCommit::AfterForwarding`] waits for the end of the
-/// server's answer before it drops the connection anyway.
-const WITHHOLD_LIMIT: Duration = Duration::from_secs(10);
+use crate::proxy::{
+    Conn, Ended, Forward, Wire, client_to_server, connect, contains_word, relay, server_to_client,
+};
+pub use crate::proxy::{CutOnCommit, Proxy};
 
 /// A proxy on `127.0.0.1:<ephemeral>` in front of one MySQL/MariaDB server.
 ///
 /// Counts round trips across all its connections. Stopped, with all its
 /// connections, when dropped.
 pub struct MySqlProxy {
-    listener: Listener,
-    shared: Arc<Shared>,
+    proxy: Proxy,
 }
 
-struct Shared {
-    upstream: SocketAddr,
-    round_trips: AtomicU64,
-    commands: AtomicU64,
-    /// Connections open now.
-    open: AtomicU64,
-    /// Connections accepted since the last reset.
-    accepted: AtomicU64,
-    /// The commands of each round trip, while recording.
-    log: Mutex<Option<Log>>,
-    /// A [`CutOnCommit`].
-    cut_on_commit: AtomicU8,
-    /// The server session ids of the connections cut at a commit, in order
-    /// (0 where the greeting was not seen).
-    cut_sessions: Mutex<Vec<u32>>,
-}
+impl Deref for MySqlProxy {
+    type Target = Proxy;
 
-/// One connection's state, shared by its two directions.
-#[derive(Default)]
-struct Conn {
-    /// Whether the server has answered since the client's last round trip.
-    answered: AtomicBool,
-    /// The capabilities of the client's login packet.
-    capabilities: AtomicU32,
-    /// The server's id of the session (its greeting's connection id).
-    session: AtomicU32,
-    /// Set before a commit is forwarded under
-    /// [`CutOnCommit::AfterForwarding`]: from then on the server's bytes are
-    /// its answer, read to the end and never forwarded.
-    withhold: AtomicBool,
+    fn deref(&self) -> &Proxy {
+        &self.proxy
+    }
 }
 
 impl MySqlProxy {
     /// Starts a proxy to `upstream`, listening on `127.0.0.1:0`.
     pub async fn start(upstream: SocketAddr) -> MySqlProxy {
-        let shared = Arc::new(Shared {
-            upstream,
-            round_trips: AtomicU64::new(0),
-            commands: AtomicU64::new(0),
-            open: AtomicU64::new(0),
-            accepted: AtomicU64::new(0),
-            log: Mutex::new(None),
-            cut_on_commit: AtomicU8::new(CutOnCommit::Off.as_u8()),
-            cut_sessions: Mutex::new(Vec::new()),
-        });
-        let listener = Listener::start({
-            let shared = Arc::clone(&shared);
-            move |client, cut| {
-                let shared = Arc::clone(&shared);
-                shared.accepted.fetch_add(1, Ordering::SeqCst);
-                shared.open.fetch_add(1, Ordering::SeqCst);
-                serve(client, shared, cut)
-            }
-        })
-        .await;
-        MySqlProxy { listener, shared }
-    }
-
-    /// Where clients connect.
-    pub fn addr(&self) -> SocketAddr {
-        self.listener.addr()
-    }
-
-    /// Round trips since the start or the last [`reset`](MySqlProxy::reset):
-    /// answered commands, those sent before the server answered the one
-    /// before them counted with it.
-    pub fn round_trips(&self) -> u64 {
-        self.shared.round_trips.load(Ordering::SeqCst)
-    }
-
-    /// Commands forwarded (sequence id 0), answered or not.
-    pub fn commands(&self) -> u64 {
-        self.shared.commands.load(Ordering::SeqCst)
-    }
-
-    /// Connections open now.
-    pub fn connections(&self) -> u64 {
-        self.shared.open.load(Ordering::SeqCst)
-    }
-
-    /// Connections accepted since the last reset: a pool that reconnects
-    /// during a request shows here, not in the round trips (its login is
-    /// no command).
-    pub fn accepted(&self) -> u64 {
-        self.shared.accepted.load(Ordering::SeqCst)
-    }
-
-    /// Zeroes the counters (round trips, commands, accepted connections).
-    pub fn reset(&self) {
-        self.shared.round_trips.store(0, Ordering::SeqCst);
-        self.shared.commands.store(0, Ordering::SeqCst);
-        self.shared.accepted.store(0, Ordering::SeqCst);
-    }
-
-    /// Starts recording every command, grouped by round trip, dropping
-    /// what was recorded before.
-    pub fn record(&self) {
-        *self.shared.log.lock().unwrap() = Some(Log::default());
-    }
-
-    /// The round trips recorded since [`record`](MySqlProxy::record), each
-    /// as its commands: `QUERY <sql>`, `PREPARE <sql>`, `EXECUTE`, `PING`.
-    pub fn recorded(&self) -> Vec<Vec<String>> {
-        let log = self.shared.log.lock().unwrap();
-        log.as_ref()
-            .map(|log| log.round_trips.clone())
-            .unwrap_or_default()
-    }
-
-    /// Drops every open connection now, in both directions; nothing more
-    /// is forwarded on them. New connections are accepted as usual.
-    pub fn cut_all(&self) {
-        self.listener.cut_all();
-    }
-
-    /// Drops a connection when a client `COM_QUERY` whose SQL contains the
-    /// word `COMMIT` (any case) passes, before forwarding it or after the
-    /// server answered it. Stays in force, for every connection, until set
-    /// to [`CutOnCommit::Off`].
-    pub fn set_cut_on_commit(&self, mode: CutOnCommit) {
-        self.shared
-            .cut_on_commit
-            .store(mode.as_u8(), Ordering::SeqCst);
-    }
-
-    /// The server's ids (`CONNECTION_ID()`) of the sessions cut at a commit
-    /// so far, in order; 0 for one whose greeting the proxy did not read.
-    pub fn cut_sessions(&self) -> Vec<u32> {
-        self.shared.cut_sessions.lock().unwrap().clone()
+        let proxy = Proxy::start(upstream, serve).await;
+        MySqlProxy { proxy }
     }
 }
 
-/// Counts a connection as open until it ends, however it ends.
-struct Open<'a>(&'a Shared);
-
-impl Drop for Open<'_> {
-    fn drop(&mut self) {
-        self.0.open.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
-/// One client connection: both directions until either side closes or the
-/// proxy cuts it. Dropping the four halves closes both sockets.
-async fn serve(client: TcpStream, shared: Arc<Shared>, mut cut: watch::Receiver<u64>) {
-    let _open = Open(&shared);
-    let Ok(server) = TcpStream::connect(shared.upstream).await else {
+/// One client connection: both directions until either side closes, or a
+/// withheld answer is complete.
+async fn serve(client: TcpStream, wire: Arc<Wire>) {
+    let Some((client_read, client_write, server_read, server_write)) =
+        connect(client, wire.upstream).await
+    else {
         return;
     };
-    let _ = client.set_nodelay(true);
-    let _ = server.set_nodelay(true);
-    let (client_read, client_write) = client.into_split();
-    let (server_read, server_write) = server.into_split();
-    // The server speaks first (its greeting), so the first command counts.
-    let conn = Conn {
-        answered: AtomicBool::new(true),
-        ..Conn::default()
-    };
-    let backend = server_to_client(server_read, client_write, &conn);
-    tokio::pin!(backend);
-    // Biased towards the cut: once `cut_all` returns, nothing more passes.
-    let withholding = tokio::select! {
-        biased;
-        _ = cut.changed() => false,
-        ended = client_to_server(client_read, server_write, &shared, &conn) => {
-            matches!(ended, Ok(Ended::Withholding))
-        }
-        _ = &mut backend => false,
-    };
-    if withholding {
-        // The commit went on: its answer is read to the end (so the batch
-        // has run its course on the server), then both sides are dropped.
-        let _ = tokio::time::timeout(WITHHOLD_LIMIT, async {
-            tokio::select! {
-                biased;
-                _ = cut.changed() => {}
-                _ = &mut backend => {}
-            }
-        })
-        .await;
-    }
-}
-
-/// Server -> client: copied through, noting that the server answered and
-/// the session id its greeting gives; after a withheld commit, read to the
-/// end of the answer and not forwarded.
-async fn server_to_client(
-    mut from: OwnedReadHalf,
-    mut to: OwnedWriteHalf,
-    conn: &Conn,
-) -> std::io::Result<()> {
-    let mut chunk = vec![0u8; 16 * 1024];
+    let conn = Conn::default();
+    // The capabilities of the client's login packet.
+    let login_capabilities = AtomicU32::new(0);
+    let mut framing = Framing::Login;
     // The greeting's bytes, until its packet is complete.
     let mut greeting = Some(Vec::new());
+    // The end of a withheld answer.
     let mut withheld: Option<AnswerEnd> = None;
-    loop {
-        let read = from.read(&mut chunk).await?;
-        if read == 0 {
-            return Ok(());
-        }
-        if let Some(bytes) = greeting.as_mut() {
-            bytes.extend_from_slice(&chunk[..read]);
-            if let Some(packet) = next_packet(bytes) {
-                conn.session
-                    .store(session_id(packet.payload).unwrap_or(0), Ordering::SeqCst);
-                greeting = None;
-            }
-        }
-        if conn.withhold.load(Ordering::SeqCst) {
-            let capabilities = conn.capabilities.load(Ordering::SeqCst);
-            let answer = withheld
-                .get_or_insert_with(|| AnswerEnd::new(capabilities & CLIENT_DEPRECATE_EOF != 0));
-            if answer.feed(&chunk[..read]) {
-                return Ok(());
-            }
-            continue;
-        }
-        // Before the client can see the answer and send again.
-        conn.answered.store(true, Ordering::SeqCst);
-        to.write_all(&chunk[..read]).await?;
-    }
-}
-
-/// How the client's half of a connection ended.
-enum Ended {
-    /// The client closed it.
-    Closed,
-    /// Cut instead of forwarding a commit.
-    Cut,
-    /// A commit was forwarded; its answer is to be withheld.
-    Withholding,
-}
-
-/// Client -> server: framed and counted, whole packets forwarded as they
-/// complete (a packet split across reads waits for its rest), and cut at a
-/// commit when asked.
-async fn client_to_server(
-    mut from: OwnedReadHalf,
-    mut to: OwnedWriteHalf,
-    shared: &Shared,
-    conn: &Conn,
-) -> std::io::Result<Ended> {
-    let mut framing = Framing::Login;
-    let mut buf: Vec<u8> = Vec::with_capacity(8192);
-    let mut chunk = vec![0u8; 16 * 1024];
-    loop {
-        let read = from.read(&mut chunk).await?;
-        if read == 0 {
-            return Ok(Ended::Closed);
-        }
-        if framing == Framing::Opaque {
-            to.write_all(&chunk[..read]).await?;
-            continue;
-        }
-        buf.extend_from_slice(&chunk[..read]);
-        let mut end = 0;
-        while let Some(packet) = next_packet(&buf[end..]) {
-            let start = end;
-            end += packet.len;
-            if framing == Framing::Login {
-                conn.capabilities
-                    .store(capabilities(packet.payload), Ordering::SeqCst);
-            }
-            if let Seen::Command(command) = framing.next(&packet) {
-                let cut = shared.cut_at(command, packet.payload);
-                if cut != CutOnCommit::Off {
-                    let session = conn.session.load(Ordering::SeqCst);
-                    shared.cut_sessions.lock().unwrap().push(session);
-                }
-                if cut == CutOnCommit::BeforeForwarding {
-                    to.write_all(&buf[..start]).await?;
-                    return Ok(Ended::Cut);
-                }
-                if cut == CutOnCommit::AfterForwarding {
-                    // Before forwarding: no byte of the answer slips through.
-                    conn.withhold.store(true, Ordering::SeqCst);
-                }
-                shared.count(command, packet.payload, &conn.answered);
-                if cut == CutOnCommit::AfterForwarding {
-                    to.write_all(&buf[..end]).await?;
-                    return Ok(Ended::Withholding);
+    relay(
+        client_to_server(client_read, server_write, |buf| {
+            framing.frame(buf, &wire, &conn, &login_capabilities)
+        }),
+        // The greeting names the session; a withheld answer is read to its
+        // end.
+        server_to_client(server_read, client_write, &conn, |bytes, withholding| {
+            if let Some(greeting_bytes) = greeting.as_mut() {
+                greeting_bytes.extend_from_slice(bytes);
+                if let Some(packet) = next_packet(greeting_bytes) {
+                    let session = session_id(packet.payload).unwrap_or(0);
+                    conn.session.store(session, Ordering::SeqCst);
+                    greeting = None;
                 }
             }
-            if framing == Framing::Opaque {
-                // TLS or compression from here on: opaque bytes.
-                end = buf.len();
-                break;
+            if !withholding {
+                return false;
             }
-        }
-        // Counted before forwarding: the server cannot answer first.
-        to.write_all(&buf[..end]).await?;
-        buf.drain(..end);
-    }
-}
-
-/// Commands by round trip.
-#[derive(Default)]
-struct Log {
-    round_trips: Vec<Vec<String>>,
-    /// The last entry holds only unanswered commands sent after an answer:
-    /// the next round trip's first command joins them.
-    unanswered: bool,
-}
-
-impl Shared {
-    /// Whether (and how) to cut the connection at this command: a
-    /// `COM_QUERY` whose SQL has the word `COMMIT`, while a cut is set.
-    fn cut_at(&self, command: u8, payload: &[u8]) -> CutOnCommit {
-        let cut = CutOnCommit::from_u8(self.cut_on_commit.load(Ordering::SeqCst));
-        let commits = command == COM_QUERY && contains_word(&payload[1..], b"commit");
-        if commits { cut } else { CutOnCommit::Off }
-    }
-
-    /// Counts a command: a round trip unless the server never answers it,
-    /// or it follows another that the server has not answered yet.
-    fn count(&self, command: u8, payload: &[u8], answered: &AtomicBool) {
-        self.commands.fetch_add(1, Ordering::SeqCst);
-        let unanswered = NO_ANSWER.contains(&command);
-        // An unanswered command leaves the flag to the next one.
-        let after_answer = if unanswered {
-            answered.load(Ordering::SeqCst)
-        } else {
-            answered.swap(false, Ordering::SeqCst)
-        };
-        if after_answer && !unanswered {
-            self.round_trips.fetch_add(1, Ordering::SeqCst);
-        }
-        if let Some(log) = self.log.lock().unwrap().as_mut() {
-            let described = describe(command, payload);
-            let joins = !after_answer || log.unanswered;
-            match log.round_trips.last_mut() {
-                Some(round_trip) if joins => round_trip.push(described),
-                _ => log.round_trips.push(vec![described]),
-            }
-            if after_answer {
-                log.unanswered = unanswered;
-            }
-        }
-    }
+            let answer = withheld.get_or_insert_with(|| {
+                let capabilities = login_capabilities.load(Ordering::SeqCst);
+                AnswerEnd::new(capabilities & CLIENT_DEPRECATE_EOF != 0)
+            });
+            answer.feed(bytes)
+        }),
+    )
+    .await;
 }
 
 /// One packet at the start of the buffer.
@@ -487,6 +197,61 @@ impl Framing {
                 _ => Seen::Other,
             },
         }
+    }
+}
+
+impl Framing {
+    /// Whole packets go on as they complete (a packet split across reads
+    /// waits for its rest), counted before they go (the server cannot
+    /// answer first), up to a cut at a commit.
+    fn frame(
+        &mut self,
+        buf: &[u8],
+        wire: &Wire,
+        conn: &Conn,
+        login_capabilities: &AtomicU32,
+    ) -> Forward {
+        let framed = |used: usize, ended| Forward {
+            forward: buf[..used].to_vec(),
+            used,
+            opaque: false,
+            ended,
+        };
+        let mut end = 0;
+        while let Some(packet) = next_packet(&buf[end..]) {
+            let start = end;
+            end += packet.len;
+            if *self == Framing::Login {
+                login_capabilities.store(capabilities(packet.payload), Ordering::SeqCst);
+            }
+            if let Seen::Command(command) = self.next(&packet) {
+                let commits =
+                    command == COM_QUERY && contains_word(&packet.payload[1..], b"commit");
+                let cut = wire.cut_at(commits, conn);
+                if cut == CutOnCommit::BeforeForwarding {
+                    return framed(start, Some(Ended::Closed));
+                }
+                if cut == CutOnCommit::AfterForwarding {
+                    // Before forwarding: no byte of the answer slips through.
+                    conn.withhold.store(true, Ordering::SeqCst);
+                }
+                let answers = !NO_ANSWER.contains(&command);
+                wire.count(&conn.answered, answers, || {
+                    describe(command, packet.payload)
+                });
+                if cut == CutOnCommit::AfterForwarding {
+                    return framed(end, Some(Ended::Withholding));
+                }
+            }
+            if *self == Framing::Opaque {
+                // TLS or compression from here on: opaque bytes.
+                return Forward {
+                    opaque: true,
+                    ..framed(buf.len(), None)
+                };
+            }
+        }
+        framed(end, None)
     }
 }
 

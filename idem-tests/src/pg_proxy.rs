@@ -7,8 +7,7 @@
 //! typed messages (one type byte, an `i32` length that counts itself, the
 //! body). Every `Query` (`'Q'`, simple protocol) and `Sync` (`'S'`, the end of
 //! an extended-protocol exchange) forwarded to the server is one round trip:
-//! the client waits for `ReadyForQuery` after each. The backend half is copied
-//! through unparsed.
+//! the client waits for `ReadyForQuery` after each.
 //!
 //! Point the pool at [`PgProxy::addr`] with `sslmode=disable`: over TLS the
 //! proxy cannot read the framing, so a connection that negotiates TLS is
@@ -23,133 +22,62 @@
 //! assert!(proxy.round_trips() >= 1);
 //! ```
 //!
-//! Chaos controls: [`PgProxy::cut_all`] drops every open connection,
-//! [`PgProxy::set_cut_on_commit`] drops a connection at its commit (before
-//! or after the server sees it), [`PgProxy::set_refuse`] closes new
-//! connections as they arrive. Dropping the [`PgProxy`] stops it and drops
-//! its connections.
+//! Chaos controls, and the counters every proxy has, are [`Proxy`]'s
+//! (which `PgProxy` derefs to). A commit is a `Query` or `Parse` message
+//! whose SQL has the word `COMMIT`; cut after forwarding a `Parse`, the
+//! connection goes once its `Sync` has gone on too. The backend half is
+//! framed as far as a withheld answer needs (each `ReadyForQuery` ends the
+//! answer to one `Query` or `Sync`) and to read the session's id (the
+//! backend's pid, from `BackendKeyData`); it is copied through as read.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
+use std::ops::Deref;
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
-use tokio::sync::watch;
 
-pub use crate::proxy::CutOnCommit;
-use crate::proxy::{Listener, contains_word};
+use crate::proxy::{
+    Conn, Ended, Forward, Wire, client_to_server, connect, contains_word, relay, server_to_client,
+};
+pub use crate::proxy::{CutOnCommit, Proxy};
 
 /// A proxy on `127.0.0.1:<ephemeral>` in front of one PostgreSQL server.
 ///
 /// Counts round trips across all its connections: client `Query` and
 /// `Sync` messages, where messages the client sends together, before any
-/// answer, are one round trip (sqlx queues a rollback ahead of its ping). Stopped, with all its connections, when dropped.
+/// answer, are one round trip (sqlx queues a rollback ahead of its ping).
+/// Stopped, with all its connections, when dropped.
 pub struct PgProxy {
-    listener: Listener,
+    proxy: Proxy,
     shared: Arc<Shared>,
 }
 
 struct Shared {
-    upstream: SocketAddr,
-    queries: AtomicU64,
-    syncs: AtomicU64,
-    round_trips: AtomicU64,
-    connections: AtomicU64,
-    cut_on_commit: AtomicU8,
-    refuse: AtomicBool,
     /// `Query` SQL containing the first text gets it replaced by the second.
     rewrite: Mutex<Option<(Vec<u8>, Vec<u8>)>>,
-    /// Every `Query` message's SQL, while `Some`.
-    log: Mutex<Option<Vec<String>>>,
+}
+
+impl Deref for PgProxy {
+    type Target = Proxy;
+
+    fn deref(&self) -> &Proxy {
+        &self.proxy
+    }
 }
 
 impl PgProxy {
     /// Starts a proxy to `upstream`, listening on `127.0.0.1:0`.
     pub async fn start(upstream: SocketAddr) -> PgProxy {
         let shared = Arc::new(Shared {
-            upstream,
-            queries: AtomicU64::new(0),
-            syncs: AtomicU64::new(0),
-            round_trips: AtomicU64::new(0),
-            connections: AtomicU64::new(0),
-            cut_on_commit: AtomicU8::new(CutOnCommit::Off.as_u8()),
-            refuse: AtomicBool::new(false),
             rewrite: Mutex::new(None),
-            log: Mutex::new(None),
         });
-        let listener = Listener::start({
+        let proxy = Proxy::start(upstream, {
             let shared = Arc::clone(&shared);
-            move |client, cut| {
-                let shared = Arc::clone(&shared);
-                let refused = shared.refuse.load(Ordering::SeqCst);
-                if !refused {
-                    shared.connections.fetch_add(1, Ordering::SeqCst);
-                }
-                async move {
-                    // A refused connection is closed as it arrives.
-                    if !refused {
-                        serve(client, shared, cut).await;
-                    }
-                }
-            }
+            move |client, wire| serve(client, wire, Arc::clone(&shared))
         })
         .await;
-        PgProxy { listener, shared }
-    }
-
-    /// Where clients connect.
-    pub fn addr(&self) -> SocketAddr {
-        self.listener.addr()
-    }
-
-    /// Round trips forwarded since the start or the last [`reset`]: client
-    /// `Query` and `Sync` messages, those sent before the server answered
-    /// the one before them counted with it.
-    ///
-    /// [`reset`]: PgProxy::reset
-    pub fn round_trips(&self) -> u64 {
-        self.shared.round_trips.load(Ordering::SeqCst)
-    }
-
-    /// Simple-protocol `Query` messages forwarded.
-    pub fn queries(&self) -> u64 {
-        self.shared.queries.load(Ordering::SeqCst)
-    }
-
-    /// Extended-protocol `Sync` messages forwarded (sqlx's ping is one too).
-    pub fn syncs(&self) -> u64 {
-        self.shared.syncs.load(Ordering::SeqCst)
-    }
-
-    /// Connections accepted (and not refused): a pool that reconnects
-    /// during a request shows here, not in [`round_trips`](PgProxy::round_trips).
-    pub fn connections(&self) -> u64 {
-        self.shared.connections.load(Ordering::SeqCst)
-    }
-
-    /// Zeroes the counters (round trips and connections).
-    pub fn reset(&self) {
-        self.shared.queries.store(0, Ordering::SeqCst);
-        self.shared.syncs.store(0, Ordering::SeqCst);
-        self.shared.round_trips.store(0, Ordering::SeqCst);
-        self.shared.connections.store(0, Ordering::SeqCst);
-    }
-
-    /// Drops every open connection now, in both directions; nothing more
-    /// is forwarded on them. New connections are accepted as usual.
-    pub fn cut_all(&self) {
-        self.listener.cut_all();
-    }
-
-    /// Drops a connection when a client `Query` or `Parse` message whose
-    /// SQL contains the word `COMMIT` passes, before or after forwarding it.
-    /// Stays in force until set to [`CutOnCommit::Off`].
-    pub fn set_cut_on_commit(&self, mode: CutOnCommit) {
-        self.shared
-            .cut_on_commit
-            .store(mode.as_u8(), Ordering::SeqCst);
+        PgProxy { proxy, shared }
     }
 
     /// From now on, a `Query` or `Parse` whose SQL contains `from` reaches
@@ -161,107 +89,97 @@ impl PgProxy {
             rewrite.map(|(from, to)| (from.as_bytes().to_vec(), to.as_bytes().to_vec()));
     }
 
-    /// Starts recording the SQL of every `Query` message (as sent, before
-    /// any rewrite), dropping what was recorded before.
-    pub fn record_queries(&self) {
-        *self.shared.log.lock().unwrap() = Some(Vec::new());
-    }
-
-    /// The `Query` SQL recorded since [`record_queries`](PgProxy::record_queries).
+    /// The SQL of the `Query` messages recorded since
+    /// [`record`](Proxy::record) (as sent, before any rewrite).
     pub fn recorded_queries(&self) -> Vec<String> {
-        self.shared.log.lock().unwrap().clone().unwrap_or_default()
-    }
-
-    /// While `true`, new connections are closed as soon as they arrive
-    /// (open ones are left alone; see [`cut_all`](PgProxy::cut_all)).
-    pub fn set_refuse(&self, refuse: bool) {
-        self.shared.refuse.store(refuse, Ordering::SeqCst);
+        self.recorded()
+            .into_iter()
+            .flatten()
+            .filter_map(|command| command.strip_prefix("QUERY ").map(str::to_owned))
+            .collect()
     }
 }
 
-/// One client connection: both directions until either side closes or the
-/// proxy cuts it. Dropping the four halves closes both sockets.
-async fn serve(client: TcpStream, shared: Arc<Shared>, mut cut: watch::Receiver<u64>) {
-    let Ok(server) = TcpStream::connect(shared.upstream).await else {
+/// One client connection: both directions until either side closes, or
+/// a withheld answer is complete.
+async fn serve(client: TcpStream, wire: Arc<Wire>, shared: Arc<Shared>) {
+    let Some((client_read, client_write, server_read, server_write)) =
+        connect(client, wire.upstream).await
+    else {
         return;
     };
-    let _ = client.set_nodelay(true);
-    let _ = server.set_nodelay(true);
-    let (client_read, client_write) = client.into_split();
-    let (server_read, server_write) = server.into_split();
-    // Whether the server has answered since the client's last round trip.
-    let answered = AtomicBool::new(true);
-    // Biased towards the cut: once `cut_all` returns, nothing more passes.
-    tokio::select! {
-        biased;
-        _ = cut.changed() => {}
-        _ = frontend(client_read, server_write, &shared, &answered) => {}
-        _ = backend(server_read, client_write, &answered) => {}
-    }
+    let conn = Conn::default();
+    // `Query` and `Sync` messages forwarded whose `ReadyForQuery` has not
+    // come back yet.
+    let pending = AtomicI64::new(0);
+    let mut frontend = Frontend::default();
+    let mut replies = Replies::default();
+    relay(
+        client_to_server(client_read, server_write, |buf| {
+            frontend.frame(buf, &wire, &shared, &conn, &pending)
+        }),
+        // A withheld answer is complete once every pending `ReadyForQuery`
+        // has come.
+        server_to_client(server_read, client_write, &conn, |bytes, _| {
+            let ready = replies.feed(bytes, &conn);
+            pending.fetch_sub(ready, Ordering::SeqCst) - ready <= 0
+        }),
+    )
+    .await;
 }
 
-/// Server -> client: copied through, noting that the server answered.
-async fn backend(
-    mut from: OwnedReadHalf,
-    mut to: OwnedWriteHalf,
-    answered: &AtomicBool,
-) -> std::io::Result<()> {
-    let mut chunk = vec![0u8; 16 * 1024];
-    loop {
-        let read = from.read(&mut chunk).await?;
-        if read == 0 {
-            return Ok(());
-        }
-        // Before the client can see the answer and send again.
-        answered.store(true, Ordering::SeqCst);
-        to.write_all(&chunk[..read]).await?;
-    }
+/// The client's half of a connection: framed, counted, and cut at a
+/// commit when asked.
+#[derive(Default)]
+struct Frontend {
+    framing: Framing,
+    /// A `Parse` of a commit was forwarded under `AfterForwarding`: the
+    /// connection goes with the next `Sync`.
+    cut_at_sync: bool,
 }
 
-/// Client -> server: framed, counted, and cut at a commit when asked.
-async fn frontend(
-    mut from: OwnedReadHalf,
-    mut to: OwnedWriteHalf,
-    shared: &Shared,
-    answered: &AtomicBool,
-) -> std::io::Result<()> {
-    let mut framing = Framing::Startup;
-    let mut buf: Vec<u8> = Vec::with_capacity(8192);
-    let mut chunk = vec![0u8; 16 * 1024];
-    loop {
-        let read = from.read(&mut chunk).await?;
-        if read == 0 {
-            return Ok(());
-        }
-        if framing == Framing::Opaque {
-            to.write_all(&chunk[..read]).await?;
-            continue;
-        }
-        buf.extend_from_slice(&chunk[..read]);
-        // Whole messages go on in one write, up to a cut point.
+impl Frontend {
+    /// Whole messages go on in one write, up to a cut point.
+    fn frame(
+        &mut self,
+        buf: &[u8],
+        wire: &Wire,
+        shared: &Shared,
+        conn: &Conn,
+        pending: &AtomicI64,
+    ) -> Forward {
         let mut end = 0;
         let mut out = Vec::with_capacity(buf.len());
-        while let Some(message) = framing.next(&buf[end..]) {
+        let framed = |forward, used, ended| Forward {
+            forward,
+            used,
+            opaque: false,
+            ended,
+        };
+        while let Some(message) = self.framing.next(&buf[end..]) {
             let raw = &buf[end..end + message.len];
             end += message.len;
             let Message::Typed(kind, body) = message.kind else {
                 out.extend_from_slice(raw);
                 continue;
             };
-            let cut = CutOnCommit::from_u8(shared.cut_on_commit.load(Ordering::SeqCst));
-            if cut != CutOnCommit::Off && carries_commit(kind, body) {
-                if cut == CutOnCommit::AfterForwarding {
-                    count(shared, kind, answered);
-                    out.extend_from_slice(raw);
-                }
-                to.write_all(&out).await?;
-                to.flush().await?;
-                return Ok(());
+            let cut = wire.cut_at(carries_commit(kind, body), conn);
+            if cut == CutOnCommit::BeforeForwarding {
+                return framed(out, end, Some(Ended::Closed));
             }
-            count(shared, kind, answered);
-            if kind == b'Q' {
-                shared.record(body);
+            self.cut_at_sync |= cut == CutOnCommit::AfterForwarding && kind == b'P';
+            let answered = matches!(kind, b'Q' | b'S');
+            let withhold = (cut == CutOnCommit::AfterForwarding && kind == b'Q')
+                || (self.cut_at_sync && kind == b'S');
+            if answered {
+                // Before the server can answer it.
+                pending.fetch_add(1, Ordering::SeqCst);
             }
+            if withhold {
+                // Before forwarding: no byte of the answer slips through.
+                conn.withhold.store(true, Ordering::SeqCst);
+            }
+            wire.count(&conn.answered, answered, || describe(kind, body));
             // A `Query` is its SQL; a `Parse`, a name, its SQL and types:
             // either way the SQL is in the body, and re-framed after.
             match matches!(kind, b'Q' | b'P')
@@ -271,26 +189,51 @@ async fn frontend(
                 Some(body) => out.extend(typed(kind, &body)),
                 None => out.extend_from_slice(raw),
             }
+            if withhold {
+                return framed(out, end, Some(Ended::Withholding));
+            }
         }
-        if framing == Framing::Opaque {
+        if self.framing == Framing::Opaque {
             // TLS started: everything from here on is opaque bytes.
             out.extend_from_slice(&buf[end..]);
-            end = buf.len();
+            return Forward {
+                forward: out,
+                used: buf.len(),
+                opaque: true,
+                ended: None,
+            };
         }
-        to.write_all(&out).await?;
-        buf.drain(..end);
+        framed(out, end, None)
     }
 }
 
-impl Shared {
-    /// Records a `Query` body's SQL, while recording.
-    fn record(&self, body: &[u8]) {
-        if let Some(log) = self.log.lock().unwrap().as_mut() {
-            let sql = body.strip_suffix(b"\0").unwrap_or(body);
-            log.push(String::from_utf8_lossy(sql).into_owned());
-        }
+/// A client message as the log shows it.
+fn describe(kind: u8, body: &[u8]) -> String {
+    let sql = |sql: &[u8]| {
+        let sql = sql.strip_suffix(b"\0").unwrap_or(sql);
+        String::from_utf8_lossy(sql).into_owned()
+    };
+    match kind {
+        b'Q' => format!("QUERY {}", sql(body)),
+        b'P' => format!("PARSE {}", sql(parsed_sql(body))),
+        b'B' => "BIND".to_owned(),
+        b'D' => "DESCRIBE".to_owned(),
+        b'E' => "EXECUTE".to_owned(),
+        b'S' => "SYNC".to_owned(),
+        b'C' => "CLOSE".to_owned(),
+        b'H' => "FLUSH".to_owned(),
+        b'X' => "TERMINATE".to_owned(),
+        other => format!("MESSAGE {}", other as char),
     }
+}
 
+/// The SQL of a `Parse` message: statement name, NUL, the SQL, NUL,
+/// parameter types.
+fn parsed_sql(body: &[u8]) -> &[u8] {
+    body.splitn(3, |&b| b == 0).nth(1).unwrap_or_default()
+}
+
+impl Shared {
     /// A message body with the rewrite applied, if it applies.
     fn rewritten(&self, body: &[u8]) -> Option<Vec<u8>> {
         let rewrite = self.rewrite.lock().unwrap();
@@ -311,23 +254,11 @@ fn typed(kind: u8, body: &[u8]) -> Vec<u8> {
     message
 }
 
-/// Counts a client message: a `Query` or `Sync` is a round trip unless it
-/// follows another that the server has not answered yet.
-fn count(shared: &Shared, kind: u8, answered: &AtomicBool) {
-    match kind {
-        b'Q' => shared.queries.fetch_add(1, Ordering::SeqCst),
-        b'S' => shared.syncs.fetch_add(1, Ordering::SeqCst),
-        _ => return,
-    };
-    if answered.swap(false, Ordering::SeqCst) {
-        shared.round_trips.fetch_add(1, Ordering::SeqCst);
-    }
-}
-
 /// Where the client is in the frontend protocol.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 enum Framing {
     /// Untyped messages until the `StartupMessage`.
+    #[default]
     Startup,
     /// After an encryption request: the next bytes are either another
     /// untyped message (the server said no) or a TLS handshake.
@@ -393,6 +324,82 @@ impl Framing {
     }
 }
 
+/// The server's half of the framing, as far as the proxy reads it: the
+/// session's id (`BackendKeyData`) and the `ReadyForQuery` messages that
+/// end the answers to the client's `Query` and `Sync` messages.
+#[derive(Default)]
+struct Replies {
+    buf: Vec<u8>,
+    state: Replying,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+enum Replying {
+    /// Before the first typed message: the one-byte answers to encryption
+    /// requests (`N` refused; `S`, `G`: TLS or GSSAPI follows).
+    #[default]
+    Start,
+    /// Authentication and startup, until the first `ReadyForQuery` (which
+    /// answers no client message).
+    Startup,
+    /// Answers to the client's messages.
+    Answering,
+    /// Encrypted, or not what we think it is: not parsed.
+    Opaque,
+}
+
+impl Replies {
+    /// Takes the next bytes from the server; returns how many
+    /// `ReadyForQuery` messages answering the client they completed, and
+    /// notes the session's id in `conn`.
+    fn feed(&mut self, bytes: &[u8], conn: &Conn) -> i64 {
+        if self.state == Replying::Opaque {
+            return 0;
+        }
+        self.buf.extend_from_slice(bytes);
+        let mut at = 0;
+        let mut ready = 0;
+        while let Some(&kind) = self.buf.get(at) {
+            if self.state == Replying::Start {
+                match kind {
+                    b'N' => at += 1,
+                    b'S' | b'G' => self.state = Replying::Opaque,
+                    _ => self.state = Replying::Startup,
+                }
+                continue;
+            }
+            let Some(len) = self.buf.get(at + 1..at + 5).map(read_len) else {
+                break;
+            };
+            let Some(len) = len else {
+                self.state = Replying::Opaque;
+                break;
+            };
+            let Some(body) = self.buf.get(at + 5..at + 1 + len) else {
+                break;
+            };
+            match (kind, self.state) {
+                (b'K', _) => {
+                    let pid = body
+                        .get(..4)
+                        .map(|pid| u32::from_be_bytes(pid.try_into().unwrap()));
+                    conn.session.store(pid.unwrap_or(0), Ordering::SeqCst);
+                }
+                (b'Z', Replying::Startup) => self.state = Replying::Answering,
+                (b'Z', _) => ready += 1,
+                _ => {}
+            }
+            at += 1 + len;
+        }
+        if self.state == Replying::Opaque {
+            self.buf = Vec::new();
+        } else {
+            self.buf.drain(..at);
+        }
+        ready
+    }
+}
+
 /// A message length (it counts its own four bytes). A nonsense length
 /// means the stream is not what we think it is: stop parsing.
 fn read_len(bytes: &[u8]) -> Option<usize> {
@@ -404,8 +411,7 @@ fn read_len(bytes: &[u8]) -> Option<usize> {
 fn carries_commit(kind: u8, body: &[u8]) -> bool {
     let sql = match kind {
         b'Q' => body,
-        // Parse: statement name, NUL, the SQL, NUL, parameter types.
-        b'P' => body.splitn(3, |&b| b == 0).nth(1).unwrap_or_default(),
+        b'P' => parsed_sql(body),
         _ => return false,
     };
     contains_word(sql, b"commit")
@@ -449,6 +455,35 @@ mod framing_tests {
         let mut framing = Framing::AfterEncryptionRequest;
         assert!(framing.next(&[TLS_HANDSHAKE, 3, 1]).is_none());
         assert_eq!(framing, Framing::Opaque);
+    }
+
+    #[test]
+    fn replies_name_the_session_and_count_ready_for_query() {
+        let conn = Conn::default();
+        let mut replies = Replies::default();
+        let mut key_data = 4242u32.to_be_bytes().to_vec();
+        key_data.extend_from_slice(&[0, 0, 0, 7]);
+        // Refused encryption, authentication ok, key data, ready: startup.
+        let mut startup = vec![b'N'];
+        startup.extend(typed(b'R', &[0, 0, 0, 0]));
+        startup.extend(typed(b'K', &key_data));
+        startup.extend(typed(b'Z', b"I"));
+        assert_eq!(
+            replies.feed(&startup, &conn),
+            0,
+            "startup's ready answers nothing"
+        );
+        assert_eq!(conn.session.load(Ordering::SeqCst), 4242);
+        // Two answers, the second split across reads.
+        let mut answers = typed(b'C', b"COMMIT\0");
+        answers.extend(typed(b'Z', b"I"));
+        answers.extend(typed(b'Z', b"I"));
+        let (first, rest) = answers.split_at(answers.len() - 3);
+        assert_eq!(replies.feed(first, &conn), 1);
+        assert_eq!(replies.feed(rest, &conn), 1);
+        // TLS accepted: nothing more is read.
+        let mut tls = Replies::default();
+        assert_eq!(tls.feed(&[b'S', b'Z', 0, 0, 0, 5, b'I'], &conn), 0);
     }
 
     #[test]

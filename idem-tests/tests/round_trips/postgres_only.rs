@@ -1,117 +1,15 @@
-//! What the wrapper costs on the wire: database round trips of one request,
-//! counted exactly through a proxy, for the same handler with and without
-//! `#[idempotent]`. A regression here is paid on every write, so it fails CI.
-//!
-//! Also checks the proxy itself (cut, refuse, cut at commit), which the
-//! chaos tests rely on.
+//! What only PostgreSQL shows on the wire: the statements `idem` sends
+//! (prepared once per connection, inlined where a session cannot keep
+//! them), the claim's fallback for a refused read, and the lock timeout
+//! the handler runs under.
 
-use idem_tests::pg_proxy;
-use idem_tests::round_trip_service as service;
+use idem_tests::engines::postgres as engine;
+use idem_tests::round_trip_service::{Service, Wired, drop_table, settle, unique};
 
-use std::time::{Duration, Instant};
-
-use pg_proxy::{CutOnCommit, PgProxy};
-use service::{
-    Proxied, Service, count, create_table, database_url, direct, drop_table, settle, through,
-    unique,
-};
 use sqlx::postgres::PgPoolOptions;
-use sqlx::{AssertSqlSafe, PgPool};
+use sqlx::{AssertSqlSafe, PgPool, Postgres};
 
-/// Round trips of a first attempt and of its replays, against the same
-/// handler without the attribute, on a pool that pings a connection as it
-/// hands it out (sqlx's default `test_before_acquire`) and as it takes it
-/// back. By default `idem` takes an idle connection without the first
-/// ping, since its first statement tests the connection anyway: a first
-/// attempt then costs one round trip fewer than the plain handler, and a
-/// replay two. With `checked_acquire(true)` it pays the ping, as the plain
-/// handler does, and adds nothing.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_idempotent_first_attempt_adds_no_round_trip() {
-    for checked in [false, true] {
-        first_attempts_and_replays(checked).await;
-    }
-}
-
-async fn first_attempts_and_replays(checked: bool) {
-    let fixture = Proxied::start_configured("rt", |idem| idem.checked_acquire(checked)).await;
-    let Proxied {
-        proxy,
-        pool,
-        service,
-        ..
-    } = &fixture;
-    // The pool's own pings: one as a connection is handed out (which
-    // `idem` saves unless `checked`), one as it comes back.
-    let saved = u64::from(!checked);
-
-    for statements in [1, 3] {
-        // Steady state: statements prepared and cached on both routes.
-        for warm in 0..3 {
-            let key = unique("warm");
-            for route in ["/baseline", "/idempotent", "/idempotent"] {
-                let status = service.post(route, &key, statements).await.status();
-                assert_eq!(status, 201, "warm-up {warm} {route}");
-            }
-        }
-
-        let (base, response) =
-            count(proxy, pool, service, "/baseline", &unique("b"), statements).await;
-        assert_eq!(response.status(), 201);
-        let key = unique("k");
-        let (idem, response) = count(proxy, pool, service, "/idempotent", &key, statements).await;
-        assert_eq!(response.status(), 201);
-        let (replay, response) = count(proxy, pool, service, "/idempotent", &key, statements).await;
-        assert_eq!(response.status(), 201);
-        assert_eq!(response.headers()["idempotent-replayed"], "true");
-
-        let extra = idem as i64 - base as i64;
-        println!(
-            "checked_acquire({checked}), statements={statements}: baseline {base} round trips, \
-             idempotent {idem} (extra_round_trips = {extra}), replay {replay}"
-        );
-        // The design's budget is one; the claim rides on BEGIN and the
-        // stored response on COMMIT, so the wrapper adds none, and saves
-        // the first ping where it may. Keep it there.
-        assert!(extra <= 1, "the wrapper adds {extra} round trips");
-        assert_eq!(
-            extra,
-            -(saved as i64),
-            "the wrapper adds {extra} round trips"
-        );
-        // The baseline is its pool pings, BEGIN, the statements, COMMIT.
-        let pings = base - statements as u64 - 2;
-        assert_eq!(pings, 2, "the pool pings on the way out and back");
-        // A replay in the process that stored the response: one plain
-        // read, no transaction, and the pool's pings.
-        assert_eq!(
-            replay,
-            pings - saved + 1,
-            "a replay takes {replay} round trips"
-        );
-
-        // Another instance never saw the key finish: its first replay
-        // goes through the claim (which finds the finished row) and its
-        // rollback; from then on it knows the key too.
-        let mut other =
-            Service::start_configured(pool.clone(), &fixture.keys, &fixture.table, |idem| {
-                idem.checked_acquire(checked)
-            })
-            .await;
-        other.account.clone_from(&service.account);
-        for (attempt, expected) in [(1, pings - saved + 2), (2, pings - saved + 1)] {
-            let (round_trips, answer) =
-                count(proxy, pool, &other, "/idempotent", &key, statements).await;
-            assert_eq!(answer.headers()["idempotent-replayed"], "true");
-            assert_eq!(
-                round_trips, expected,
-                "replay {attempt} on another instance"
-            );
-        }
-    }
-
-    fixture.stop().await;
-}
+type Proxied = Wired<Postgres>;
 
 /// The statements of each simple query (idem's values are hex, so a `;`
 /// only ever separates statements), each as its first three words, an
@@ -141,14 +39,14 @@ fn verbs(queries: &[String]) -> Vec<Vec<String>> {
 
 /// One 1-statement request, and the statements it sent.
 async fn sent(
-    proxy: &PgProxy,
-    pool: &PgPool,
+    fixture: &Proxied,
     service: &Service,
     route: &str,
     key: &str,
 ) -> (reqwest::Response, Vec<Vec<String>>) {
+    let Proxied { proxy, pool, .. } = fixture;
     settle(pool).await;
-    proxy.record_queries();
+    proxy.record();
     let response = service.post(route, key, 1).await;
     settle(pool).await;
     (response, verbs(&proxy.recorded_queries()))
@@ -165,19 +63,14 @@ async fn sent(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_first_attempt_adds_seven_statements_and_a_replay_through_the_claim_two() {
     let fixture = Proxied::start("verbs").await;
-    let Proxied {
-        proxy,
-        pool,
-        service,
-        ..
-    } = &fixture;
+    let Proxied { pool, service, .. } = &fixture;
     // Statements prepared on the connection, sqlx's cached.
     for route in ["/baseline", "/idempotent"] {
         let status = service.post(route, &unique("warm"), 1).await.status();
         assert_eq!(status, 201, "warm-up {route}");
     }
 
-    let (response, baseline) = sent(proxy, pool, service, "/baseline", &unique("b")).await;
+    let (response, baseline) = sent(&fixture, service, "/baseline", &unique("b")).await;
     assert_eq!(response.status(), 201);
     assert_eq!(baseline, [vec!["BEGIN"], vec!["COMMIT"]]);
 
@@ -189,7 +82,7 @@ async fn a_first_attempt_adds_seven_statements_and_a_replay_through_the_claim_tw
         "SET LOCAL lock_timeout",
     ];
     let key = unique("k");
-    let (response, first) = sent(proxy, pool, service, "/idempotent", &key).await;
+    let (response, first) = sent(&fixture, service, "/idempotent", &key).await;
     assert_eq!(response.status(), 201);
     assert_eq!(
         first,
@@ -205,7 +98,7 @@ async fn a_first_attempt_adds_seven_statements_and_a_replay_through_the_claim_tw
     // reads the row.
     let mut other = Service::start(pool.clone(), &fixture.keys, &fixture.table).await;
     other.account.clone_from(&service.account);
-    let (replay, replayed) = sent(proxy, pool, &other, "/idempotent", &key).await;
+    let (replay, replayed) = sent(&fixture, &other, "/idempotent", &key).await;
     assert_eq!(replay.headers()["idempotent-replayed"], "true");
     assert_eq!(
         replayed,
@@ -221,22 +114,16 @@ async fn a_first_attempt_adds_seven_statements_and_a_replay_through_the_claim_tw
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_read_falls_back_to_the_claim() {
     let fixture = Proxied::start("peek").await;
-    let Proxied {
-        admin,
-        table,
-        proxy,
-        service,
-        ..
-    } = &fixture;
+    let Proxied { proxy, service, .. } = &fixture;
     let key = unique("k");
     let first = service.post("/idempotent", &key, 1).await;
     assert_eq!(first.status(), 201);
     let body = first.text().await.unwrap();
-    let effects = rows(admin, table).await;
+    let effects = fixture.rows().await;
 
     // The server rejects the read (an unknown column): the claim answers.
     proxy.set_rewrite(Some(("AND status IS NOT NULL", "AND no_such_column")));
-    proxy.record_queries();
+    proxy.record();
     let replay = service.post("/idempotent", &key, 1).await;
     let claimed = proxy.recorded_queries();
     proxy.set_rewrite(None);
@@ -248,13 +135,13 @@ async fn a_refused_read_falls_back_to_the_claim() {
     );
 
     // The claim found the key finished: the next retry reads again.
-    proxy.record_queries();
+    proxy.record();
     let replay = service.post("/idempotent", &key, 1).await;
     let sent = proxy.recorded_queries();
     assert_eq!(replay.headers()["idempotent-replayed"], "true");
     assert_eq!(replay.text().await.unwrap(), body);
     assert!(sent.is_empty(), "a claim among {sent:#?}");
-    assert_eq!(rows(admin, table).await, effects, "replayed, not rerun");
+    assert_eq!(fixture.rows().await, effects, "replayed, not rerun");
 
     fixture.stop().await;
 }
@@ -287,15 +174,14 @@ async fn statements_are_prepared_once_per_connection_and_again_when_lost() {
     let fixture = Proxied::start("ps").await;
     let Proxied {
         admin,
-        table,
         keys,
-        proxy,
         pool,
         service,
+        ..
     } = &fixture;
 
     assert!(idem_statements(pool).await.is_empty());
-    let (first, response) = count(proxy, pool, service, "/idempotent", &unique("k"), 1).await;
+    let (first, _, response) = fixture.count(service, "/idempotent", &unique("k"), 1).await;
     assert_eq!(response.status(), 201);
     let prepared = idem_statements(pool).await;
     assert_eq!(
@@ -306,10 +192,10 @@ async fn statements_are_prepared_once_per_connection_and_again_when_lost() {
     // Preparing costs the first claim on a connection two round trips
     // (the failed EXECUTE's rollback with the lookup; the PREPAREs ride on
     // the claim), and sqlx prepares the handler's INSERT once.
-    let (warm, response) = count(proxy, pool, service, "/idempotent", &unique("k"), 1).await;
+    let (warm, _, response) = fixture.count(service, "/idempotent", &unique("k"), 1).await;
     assert_eq!(response.status(), 201);
     assert_eq!(first, warm + 3, "first {first}, then {warm}");
-    let (again, _) = count(proxy, pool, service, "/idempotent", &unique("k"), 1).await;
+    let (again, _, _) = fixture.count(service, "/idempotent", &unique("k"), 1).await;
     assert_eq!(again, warm, "prepared once, not per request");
 
     // All lost: the next claim prepares them again, and its key works.
@@ -330,15 +216,11 @@ async fn statements_are_prepared_once_per_connection_and_again_when_lost() {
         .cloned()
         .collect();
     deallocate(pool, &finish).await;
-    let before = rows(admin, table).await;
+    let before = fixture.rows().await;
     let key = unique("finish-lost");
     let response = service.post("/idempotent", &key, 1).await;
     assert_eq!(response.status(), 503);
-    assert_eq!(
-        rows(admin, table).await,
-        before,
-        "no effect without its memory"
-    );
+    assert_eq!(fixture.rows().await, before, "no effect without its memory");
     let stored: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
         "SELECT count(*) FROM {keys} WHERE key = $1"
     )))
@@ -350,7 +232,7 @@ async fn statements_are_prepared_once_per_connection_and_again_when_lost() {
     let retry = service.post("/idempotent", &key, 1).await;
     assert_eq!(retry.status(), 201);
     assert!(retry.headers().get("idempotent-replayed").is_none());
-    assert_eq!(rows(admin, table).await, before + 1);
+    assert_eq!(fixture.rows().await, before + 1);
     assert_eq!(idem_statements(pool).await, prepared);
 
     fixture.stop().await;
@@ -365,8 +247,6 @@ async fn statements_are_prepared_once_per_connection_and_again_when_lost() {
 async fn a_session_that_cannot_keep_statements_gets_them_inlined() {
     let fixture = Proxied::start("pool").await;
     let Proxied {
-        admin,
-        table,
         proxy,
         pool,
         service,
@@ -390,8 +270,8 @@ async fn a_session_that_cannot_keep_statements_gets_them_inlined() {
         "pg_catalog.pg_prepared_statements WHERE false AND",
     )));
     settle(pool).await;
-    proxy.record_queries();
-    let before = rows(admin, table).await;
+    proxy.record();
+    let before = fixture.rows().await;
     let key = unique("inlined");
     let response = service.post("/idempotent", &key, 1).await;
     assert_eq!(response.status(), 201);
@@ -399,7 +279,7 @@ async fn a_session_that_cannot_keep_statements_gets_them_inlined() {
     settle(pool).await;
     let sent = proxy.recorded_queries();
     proxy.set_rewrite(None);
-    assert_eq!(rows(admin, table).await, before + 1);
+    assert_eq!(fixture.rows().await, before + 1);
 
     let inlined = |needle: &str| {
         sent.iter()
@@ -416,11 +296,11 @@ async fn a_session_that_cannot_keep_statements_gets_them_inlined() {
     let replay = service.post("/idempotent", &key, 1).await;
     assert_eq!(replay.headers()["idempotent-replayed"], "true");
     assert_eq!(replay.text().await.unwrap(), body);
-    assert_eq!(rows(admin, table).await, before + 1, "replayed, not rerun");
+    assert_eq!(fixture.rows().await, before + 1, "replayed, not rerun");
 
     // The session kept what it prepared: the next claim runs prepared.
     assert_eq!(idem_statements(pool).await, prepared);
-    proxy.record_queries();
+    proxy.record();
     let response = service.post("/idempotent", &unique("k"), 1).await;
     assert_eq!(response.status(), 201);
     settle(pool).await;
@@ -441,11 +321,11 @@ async fn a_session_that_cannot_keep_statements_gets_them_inlined() {
 /// busy row must not fail after a millisecond.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_handler_runs_under_the_configured_lock_timeout_not_the_claims() {
-    let (admin, _) = direct().await;
+    let admin = engine::pool(2).await;
     let keys = unique("lt_keys");
     for (configured, expected) in [(None, "0"), (Some("7s"), "7s")] {
         let mut options: sqlx::postgres::PgConnectOptions =
-            database_url().parse().expect("database URL");
+            engine::url().parse().expect("database URL");
         if let Some(value) = configured {
             options = options.options([("lock_timeout", value)]);
         }
@@ -468,123 +348,4 @@ async fn the_handler_runs_under_the_configured_lock_timeout_not_the_claims() {
         pool.close().await;
     }
     drop_table(&admin, &keys).await;
-}
-
-// ----------------------------------------------------------- the proxy itself
-
-async fn insert(pool: &PgPool, table: &str) -> Result<(), sqlx::Error> {
-    let mut tx = pool.begin().await?;
-    sqlx::query(AssertSqlSafe(format!(
-        "INSERT INTO {table} (account, amount) VALUES ('proxy', 1)"
-    )))
-    .execute(&mut *tx)
-    .await?;
-    tx.commit().await
-}
-
-async fn rows(pool: &PgPool, table: &str) -> i64 {
-    sqlx::query_scalar(AssertSqlSafe(format!("SELECT count(*) FROM {table}")))
-        .fetch_one(pool)
-        .await
-        .expect("count rows")
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_proxy_counts_queries_and_syncs() {
-    let (_, upstream) = direct().await;
-    let proxy = PgProxy::start(upstream).await;
-    let pool = through(&proxy).await;
-    settle(&pool).await;
-    proxy.reset();
-    // Simple protocol: one Query.
-    sqlx::raw_sql("SELECT 1").execute(&pool).await.unwrap();
-    settle(&pool).await;
-    let simple = proxy.round_trips();
-    // Extended protocol: sqlx prepares a statement the first time it sees
-    // it on a connection (Parse/Describe, Sync), then runs it
-    // (Bind/Execute, Sync): hence the warm-up before every count.
-    let mut extended = Vec::new();
-    for _ in 0..2 {
-        proxy.reset();
-        sqlx::query("SELECT $1::int")
-            .bind(1)
-            .execute(&pool)
-            .await
-            .unwrap();
-        settle(&pool).await;
-        extended.push(proxy.round_trips());
-    }
-    assert_eq!(extended, [simple + 1, simple], "cold, then cached");
-    assert_eq!(proxy.queries(), 0);
-    assert!(proxy.syncs() >= 1);
-    // A dropped transaction: sqlx queues its ROLLBACK, which goes out with
-    // the pool's return ping, two messages in one round trip.
-    proxy.reset();
-    drop(pool.begin().await.unwrap());
-    settle(&pool).await;
-    assert_eq!(proxy.queries(), 2, "BEGIN and ROLLBACK");
-    assert_eq!(proxy.round_trips(), simple, "the ROLLBACK rode on the ping");
-    pool.close().await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_proxy_cuts_and_refuses() {
-    let (_, upstream) = direct().await;
-    let proxy = PgProxy::start(upstream).await;
-    let pool = through(&proxy).await;
-    let mut conn = pool.acquire().await.unwrap();
-    sqlx::raw_sql("SELECT 1").execute(&mut *conn).await.unwrap();
-    proxy.cut_all();
-    assert!(sqlx::raw_sql("SELECT 1").execute(&mut *conn).await.is_err());
-    conn.close_on_drop();
-    drop(conn);
-
-    proxy.set_refuse(true);
-    let refused = PgPoolOptions::new()
-        .max_connections(1)
-        .acquire_timeout(Duration::from_secs(2))
-        .connect_with(
-            database_url()
-                .parse::<sqlx::postgres::PgConnectOptions>()
-                .unwrap()
-                .host("127.0.0.1")
-                .port(proxy.addr().port())
-                .ssl_mode(sqlx::postgres::PgSslMode::Disable),
-        )
-        .await;
-    assert!(refused.is_err(), "connected while refusing");
-    proxy.set_refuse(false);
-    sqlx::raw_sql("SELECT 1").execute(&pool).await.unwrap();
-    pool.close().await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_proxy_cuts_at_commit_before_or_after_forwarding() {
-    let (admin, upstream) = direct().await;
-    let table = unique("rt_cut");
-    create_table(&admin, &table).await;
-    let proxy = PgProxy::start(upstream).await;
-    let pool = through(&proxy).await;
-
-    proxy.set_cut_on_commit(CutOnCommit::BeforeForwarding);
-    assert!(insert(&pool, &table).await.is_err());
-    assert_eq!(rows(&admin, &table).await, 0, "the server never saw COMMIT");
-
-    proxy.set_cut_on_commit(CutOnCommit::AfterForwarding);
-    assert!(insert(&pool, &table).await.is_err());
-    // The server commits what it received before the connection closed.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while rows(&admin, &table).await == 0 {
-        assert!(
-            Instant::now() < deadline,
-            "the forwarded COMMIT never landed"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-
-    proxy.set_cut_on_commit(CutOnCommit::Off);
-    insert(&pool, &table).await.expect("commits again once off");
-    assert_eq!(rows(&admin, &table).await, 2);
-    pool.close().await;
-    drop_table(&admin, &table).await;
 }

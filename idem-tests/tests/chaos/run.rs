@@ -1,17 +1,14 @@
 //! Exactly-once under chaos: a real HTTP client retries many logical
 //! operations, each with its own key, while the harness SIGKILLs and
-//! restarts the server process and a TCP proxy cuts its database
-//! connections, at random and in the middle of COMMIT (before and after
-//! forwarding it). Then every key's effects are counted.
-//!
-//! `cargo test --test chaos` runs the short form (300 operations, a few
-//! seconds). A longer run, with the totals printed:
-//! `IDEM_CHAOS_OPS=5000 cargo test --test chaos -- --nocapture`
-//! (`IDEM_CHAOS_CLIENTS` sets the concurrency, 12 by default;
-//! `IDEM_SEED=<n>` replays the random schedule of a printed run).
+//! restarts the server process and the engine's proxy cuts its database
+//! connections, at random and at COMMIT (before forwarding it, and after,
+//! the answer withheld). Then every key's effects are counted. Every kind
+//! of chaos must have happened on the wire, counted by the proxy and the
+//! harness as it happened, not as it was asked for.
 
-use idem_tests::hardening;
-use idem_tests::pg_proxy;
+use idem_tests::hardening::{Answer, Client, Rng, Server, unique};
+use idem_tests::proxied::{self, Proxied};
+use idem_tests::proxy::{CutOnCommit, Proxy};
 
 use std::net::SocketAddr;
 use std::process::Stdio;
@@ -19,34 +16,32 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use hardening::{Answer, Client, Rng, Server, connect, effects, stored, unique};
 use idem::Idem;
-use pg_proxy::{CutOnCommit, PgProxy};
-use sqlx::PgPool;
-use sqlx::postgres::PgPoolOptions;
+use sqlx::Pool;
+use sqlx::pool::PoolOptions;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::sync::{Notify, mpsc, watch};
 
-/// Env var that turns `chaos_child_server` into the server, with the
-/// database URL (the proxy) to use.
+/// Env var that names the engine of the child process's server (and
+/// says it is one).
+pub const CHILD_ENGINE: &str = "IDEM_CHAOS_CHILD_ENGINE";
+/// Env var with the database URL (the proxy) the child's server uses.
 const CHILD_DATABASE_URL: &str = "IDEM_CHAOS_CHILD_DATABASE_URL";
 
 const OP_BODY: &str = r#"{"note":"chaos"}"#;
 
 // ---------------------------------------------------------------- the server process
 
-/// Not a test: the server half of the chaos run, started by [`Child`] in
-/// a child process that the run SIGKILLs.
-#[tokio::test]
-#[ignore = "run by the chaos test as a child process"]
-async fn chaos_child_server() {
-    let Ok(url) = std::env::var(CHILD_DATABASE_URL) else {
-        return;
-    };
+/// The server half of the chaos run, in a child process that the run
+/// SIGKILLs: serves until killed. Without the database URL its parent
+/// sets, it is no child of a run, and fails.
+pub async fn serve_as_child<DB: Proxied>() {
+    let url = std::env::var(CHILD_DATABASE_URL)
+        .unwrap_or_else(|_| panic!("{CHILD_DATABASE_URL} is not set: run by the chaos run only"));
     // The proxy may cut the first connections too.
     let mut pool = None;
     for _ in 0..50 {
-        let connecting = PgPoolOptions::new()
+        let connecting = PoolOptions::<DB>::new()
             .max_connections(8)
             .acquire_timeout(Duration::from_secs(2))
             .connect(&url);
@@ -73,6 +68,7 @@ impl Child {
     /// listens. Each `EFFECT_WRITTEN` line it prints later sends its
     /// generation to `announced`.
     async fn spawn(
+        engine: &str,
         database_url: &str,
         generation: u64,
         announced: mpsc::UnboundedSender<u64>,
@@ -85,6 +81,7 @@ impl Child {
                 "--nocapture",
                 "--test-threads=1",
             ])
+            .env(CHILD_ENGINE, engine)
             .env(CHILD_DATABASE_URL, database_url)
             .stdout(Stdio::piped())
             .kill_on_drop(true)
@@ -123,6 +120,7 @@ impl Child {
 /// The server process of the moment, and its address for the clients
 /// (`None` while it restarts).
 struct Servers {
+    engine: &'static str,
     url: String,
     child: Option<Child>,
     generation: u64,
@@ -131,10 +129,11 @@ struct Servers {
 }
 
 impl Servers {
-    async fn start(url: String) -> (Servers, mpsc::UnboundedReceiver<u64>) {
+    async fn start(engine: &'static str, url: String) -> (Servers, mpsc::UnboundedReceiver<u64>) {
         let (announced_tx, announced) = mpsc::unbounded_channel();
-        let (child, addr) = Child::spawn(&url, 0, announced_tx.clone()).await;
+        let (child, addr) = Child::spawn(engine, &url, 0, announced_tx.clone()).await;
         let servers = Servers {
+            engine,
             url,
             child: Some(child),
             generation: 0,
@@ -151,8 +150,13 @@ impl Servers {
             old.kill().await;
         }
         self.generation += 1;
-        let (child, addr) =
-            Child::spawn(&self.url, self.generation, self.announced_tx.clone()).await;
+        let (child, addr) = Child::spawn(
+            self.engine,
+            &self.url,
+            self.generation,
+            self.announced_tx.clone(),
+        )
+        .await;
         self.child = Some(child);
         self.addr.send_replace(Some(addr));
     }
@@ -306,28 +310,36 @@ async fn operate(
 
 // ---------------------------------------------------------------- the chaos
 
+/// What the harness did; what the proxy cut, it counts itself
+/// ([`Proxy::cuts`]).
 #[derive(Default, Debug)]
 struct Chaos {
+    /// Server processes SIGKILLed.
     kills: u64,
+    /// Of those, processes killed while a handler's written effect waited
+    /// uncommitted.
     kills_mid_transaction: u64,
-    cuts: u64,
-    commit_cuts_before: u64,
-    commit_cuts_after: u64,
+    /// Calls of `cut_all`.
+    cut_alls: u64,
+    /// Windows in which the proxy cut at each commit.
+    commit_windows: u64,
 }
 
 /// Kills, restarts and cuts at random until the clients are done, and
 /// kills every process that announces a written effect. After `budget`
-/// it stops the clients.
+/// it stops the clients. The first four events are one of each kind, so
+/// that every run has them all.
 async fn unleash(
     servers: &mut Servers,
     announced: &mut mpsc::UnboundedReceiver<u64>,
-    proxy: &PgProxy,
+    proxy: &Proxy,
     run: &Run,
     clients_done: &Notify,
     budget: Duration,
 ) -> Chaos {
     let started = Instant::now();
     let mut chaos = Chaos::default();
+    let mut events = 0;
     // The random schedule keeps its own clock, so announcements (which
     // come often) never starve it.
     let mut next_chaos = tokio::time::Instant::now();
@@ -351,30 +363,46 @@ async fn unleash(
             run.stop.store(true, Ordering::SeqCst);
             continue;
         }
-        match run.rng(0, 100) {
+        let roll = match events {
+            0 => 0,
+            1 => 35,
+            2 => 60,
+            3 => 80,
+            _ => run.rng(0, 100),
+        };
+        events += 1;
+        match roll {
             0..35 => {
                 servers.restart().await;
                 chaos.kills += 1;
             }
             35..60 => {
                 proxy.cut_all();
-                chaos.cuts += 1;
+                chaos.cut_alls += 1;
             }
             roll => {
                 let mode = match roll < 80 {
                     true => CutOnCommit::BeforeForwarding,
                     false => CutOnCommit::AfterForwarding,
                 };
-                proxy.set_cut_on_commit(mode);
-                tokio::time::sleep(Duration::from_millis(run.rng(20, 120))).await;
-                proxy.set_cut_on_commit(CutOnCommit::Off);
-                match mode {
-                    CutOnCommit::BeforeForwarding => chaos.commit_cuts_before += 1,
-                    _ => chaos.commit_cuts_after += 1,
-                }
+                let open = Duration::from_millis(run.rng(20, 120));
+                cut_commits(proxy, mode, open).await;
+                chaos.commit_windows += 1;
             }
         }
     }
+}
+
+/// Cuts at every commit, in `mode`, for `open` and until one was cut (for
+/// at most two seconds more: every client may be between attempts).
+async fn cut_commits(proxy: &Proxy, mode: CutOnCommit, open: Duration) {
+    let mut cuts = proxy.watch_cuts();
+    let before = cuts.borrow_and_update().at_commit(mode);
+    proxy.set_cut_on_commit(mode);
+    tokio::time::sleep(open).await;
+    let one_more = cuts.wait_for(|cuts| cuts.at_commit(mode) > before);
+    let _ = tokio::time::timeout(Duration::from_secs(2), one_more).await;
+    proxy.set_cut_on_commit(CutOnCommit::Off);
 }
 
 // ---------------------------------------------------------------- the verdict
@@ -391,12 +419,12 @@ struct Verdict {
 impl Verdict {
     /// Exactly one effect for every operation the client saw succeed, at
     /// most one for the rest; every success is the stored answer.
-    async fn judge(&mut self, direct: &PgPool, scope: &str, outcomes: &[Outcome]) {
+    async fn judge<DB: Proxied>(&mut self, direct: &Pool<DB>, scope: &str, outcomes: &[Outcome]) {
         for outcome in outcomes {
             let key = &outcome.key;
             self.failures
                 .extend(outcome.unexpected.iter().map(|u| format!("{key}: {u}")));
-            let found = effects(direct, scope, key).await;
+            let found = DB::effects(direct, scope, key).await;
             self.duplicates += found.len().saturating_sub(1);
             match &outcome.success {
                 Some(answer) if found.len() == 1 => {
@@ -419,7 +447,12 @@ impl Verdict {
 
     /// With a fresh server and no chaos, every interrupted operation
     /// completes exactly once, and every success replays what its client got.
-    async fn settle(&mut self, calm: &Client, direct: &PgPool, outcomes: &[Outcome]) {
+    async fn settle<DB: Proxied>(
+        &mut self,
+        calm: &Client,
+        direct: &Pool<DB>,
+        outcomes: &[Outcome],
+    ) {
         let deadline = Instant::now() + Duration::from_secs(30);
         let send = |key: &str| {
             let request = calm.post(key, OP_BODY).timeout(Duration::from_secs(5));
@@ -442,7 +475,7 @@ impl Verdict {
                     continue;
                 }
             };
-            let found = effects(direct, &calm.scope, key).await;
+            let found = DB::effects(direct, &calm.scope, key).await;
             if found.len() != 1 {
                 self.failures
                     .push(format!("{key}: settled with {} effects", found.len()));
@@ -467,15 +500,15 @@ impl Verdict {
 
     /// The stored row is the answer the client holds, and that answer
     /// reports the effect that committed (its `nonce`).
-    async fn check_stored(
+    async fn check_stored<DB: Proxied>(
         &mut self,
-        direct: &PgPool,
+        direct: &Pool<DB>,
         scope: &str,
         key: &str,
         answer: &Answer,
         nonce: &str,
     ) {
-        match stored(direct, scope, key).await {
+        match DB::stored(direct, scope, key).await {
             Some((Some(201), body)) if body == answer.body => {}
             other => self.failures.push(format!(
                 "{key}: stored {other:?}, the client holds {answer:?}"
@@ -489,36 +522,6 @@ impl Verdict {
     }
 }
 
-/// Invariant 3 over a whole scope: effects without a stored response,
-/// stored responses without an effect, claims left open.
-async fn orphans(direct: &PgPool, scope: &str) -> (i64, i64, i64) {
-    sqlx::query_as(
-        "SELECT
-           (SELECT count(*) FROM idem_service_effects e WHERE e.scope = $1 AND NOT EXISTS
-              (SELECT 1 FROM idem_keys k
-               WHERE k.scope = e.scope AND k.key = convert_to(e.key, 'UTF8'))),
-           (SELECT count(*) FROM idem_keys k WHERE k.scope = $1 AND NOT EXISTS
-              (SELECT 1 FROM idem_service_effects e
-               WHERE e.scope = k.scope AND convert_to(e.key, 'UTF8') = k.key)),
-           (SELECT count(*) FROM idem_keys k WHERE k.scope = $1 AND k.status IS NULL)",
-    )
-    .bind(scope.as_bytes())
-    .fetch_one(direct)
-    .await
-    .unwrap()
-}
-
-/// Effects beyond the first of their key, in a whole scope.
-async fn duplicates_in_scope(direct: &PgPool, scope: &str) -> i64 {
-    sqlx::query_scalar(
-        "SELECT count(*) - count(DISTINCT key) FROM idem_service_effects WHERE scope = $1",
-    )
-    .bind(scope.as_bytes())
-    .fetch_one(direct)
-    .await
-    .unwrap()
-}
-
 fn env_usize(name: &str, default: usize) -> usize {
     std::env::var(name)
         .ok()
@@ -528,14 +531,19 @@ fn env_usize(name: &str, default: usize) -> usize {
 
 // ---------------------------------------------------------------- the run
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn exactly_once_under_kills_and_cut_connections() {
+/// `cargo test --test chaos exactly_once` runs the short form on every
+/// engine (300 operations, a few seconds each). A longer run, with the
+/// totals printed: `IDEM_CHAOS_OPS=5000 cargo test --test chaos
+/// postgres::exactly_once -- --nocapture` (`IDEM_CHAOS_CLIENTS` sets the
+/// concurrency, 12 by default; `IDEM_SEED=<n>` replays the random schedule
+/// of a printed run).
+pub async fn exactly_once_under_kills_and_cut_connections<DB: Proxied>() {
     let operations = env_usize("IDEM_CHAOS_OPS", 300);
     let concurrency = env_usize("IDEM_CHAOS_CLIENTS", 12);
     // Bounded whatever happens: the chaos stops, then a calm pass settles.
     let budget = Duration::from_secs(30) + Duration::from_millis(100) * operations as u32;
-    let direct = connect(4).await;
-    let proxy = PgProxy::start(hardening::upstream().await).await;
+    let direct = DB::pool(4).await;
+    let proxy = proxied::start_proxy::<DB>().await;
     let scope = unique("chaos");
     let run = Arc::new(Run {
         http: reqwest::Client::builder()
@@ -545,10 +553,11 @@ async fn exactly_once_under_kills_and_cut_connections() {
         scope: scope.clone(),
         stop: AtomicBool::new(false),
         tally: Tally::default(),
-        rng: Mutex::new(Rng::from_env("chaos")),
+        rng: Mutex::new(Rng::from_env(&format!("{} chaos", DB::ENGINE))),
     });
 
-    let (mut servers, mut announced) = Servers::start(hardening::url_via(proxy.addr())).await;
+    let url = proxied::url_via::<DB>(proxy.addr());
+    let (mut servers, mut announced) = Servers::start(DB::ENGINE, url).await;
     let started = Instant::now();
     let clients = start_clients(&run, operations, concurrency, &servers.addr.subscribe());
     let clients_done = Arc::new(Notify::new());
@@ -572,6 +581,7 @@ async fn exactly_once_under_kills_and_cut_connections() {
     let outcomes = outcomes.await.unwrap();
     let chaos_time = started.elapsed();
     proxy.set_cut_on_commit(CutOnCommit::Off);
+    let cuts = proxy.cuts();
 
     let mut verdict = Verdict::default();
     verdict.judge(&direct, &scope, &outcomes).await;
@@ -580,9 +590,9 @@ async fn exactly_once_under_kills_and_cut_connections() {
     let calm = Client::new(servers.addr.borrow().expect("a server is up"), &scope);
     verdict.settle(&calm, &direct, &outcomes).await;
     servers.stop().await;
-    let orphans = orphans(&direct, &scope).await;
-    let effects = hardening::effects_in_scope(&direct, &scope).await;
-    let duplicates_in_the_end = duplicates_in_scope(&direct, &scope).await;
+    let orphans = DB::orphans(&direct, &scope).await;
+    let effects = DB::count_effects(&direct, &scope).await;
+    let duplicates_in_the_end = DB::duplicates(&direct, &scope).await;
 
     let tally = &run.tally;
     // Straight to the process's stderr, past libtest's capture: the totals
@@ -590,21 +600,25 @@ async fn exactly_once_under_kills_and_cut_connections() {
     use std::io::Write;
     let _ = writeln!(
         std::io::stderr(),
-        "chaos totals: operations={operations} succeeded_during_chaos={} (replayed={}) \
-         settled_after={} attempts={} kills={} (mid_transaction={}) cuts={} \
-         commit_cuts_before={} commit_cuts_after={} answers_409={} answers_503={} \
-         answers_500={} transport_errors={} effects={effects} duplicates={} \
+        "{} chaos totals: operations={operations} succeeded_during_chaos={} (replayed={}) \
+         settled_after={} attempts={} kills={} (mid_transaction={}) cut_alls={} \
+         (connections_cut={}) commit_windows={} (commits_cut_before={} \
+         commits_cut_after={}) answers_409={} answers_503={} answers_500={} \
+         transport_errors={} effects={effects} duplicates={} \
          duplicates_after_settling={duplicates_in_the_end} orphans={orphans:?} \
          chaos_time={chaos_time:.1?}",
+        DB::ENGINE,
         verdict.succeeded,
         verdict.replayed,
         verdict.settled,
         tally.attempts.load(Ordering::Relaxed),
         chaos.kills,
         chaos.kills_mid_transaction,
-        chaos.cuts,
-        chaos.commit_cuts_before,
-        chaos.commit_cuts_after,
+        chaos.cut_alls,
+        cuts.all,
+        chaos.commit_windows,
+        cuts.before_commit,
+        cuts.after_commit,
         tally.conflicts.load(Ordering::Relaxed),
         tally.unavailable.load(Ordering::Relaxed),
         tally.server_errors.load(Ordering::Relaxed),
@@ -628,9 +642,23 @@ async fn exactly_once_under_kills_and_cut_connections() {
         (0, 0, 0),
         "(effects without a stored response, stored responses without an effect, open claims)"
     );
+    // Each kind of chaos happened, as counted where it happened: a run
+    // that never got to one proves nothing about it.
     assert!(chaos.kills > 0, "no kill happened: {chaos:?}");
     assert!(
-        chaos.cuts + chaos.commit_cuts_before + chaos.commit_cuts_after > 0,
-        "no cut happened: {chaos:?}"
+        chaos.kills_mid_transaction > 0,
+        "no process was killed with an effect written: {chaos:?}"
+    );
+    assert!(
+        cuts.all > 0,
+        "cut_all cut no connection: {cuts:?}, {chaos:?}"
+    );
+    assert!(
+        cuts.before_commit > 0,
+        "no commit was cut before the server saw it: {cuts:?}, {chaos:?}"
+    );
+    assert!(
+        cuts.after_commit > 0,
+        "no commit was cut after the server answered it: {cuts:?}, {chaos:?}"
     );
 }
