@@ -1,6 +1,6 @@
 //! The `Idempotency-Key` parser on any bytes: no panic, and what it accepts
-//! is 1 to 255 visible ASCII characters that parse again, bare or quoted,
-//! to themselves.
+//! is 1 to 255 visible ASCII characters that parse again, quoted (and bare
+//! where a bare token can carry them), to themselves.
 #![no_main]
 
 use http::{HeaderMap, HeaderValue};
@@ -22,7 +22,9 @@ fuzz_target!(|data: &[u8]| {
         }
         quoted.push('"');
         assert_eq!(parse_key_value(quoted.as_bytes()).as_ref(), Ok(key));
-        if !key.starts_with('"') {
+        // Bare, a key reads as itself unless it starts with a quote, or
+        // has a comma (a list of keys, refused): those only travel quoted.
+        if !key.starts_with('"') && !key.contains(',') {
             assert_eq!(parse_key_value(key.as_bytes()).as_ref(), Ok(key));
         }
     }

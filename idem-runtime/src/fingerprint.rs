@@ -4,6 +4,7 @@ use http::{HeaderMap, Method, header::CONTENT_TYPE};
 use sha2::{Digest, Sha256};
 
 pub use crate::canonical::canonicalize;
+use crate::canonical::{Canonical, Numbers, Sink};
 
 /// SHA-256 over the method, path, query and body of a request.
 ///
@@ -53,16 +54,24 @@ impl Fingerprint {
             }
             None => hasher.update([0]),
         }
-        match canonical_json(headers, body) {
-            Some(canonical) => {
-                hasher.update(b"json");
-                frame(&mut hasher, &canonical);
-            }
-            None => {
-                hasher.update(b"raw");
-                frame(&mut hasher, body);
+        let canonical = is_json(headers)
+            .then(|| Canonical::read(body, Numbers::of_this_build()))
+            .flatten();
+        if let Some(canonical) = canonical {
+            // The form is hashed as it is written, never built whole.
+            let mut json = hasher.clone();
+            json.update(b"json");
+            json.update((canonical.len() as u64).to_be_bytes());
+            let mut sink = Hashing::new(&mut json);
+            let written = canonical.write(&mut sink);
+            sink.finish();
+            debug_assert!(written.is_some(), "the second pass read as the first");
+            if written.is_some() {
+                return Self(json.finalize().into());
             }
         }
+        hasher.update(b"raw");
+        frame(&mut hasher, body);
         Self(hasher.finalize().into())
     }
 
@@ -88,14 +97,51 @@ fn frame(hasher: &mut Sha256, part: &[u8]) {
     hasher.update(part);
 }
 
-/// The RFC 8785 form of a JSON body, or `None` when the body is not JSON
-/// (by content type) or [`canonicalize`] refuses it: such bodies are hashed
-/// verbatim.
-pub fn canonical_json(headers: &HeaderMap, body: &[u8]) -> Option<Vec<u8>> {
-    if !is_json(headers) {
-        return None;
+/// Feeds SHA-256 what it is given in blocks of [`BLOCK`] bytes: most
+/// pieces of a canonical form are a few bytes long.
+struct Hashing<'h> {
+    hasher: &'h mut Sha256,
+    buffer: [u8; BLOCK],
+    len: usize,
+}
+
+const BLOCK: usize = 4096;
+
+impl<'h> Hashing<'h> {
+    fn new(hasher: &'h mut Sha256) -> Self {
+        Self {
+            hasher,
+            buffer: [0; BLOCK],
+            len: 0,
+        }
     }
-    canonicalize(body)
+
+    fn finish(&mut self) {
+        self.hasher.update(&self.buffer[..self.len]);
+        self.len = 0;
+    }
+}
+
+impl Sink for Hashing<'_> {
+    fn put(&mut self, bytes: &[u8]) {
+        if self.len + bytes.len() > BLOCK {
+            self.finish();
+            if bytes.len() >= BLOCK {
+                self.hasher.update(bytes);
+                return;
+            }
+        }
+        self.buffer[self.len..self.len + bytes.len()].copy_from_slice(bytes);
+        self.len += bytes.len();
+    }
+
+    fn byte(&mut self, byte: u8) {
+        if self.len == BLOCK {
+            self.finish();
+        }
+        self.buffer[self.len] = byte;
+        self.len += 1;
+    }
 }
 
 fn is_json(headers: &HeaderMap) -> bool {

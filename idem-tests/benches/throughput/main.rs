@@ -36,6 +36,7 @@
 //! | `IDEM_BENCH_TEST_BEFORE_ACQUIRE` | 1 | 0: the server's pool skips sqlx's ping before handing out a connection (diagnostic) |
 //! | `IDEM_BENCH_LOG` | `warn,sqlx::query=error` | the server's log filter |
 //! | `IDEM_BENCH_JSON` | `<target>/idem-bench/throughput.json` | the JSON file |
+//! | `IDEM_BENCH_ONLY` | | `memory`: only the memory report (`memory.rs`), its JSON in `memory.json` beside the other |
 
 mod app;
 mod count;
@@ -171,6 +172,17 @@ async fn bench() {
         .await
         .expect("create the benchmark tables");
 
+    if std::env::var("IDEM_BENCH_ONLY").as_deref() == Ok("memory") {
+        let memory = memory::report(&settings.server).await;
+        let path = json_path().with_file_name("memory.json");
+        std::fs::create_dir_all(path.parent().expect("a directory"))
+            .expect("create the JSON directory");
+        std::fs::write(&path, serde_json::to_string_pretty(&memory).unwrap())
+            .expect("write the JSON");
+        println!("{}", path.display());
+        return;
+    }
+
     let trips = count::count(&settings.url, &settings.statements).await;
     for t in &trips {
         println!(
@@ -248,24 +260,7 @@ async fn bench() {
         drop(server);
     }
 
-    let mut memory = Vec::new();
-    for route in ["baseline", "idempotent"] {
-        memory.push(memory::measure(&settings.server, route).await);
-    }
-    println!();
-    for m in &memory {
-        println!(
-            "memory, {} clients x {} KiB bodies ({:.0} MiB in flight) on {:<10}: RSS {:.1} MiB \
-             before, peak {:.1} MiB (+{:.1} MiB)",
-            m.concurrency,
-            m.body_bytes / 1024,
-            m.bodies_in_flight_mib,
-            m.route,
-            m.rss_before_mib,
-            m.peak_rss_mib,
-            m.peak_growth_mib
-        );
-    }
+    let memory = memory::report(&settings.server).await;
 
     println!();
     report::targets(&runs, &trips);
