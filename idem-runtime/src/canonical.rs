@@ -1321,8 +1321,13 @@ mod tests {
         }
         let mut canonical = 0;
         for body in &bodies {
-            let fingerprint =
-                crate::Fingerprint::of(&Method::POST, "/f", None, &json, body.as_bytes());
+            let fingerprint = crate::fingerprint::Fingerprint::of(
+                &Method::POST,
+                "/f",
+                None,
+                &json,
+                body.as_bytes(),
+            );
             if let Some(form) = canonicalize(body.as_bytes()) {
                 assert_eq!(fingerprint.as_bytes(), &framed(&form), "{body}");
                 canonical += 1;

@@ -136,10 +136,8 @@ pub async fn prepare<DB: Backend>(
 /// canonicalizing and hashing a JSON body takes some 4 ms a megabyte,
 /// which would hold up every other request on the worker thread. Smaller
 /// ones are fingerprinted in place, as axum's `Json` parses its body:
-/// moved to other threads, their buffers spread over those threads' malloc
-/// arenas (at 64 KiB, the benchmark's peak memory for 64 bodies of 256 KiB
-/// went from +23 to +33 MiB, when canonicalizing built a
-/// `serde_json::Value`; in `block_in_place`, to +54 MiB).
+/// moved to other threads, their buffers would spread over those threads'
+/// malloc arenas (measured: docs/benchmarks-memory.md).
 const BLOCKING_FINGERPRINT: usize = 1024 * 1024;
 
 async fn fingerprint(parts: &Parts, path: &str, body: &Bytes) -> Fingerprint {
