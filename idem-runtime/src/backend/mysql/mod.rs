@@ -230,7 +230,7 @@ impl Backend for MySql {
         // counts; sqlx's rollback of it is queued. Its MySQL driver sends
         // that `ROLLBACK` and waits for it before the pool's return ping
         // (PostgreSQL's sends both at once): the one round trip the wrapper
-        // adds here (`tests/mysql_round_trips.rs`), the least that keeps
+        // adds here (`idem-tests/tests/round_trips`), the least that keeps
         // sqlx's count right, since every way to lower it is a statement.
         sql.push_str("COMMIT; START TRANSACTION");
         let error = match sqlx::raw_sql(AssertSqlSafe(sql))
