@@ -7,7 +7,7 @@ use idem::{Tx, idempotent};
 use sqlx::Postgres;
 use support::{Account, AppState};
 
-#[idempotent(scope = "account", timeout = "5s")]
+#[idempotent(scope = "account", deadline = "5s")]
 async fn create(account: Account, mut tx: Tx<Postgres>) -> &'static str {
     let _ = (account, &mut tx);
     "created"

@@ -86,6 +86,19 @@ async fn wait_equals_ttl(account: Account, mut tx: Tx<Postgres>) -> StatusCode {
     StatusCode::CREATED
 }
 
+/// `timeout` from a millisecond to an hour.
+#[idempotent(scope = "account", timeout = "1ms")]
+async fn timeout_min(account: Account, mut tx: Tx<Postgres>) -> StatusCode {
+    let _ = (account, &mut tx);
+    StatusCode::CREATED
+}
+
+#[idempotent(scope = "account", timeout = "1h")]
+async fn timeout_max(account: Account, mut tx: Tx<Postgres>) -> StatusCode {
+    let _ = (account, &mut tx);
+    StatusCode::CREATED
+}
+
 #[idempotent(scope = "account", crate = "::idem")]
 async fn krate(account: Account, mut tx: Tx<Postgres>) -> StatusCode {
     let _ = (account, &mut tx);
@@ -118,6 +131,8 @@ fn main() {
         .route("/wait-zero", post(wait_zero))
         .route("/wait-max", post(wait_max))
         .route("/wait-equals-ttl", post(wait_equals_ttl))
+        .route("/timeout-min", post(timeout_min))
+        .route("/timeout-max", post(timeout_max))
         .route("/crate", post(krate))
         .route("/everything", post(everything));
 }
