@@ -138,9 +138,10 @@ use proc_macro::TokenStream;
 /// dropped where it stands, its connection closed (the server rolls the
 /// transaction back), and the client answered 504 (`handler_timeout`,
 /// `Retry-After`); nothing is stored, so a retry runs again. Default
-/// `"30s"`; more than zero, at most `"1h"`. The claim also bounds a
-/// database session whose client vanished (a half-open connection) by the
-/// deadline plus 2 s, so no key stays held longer than that.
+/// `"30s"`; more than zero, at most `"1h"`. On PostgreSQL and MariaDB the
+/// claim also bounds a database session left idle by a vanished client (a
+/// half-open connection) by the deadline plus 2 s, releasing its key then;
+/// on MySQL the server's `wait_timeout` is the bound.
 ///
 /// ```ignore
 /// #[idempotent(scope = "account", timeout = "10s")]

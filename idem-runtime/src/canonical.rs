@@ -28,7 +28,7 @@ use std::cmp::Ordering;
 /// byte, and another spelling of it is another request.
 ///
 /// ```
-/// # use idem_runtime as idem;
+/// # use idem_runtime::__private as idem;
 /// let canonical = idem::canonicalize(br#"{ "b": [1.0, 2e3], "a": "\u00e9" }"#).unwrap();
 /// assert_eq!(canonical, "{\"a\":\"é\",\"b\":[1,2000]}".as_bytes());
 /// assert_eq!(idem::canonicalize(br#"{"a": 1, "a": 2}"#), None);

@@ -21,7 +21,7 @@ use crate::canonical::{Canonical, Numbers, Sink};
 /// naming one member twice is hashed byte for byte (see [`canonicalize`]).
 ///
 /// ```
-/// # use idem_runtime as idem;
+/// # use idem_runtime::__private as idem;
 /// use http::{HeaderMap, Method, header::CONTENT_TYPE};
 /// use idem::Fingerprint;
 ///

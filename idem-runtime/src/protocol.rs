@@ -332,7 +332,7 @@ async fn run_keyed<'f, DB: Backend>(
                 "the key store connection was lost during the claim; the key is held until \
                  the server ends that session"
             );
-            let retry_after = u32::try_from(bound.as_secs() + 1).unwrap_or(u32::MAX);
+            let retry_after = retry_after_secs(bound);
             return (
                 Outcome::StoreUnavailable,
                 Problem::ConnectionLost { retry_after }.into_response(),
@@ -389,7 +389,7 @@ async fn run_keyed<'f, DB: Backend>(
             idem.finished_keys().remember(claim.scope, claim.key);
             (Outcome::Claimed, stored.into_original(parts))
         }
-        Err(error) => commit_failed(conn, error, true).await,
+        Err(error) => commit_failed(conn, error, Some(claim)).await,
     }
 }
 
@@ -488,7 +488,7 @@ async fn run_without_key<'f, DB: Backend>(
             conn.release();
             (Outcome::Unkeyed, response)
         }
-        Err(error) => commit_failed(conn, error, false).await,
+        Err(error) => commit_failed(conn, error, None).await,
     }
 }
 
@@ -585,13 +585,20 @@ async fn settled_depth<DB: Backend>(conn: &mut OpenTx<DB>) -> usize {
     transaction_depth::<DB>(conn)
 }
 
+/// Whole seconds of `Retry-After` that cover `bound`.
+fn retry_after_secs(bound: Duration) -> u32 {
+    u32::try_from(bound.as_secs() + u64::from(bound.subsec_nanos() > 0)).unwrap_or(u32::MAX)
+}
+
 /// The commit failed, so the client must not be told the work succeeded.
 /// If the commit did land, a retry with the key replays it; if not, a retry
-/// redoes it. Without a key (`keyed` false) nothing tells which.
+/// redoes it. Without a key (`claim` `None`) nothing tells which. A commit
+/// whose connection was lost under it may have left its session holding
+/// the key until the server ends it: the retry is invited after that.
 async fn commit_failed<DB: Backend>(
     conn: OpenTx<DB>,
     error: FinishError,
-    keyed: bool,
+    claim: Option<&Claim<'_>>,
 ) -> (Outcome, Response) {
     abandon(conn).await;
     match error {
@@ -608,10 +615,14 @@ async fn commit_failed<DB: Backend>(
         }
         FinishError::Store(error) => {
             tracing::warn!(error = %error, "committing the handler's transaction failed");
-            let problem = if keyed {
-                Problem::StoreUnavailable
-            } else {
-                Problem::CommitOutcomeUnknown
+            let problem = match claim {
+                Some(claim) if matches!(error, StoreError::Database(sqlx::Error::Io(_))) => {
+                    Problem::ConnectionLost {
+                        retry_after: retry_after_secs(claim.orphan_bound()),
+                    }
+                }
+                Some(_) => Problem::StoreUnavailable,
+                None => Problem::CommitOutcomeUnknown,
             };
             (Outcome::StoreUnavailable, problem.into_response())
         }

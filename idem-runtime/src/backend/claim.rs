@@ -85,14 +85,18 @@ pub(crate) trait ClaimAttempt<DB: Database>: Send {
 /// A claimed key's connection holds this process's flight for the key, if
 /// the claim took one, until its transaction ends.
 pub(crate) fn held<DB: Database>(
-    outcome: ClaimOutcome<DB>,
+    outcome: Result<ClaimOutcome<DB>, StoreError>,
     flight: Option<single_flight::Flight>,
-) -> ClaimOutcome<DB> {
+) -> Result<ClaimOutcome<DB>, StoreError> {
     match (outcome, flight) {
-        (ClaimOutcome::Claimed(conn), Some(flight)) => ClaimOutcome::Claimed(conn.hold(flight)),
+        (Ok(ClaimOutcome::Claimed(conn)), Some(flight)) => {
+            Ok(ClaimOutcome::Claimed(conn.hold(flight)))
+        }
         // No flight: an attempt of the key in this process was still
-        // running when the wait ran out.
-        (ClaimOutcome::InUse { .. }, None) => ClaimOutcome::InUse { running: true },
+        // running when the wait ran out, and it is what holds the key.
+        (Ok(ClaimOutcome::InUse { .. }) | Err(StoreError::Orphaned { .. }), None) => {
+            Ok(ClaimOutcome::InUse { running: true })
+        }
         (outcome, _) => outcome,
     }
 }
@@ -131,8 +135,13 @@ pub(crate) async fn claim_with_retries<DB: Backend>(
             {
                 replaced(&error);
                 acquire = Acquire::Checked;
-                replacement = true;
-                claim.skip_wait();
+                // A session the server ended told us so before the claim
+                // ran; only a connection lost under it (I/O) may have run
+                // the claim and lost its answer.
+                if matches!(error, StoreError::Database(sqlx::Error::Io(_))) {
+                    replacement = true;
+                    claim.skip_wait();
+                }
             }
             Err(Failure::Retry(_)) if number < CLAIM_ATTEMPTS => number += 1,
             Err(Failure::Retry(error) | Failure::Fatal(error)) => return Err(error),

@@ -45,7 +45,6 @@
 //! exceed twice `Idem::max_response_bytes` (16 MiB on MariaDB and 64 MiB on
 //! MySQL 8 by default, against the 1 MiB default cap).
 
-use std::future::Future;
 use std::sync::Arc;
 
 use sqlx::mysql::{MySqlRow, MySqlTransactionManager};
@@ -77,6 +76,18 @@ const MAX_SCOPE_BYTES: usize = crate::MAX_SCOPE_LEN;
 
 /// The session variable holding the lock wait the claim replaced.
 const SAVED_LOCK_WAIT: &str = "@idem_saved_lock_wait";
+/// MariaDB's `idle_transaction_timeout` as the session had it before the
+/// claim set its own.
+const SAVED_IDLE: &str = "@idem_saved_idle_transaction_timeout";
+/// Puts the session's `idle_transaction_timeout` back once the claim's
+/// transaction has ended, so later transactions on the pooled connection
+/// (keyless ones, the application's own) do not inherit it. A `SET` of its
+/// own on MySQL, which skips the executable comment: an empty statement
+/// would be an error.
+const RESTORE_IDLE: &str = "SET @idem_idle_restored = 1 \
+     /*M!100300 , SESSION idle_transaction_timeout = \
+     CAST(COALESCE(@idem_saved_idle_transaction_timeout, @@SESSION.idle_transaction_timeout) \
+     AS UNSIGNED) */";
 /// The claimed row's status, as the claim's locking read found it.
 const STATUS: &str = "@idem_claimed_status";
 /// Whether that row carries this claim's token (see [`claim_sql`]).
@@ -142,7 +153,7 @@ impl Backend for MySql {
             },
         )
         .await;
-        Ok(super::claim::held(outcome?, flight))
+        super::claim::held(outcome, flight)
     }
 
     async fn peek(
@@ -232,7 +243,9 @@ impl Backend for MySql {
         // (PostgreSQL's sends both at once): the one round trip the wrapper
         // adds here (`idem-tests/tests/round_trips`), the least that keeps
         // sqlx's count right, since every way to lower it is a statement.
-        sql.push_str("COMMIT; START TRANSACTION");
+        sql.push_str("COMMIT; ");
+        sql.push_str(RESTORE_IDLE);
+        sql.push_str("; START TRANSACTION");
         let error = match sqlx::raw_sql(AssertSqlSafe(sql))
             .execute(&mut ***conn)
             .await
@@ -275,17 +288,28 @@ impl Backend for MySql {
         Err(FinishError::Ended(error.into()))
     }
 
-    fn stranded(
+    async fn stranded(
         conn: &mut PoolConnection<Self>,
         table: &str,
         claim: &Claim<'_>,
-    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send {
-        let sql = format!("SELECT 1 FROM {table} WHERE scope = ? AND `key` = ? AND status IS NULL");
-        super::connection::row_exists(conn, sql, claim)
+    ) -> Result<bool, sqlx::Error> {
+        // Ends with a `COMMIT`, as the replay's read does: on a session with
+        // `autocommit` off the read would otherwise open a transaction the
+        // pooled connection keeps.
+        let sql = format!(
+            "SELECT 1 FROM {table} WHERE {} AND status IS NULL; COMMIT",
+            matches(claim)
+        );
+        let rows = sqlx::raw_sql(AssertSqlSafe(sql))
+            .fetch_all(&mut **conn)
+            .await?;
+        Ok(!rows.is_empty())
     }
 
     async fn rollback(conn: &mut PoolConnection<Self>) -> Result<(), sqlx::Error> {
-        super::connection::rollback_transaction(conn).await
+        super::connection::rollback_transaction(conn).await?;
+        sqlx::raw_sql(RESTORE_IDLE).execute(&mut **conn).await?;
+        Ok(())
     }
 
     /// By error number: MySQL's SQLSTATEs are coarse (70100 is also a
@@ -403,7 +427,7 @@ impl super::claim::ClaimAttempt<MySql> for MySqlClaim<'_> {
         // opened (sqlx did not count it), the lock wait already restored.
         let read = format!(
             "SELECT status, fingerprint, headers, body FROM {} \
-             WHERE {} AND expires_at > UTC_TIMESTAMP(6) LIMIT 1 FOR UPDATE; ROLLBACK",
+             WHERE {} AND expires_at > UTC_TIMESTAMP(6) LIMIT 1 FOR UPDATE; ROLLBACK; {RESTORE_IDLE}",
             self.table,
             matches(self.claim)
         );
@@ -462,7 +486,9 @@ fn failure(error: sqlx::Error) -> Failure {
 /// error, so the session's lock wait may still be the claim's. A connection
 /// that cannot be reset is closed (`OpenTx` drop).
 async fn reset(mut conn: OpenTx<MySql>) {
-    let sql = format!("ROLLBACK; SET SESSION innodb_lock_wait_timeout = {SAVED_LOCK_WAIT}");
+    let sql = format!(
+        "ROLLBACK; SET SESSION innodb_lock_wait_timeout = {SAVED_LOCK_WAIT}; {RESTORE_IDLE}"
+    );
     match sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut **conn).await {
         Ok(_) => conn.release(),
         Err(error) => {

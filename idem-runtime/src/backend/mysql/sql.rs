@@ -1,7 +1,7 @@
 //! MySQL/MariaDB's statements. Every value is inlined as hex (`X'..'`)
 //! or as an integer we formatted: no client-controlled character reaches SQL.
 
-use super::{OURS, SAVED_LOCK_WAIT, STATUS, TWO_ROWS};
+use super::{OURS, SAVED_IDLE, SAVED_LOCK_WAIT, STATUS, TWO_ROWS};
 use crate::backend::Claim;
 use crate::backend::sql::push_hex;
 use crate::response::StoredResponse;
@@ -78,7 +78,8 @@ pub(super) fn claim_sql(table: &str, claim: &Claim<'_>) -> String {
     format!(
         "SET {SAVED_LOCK_WAIT} = @@SESSION.innodb_lock_wait_timeout, {STATUS} = NULL, \
              {OURS} = FALSE, SESSION innodb_lock_wait_timeout = {lock_wait_secs} \
-             /*M!100300 , SESSION idle_transaction_timeout = {orphan_secs} */; \
+             /*M!100300 , {SAVED_IDLE} = @@SESSION.idle_transaction_timeout, \
+             SESSION idle_transaction_timeout = {orphan_secs} */; \
          START TRANSACTION; \
          {bounded}INSERT INTO {table} (scope, `key`, fingerprint, headers, created_at, expires_at) \
              VALUES (X'{scope}', X'{key}', X'{fingerprint}', X'{token}', {now}, {expires}) \

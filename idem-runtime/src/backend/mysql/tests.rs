@@ -365,3 +365,55 @@ async fn sweeps_a_batch_of_long_scopes_in_several_statements() {
     assert_eq!((left, live.as_deref()), (1, Some(&b"live"[..])));
     drop_table(&pool, &table).await;
 }
+
+/// The claim bounds its own transaction's idle time (MariaDB's
+/// `idle_transaction_timeout`, for a session whose client vanished) and
+/// puts the session's value back when the transaction ends, committed or
+/// rolled back: later transactions on the pooled connection (keyless ones,
+/// the application's own) keep the server's setting.
+#[tokio::test]
+async fn the_claims_idle_bound_ends_with_its_transaction() {
+    let pool = test_pool(1).await;
+    let table = key_table(&pool, "idle_bound").await;
+    let idle = || async {
+        sqlx::query_scalar::<_, u64>("SELECT @@SESSION.idle_transaction_timeout")
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    let before = idle().await;
+    let claim = crate::backend::test_support::claim_of("acct", "idle", 1, Duration::ZERO);
+    let ClaimOutcome::Claimed(mut conn) = MySql::claim(&pool, Acquire::default(), &table, &claim)
+        .await
+        .unwrap()
+    else {
+        panic!("a new key was not claimed");
+    };
+    let inside: u64 = sqlx::query_scalar("SELECT @@SESSION.idle_transaction_timeout")
+        .fetch_one(&mut **conn)
+        .await
+        .unwrap();
+    assert_eq!(inside, 32, "the deadline (30 s) and the margin");
+    let response = StoredResponse {
+        status: http::StatusCode::CREATED,
+        headers: Vec::new(),
+        body: "{}".into(),
+    };
+    MySql::finish(&mut conn, &table, Some(&claim), Some(&response))
+        .await
+        .unwrap();
+    conn.release();
+    assert_eq!(idle().await, before, "after a commit");
+
+    let again = crate::backend::test_support::claim_of("acct", "idle-2", 1, Duration::ZERO);
+    let ClaimOutcome::Claimed(mut conn) = MySql::claim(&pool, Acquire::default(), &table, &again)
+        .await
+        .unwrap()
+    else {
+        panic!("a new key was not claimed");
+    };
+    MySql::rollback(&mut conn).await.unwrap();
+    conn.release();
+    assert_eq!(idle().await, before, "after a rollback");
+    drop_table(&pool, &table).await;
+}

@@ -123,7 +123,7 @@ impl Backend for Postgres {
         let (flight, claim) = super::claim::wait_in_process(pool, table, claim).await;
         let row = ClaimRow::new(table, &claim);
         let outcome = super::claim::claim_with_retries(pool, acquire, PgClaim { row }).await;
-        Ok(super::claim::held(outcome?, flight))
+        super::claim::held(outcome, flight)
     }
 
     async fn peek(
