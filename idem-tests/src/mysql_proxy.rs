@@ -19,7 +19,7 @@
 //! no round trip of their own, and the command after them is counted as
 //! usual.
 //!
-//! Point the pool at [`MySqlProxy::addr`] with `ssl-mode=disabled`: over
+//! Point the pool at `addr()` with `ssl-mode=disabled`: over
 //! TLS (or with protocol compression) the proxy cannot read the framing, so
 //! a connection that asks for either is forwarded untouched and no longer
 //! counted.

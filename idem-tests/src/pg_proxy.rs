@@ -9,7 +9,7 @@
 //! an extended-protocol exchange) forwarded to the server is one round trip:
 //! the client waits for `ReadyForQuery` after each.
 //!
-//! Point the pool at [`PgProxy::addr`] with `sslmode=disable`: over TLS the
+//! Point the pool at `addr()` with `sslmode=disable`: over TLS the
 //! proxy cannot read the framing, so a connection that negotiates TLS is
 //! forwarded untouched and not counted.
 //!

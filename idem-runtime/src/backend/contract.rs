@@ -27,9 +27,9 @@ pub struct Claim<'a> {
     /// How long to wait for a concurrent attempt before answering 409.
     pub wait: Duration,
     /// The handler's deadline in milliseconds: a session left behind by a
-    /// lost connection is ended by the server soon after it
-    /// ([`ORPHAN_MARGIN`] later). (Milliseconds, not a `Duration`: claims
-    /// are copied into every request's future.)
+    /// lost connection is ended by the server soon after it (`ORPHAN_MARGIN`
+    /// later). (Milliseconds, not a `Duration`: claims are copied into
+    /// every request's future.)
     pub timeout_ms: u32,
 }
 
@@ -40,7 +40,7 @@ pub const ORPHAN_MARGIN: Duration = Duration::from_secs(2);
 
 impl Claim<'_> {
     /// How long the server may keep a claim's session whose client
-    /// vanished: the handler's deadline plus [`ORPHAN_MARGIN`].
+    /// vanished: the handler's deadline plus `ORPHAN_MARGIN`.
     pub fn orphan_bound(&self) -> Duration {
         self.timeout() + ORPHAN_MARGIN
     }
