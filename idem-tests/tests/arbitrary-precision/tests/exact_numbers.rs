@@ -14,8 +14,8 @@ use axum::extract::FromRequestParts;
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header, request::Parts};
 use axum::routing::post;
 use axum::{Json, Router};
-use idem::{Idem, Scope, Tx, idempotent};
 use idem::__private::Fingerprint;
+use idem::{Idem, Scope, Tx, idempotent};
 use sqlx::Sqlite;
 use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
 
