@@ -389,7 +389,7 @@ async fn run_keyed<'f, DB: Backend>(
             idem.finished_keys().remember(claim.scope, claim.key);
             (Outcome::Claimed, stored.into_original(parts))
         }
-        Err(error) => commit_failed(conn, error, Some(claim)).await,
+        Err(error) => commit_failed(conn, error, true).await,
     }
 }
 
@@ -488,7 +488,7 @@ async fn run_without_key<'f, DB: Backend>(
             conn.release();
             (Outcome::Unkeyed, response)
         }
-        Err(error) => commit_failed(conn, error, None).await,
+        Err(error) => commit_failed(conn, error, false).await,
     }
 }
 
@@ -592,13 +592,15 @@ fn retry_after_secs(bound: Duration) -> u32 {
 
 /// The commit failed, so the client must not be told the work succeeded.
 /// If the commit did land, a retry with the key replays it; if not, a retry
-/// redoes it. Without a key (`claim` `None`) nothing tells which. A commit
-/// whose connection was lost under it may have left its session holding
-/// the key until the server ends it: the retry is invited after that.
+/// redoes it. Without a key (`keyed` false) nothing tells which. (A commit
+/// lost with a half-open connection leaves its session holding the key
+/// until the server ends it; the retries meanwhile get 409 with
+/// `Retry-After`. Most lost commits free the key at once, so the first
+/// retry is invited soon.)
 async fn commit_failed<DB: Backend>(
     conn: OpenTx<DB>,
     error: FinishError,
-    claim: Option<&Claim<'_>>,
+    keyed: bool,
 ) -> (Outcome, Response) {
     abandon(conn).await;
     match error {
@@ -615,14 +617,10 @@ async fn commit_failed<DB: Backend>(
         }
         FinishError::Store(error) => {
             tracing::warn!(error = %error, "committing the handler's transaction failed");
-            let problem = match claim {
-                Some(claim) if matches!(error, StoreError::Database(sqlx::Error::Io(_))) => {
-                    Problem::ConnectionLost {
-                        retry_after: retry_after_secs(claim.orphan_bound()),
-                    }
-                }
-                Some(_) => Problem::StoreUnavailable,
-                None => Problem::CommitOutcomeUnknown,
+            let problem = if keyed {
+                Problem::StoreUnavailable
+            } else {
+                Problem::CommitOutcomeUnknown
             };
             (Outcome::StoreUnavailable, problem.into_response())
         }
