@@ -22,6 +22,7 @@ macro_rules! conformance {
             $(
                 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
                 async fn $test() {
+                    let _slot = crate::harness::slot::<$db>().await;
                     crate::suite::$test::<$db>().await;
                 }
             )*
@@ -98,6 +99,7 @@ mod server_engines {
     #[cfg(feature = "postgres")]
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn postgres_waiting_duplicates_hold_no_connection() {
+        let _slot = crate::harness::slot::<sqlx::Postgres>().await;
         let pool = crate::engines::postgres::pool(2).await;
         crate::suite::waiting_duplicates_hold_no_connection(pool).await;
     }
@@ -105,12 +107,14 @@ mod server_engines {
     #[cfg(feature = "mysql")]
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn mysql_waiting_duplicates_hold_no_connection() {
+        let _slot = crate::harness::slot::<sqlx::MySql>().await;
         let pool = crate::engines::mysql::pool(2).await;
         crate::suite::waiting_duplicates_hold_no_connection(pool).await;
     }
     #[cfg(feature = "postgres")]
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn postgres_ended_idle_sessions_are_replaced() {
+        let _slot = crate::harness::slot::<sqlx::Postgres>().await;
         use crate::engines::postgres::{pool, pool_ending_idle_sessions};
         use crate::suite::{Ending, ended_idle_sessions_are_replaced};
         for checked in [false, true] {
@@ -126,6 +130,7 @@ mod server_engines {
     #[cfg(feature = "mysql")]
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn mysql_ended_idle_sessions_are_replaced() {
+        let _slot = crate::harness::slot::<sqlx::MySql>().await;
         use crate::engines::mysql::pool;
         use crate::suite::{Ending, ended_idle_sessions_are_replaced};
         for checked in [false, true] {

@@ -65,6 +65,7 @@ fn created(body: &'static str) -> StoredResponse {
 /// for its insert and whether the claim won (`Claimed`) or lost (`InUse`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_claim_restores_the_sessions_lock_wait() {
+    let _slot = crate::harness::slot::<MySql>().await;
     MySql::connect().await; // the server is there and the table migrated
     let pool = session_pool(format!(
         "SET SESSION innodb_lock_wait_timeout = {SESSION_LOCK_WAIT}"
@@ -115,6 +116,7 @@ async fn the_claim_restores_the_sessions_lock_wait() {
 /// instead of answering 409 until it expires.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_implicit_commit_still_stores_the_response() {
+    let _slot = crate::harness::slot::<MySql>().await;
     let pool = MySql::connect().await;
     let scope = unique("implicit");
     let claim = claim(&scope, 9, Duration::ZERO);
@@ -163,6 +165,7 @@ async fn an_implicit_commit_still_stores_the_response() {
 /// does.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_autocommit_a_rolled_back_claim_is_not_a_success() {
+    let _slot = crate::harness::slot::<MySql>().await;
     MySql::connect().await;
     let pool = session_pool("SET SESSION autocommit = 0".to_owned()).await;
     let scope = unique("noautocommit");
@@ -211,6 +214,7 @@ async fn without_autocommit_a_rolled_back_claim_is_not_a_success() {
 /// claimed again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sessions_select_limit_cannot_defeat_the_claim() {
+    let _slot = crate::harness::slot::<MySql>().await;
     MySql::connect().await;
     for limit in [1, 0] {
         let pool = session_pool(format!("SET SESSION sql_select_limit = {limit}")).await;
@@ -246,6 +250,7 @@ async fn a_sessions_select_limit_cannot_defeat_the_claim() {
 /// locks are gone), and the read's snapshot ends with it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_autocommit_sweeps_and_reads_leave_no_transaction_open() {
+    let _slot = crate::harness::slot::<MySql>().await;
     MySql::connect().await;
     let pool = session_pool("SET SESSION autocommit = 0".to_owned()).await;
     let table = format!("idem_noautocommit_{}", std::process::id());
@@ -314,6 +319,7 @@ async fn without_autocommit_sweeps_and_reads_leave_no_transaction_open() {
 /// gone and closed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_that_waited_keeps_its_connection() {
+    let _slot = crate::harness::slot::<MySql>().await;
     MySql::connect().await;
     let pool = session_pool(format!(
         "SET SESSION innodb_lock_wait_timeout = {SESSION_LOCK_WAIT}"
