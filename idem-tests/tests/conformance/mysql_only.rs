@@ -110,13 +110,50 @@ async fn the_claim_restores_the_sessions_lock_wait() {
     held.release();
 }
 
+/// Log lines written while a test runs, for it to read.
+#[derive(Clone, Default)]
+struct Captured(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Captured {
+    /// The lines at `level` so far.
+    fn lines_at(&self, level: &str) -> Vec<String> {
+        String::from_utf8_lossy(&self.0.lock().unwrap())
+            .lines()
+            .filter(|line| line.contains(level))
+            .map(str::to_owned)
+            .collect()
+    }
+}
+
 /// A statement of the handler's that commits implicitly (DDL) ends the
 /// request's transaction by committing it, claim row and all: the finish
 /// then stores the response on that committed row, so the key replays
-/// instead of answering 409 until it expires.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+/// instead of answering 409 until it expires; and it logs a warning, the
+/// operator's only sign that a response was stored after its effects.
+/// (On this test's thread, where the runtime runs everything, so the
+/// thread's own subscriber sees the finish's events.)
+#[tokio::test(flavor = "current_thread")]
 async fn an_implicit_commit_still_stores_the_response() {
     let _slot = crate::harness::slot::<MySql>().await;
+    let log = Captured::default();
+    let writer = log.clone();
+    let _logging = tracing::subscriber::set_default(
+        tracing_subscriber::fmt()
+            .with_ansi(false)
+            .with_writer(move || writer.clone())
+            .finish(),
+    );
     let pool = MySql::connect().await;
     let scope = unique("implicit");
     let claim = claim(&scope, 9, Duration::ZERO);
@@ -136,10 +173,17 @@ async fn an_implicit_commit_still_stores_the_response() {
         .unwrap();
     assert_eq!(in_transaction, 0, "the DDL committed the transaction");
     let response = created("{\"id\":1}");
+    assert_eq!(log.lines_at("WARN"), Vec::<String>::new());
     MySql::finish(&mut held, "idem_keys", Some(&claim), Some(&response))
         .await
         .expect("the response is stored on the committed claim");
     held.release();
+    let warnings = log.lines_at("WARN");
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert!(
+        warnings[0].contains("committed its transaction implicitly"),
+        "{warnings:?}"
+    );
 
     match MySql::claim(&pool, Acquire::default(), "idem_keys", &claim)
         .await

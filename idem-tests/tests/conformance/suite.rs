@@ -660,6 +660,7 @@ pub async fn extractor_rejections_store_nothing<DB: TestDb>() {
     ))
     .await;
     assert_eq!(too_big.status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(too_big.problem_code(), "request_body_too_large");
     assert_eq!(server.effects(&caller).await, 0);
     assert_eq!(server.keys(&caller).await, 0);
     let ok = send(client.post("/effects", "k", BODY)).await;
@@ -712,12 +713,13 @@ pub async fn optional_keys<DB: TestDb>() {
         2,
         "a keyless 503 still rolls back"
     );
-    send(client.post("/effects/optional", "k", BODY)).await;
-    assert!(
-        send(client.post("/effects/optional", "k", BODY))
-            .await
-            .replayed()
-    );
+    let keyed = send(client.post("/effects/optional", "k", BODY)).await;
+    assert_eq!(keyed.status, StatusCode::CREATED, "{keyed:?}");
+    assert!(!keyed.replayed(), "{keyed:?}");
+    assert_eq!(server.keys(&caller).await, 1, "a keyed request is stored");
+    let again = send(client.post("/effects/optional", "k", BODY)).await;
+    assert!(again.replayed(), "{again:?}");
+    assert_eq!(again.body, keyed.body);
     assert_eq!(server.effects(&caller).await, 3);
 }
 
