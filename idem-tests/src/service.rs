@@ -69,6 +69,12 @@ pub trait TestDb: idem::Backend + Sized {
         pool: &sqlx::Pool<Self>,
         scope: &str,
     ) -> impl std::future::Future<Output = i64> + Send;
+    /// Rows in a key table of a test's own (a plain identifier).
+    fn rows_in(pool: &sqlx::Pool<Self>, table: &str)
+    -> impl std::future::Future<Output = i64> + Send;
+    /// Drops a key table of a test's own (a plain identifier).
+    fn drop_table(pool: &sqlx::Pool<Self>, table: &str)
+    -> impl std::future::Future<Output = ()> + Send;
     /// Claims of `(scope, key)` (default table) waiting for a lock, as the
     /// database shows them: only requests of that scope and key can be
     /// counted, so other tests' waits on the same server never are. `None`
@@ -150,6 +156,20 @@ macro_rules! test_db_queries {
             .fetch_one(pool)
             .await
             .unwrap()
+        }
+
+        async fn rows_in(pool: &Pool<Self>, table: &str) -> i64 {
+            sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT count(*) FROM {table}")))
+                .fetch_one(pool)
+                .await
+                .unwrap()
+        }
+
+        async fn drop_table(pool: &Pool<Self>, table: &str) {
+            sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP TABLE {table}")))
+                .execute(pool)
+                .await
+                .unwrap();
         }
 
         async fn count_keys(pool: &Pool<Self>, scope: &str) -> i64 {
