@@ -6,6 +6,7 @@
 
 use idem_tests::engines;
 use idem_tests::service as app;
+mod bodies;
 mod expiry;
 mod harness;
 #[cfg(feature = "mysql")]
@@ -66,6 +67,7 @@ macro_rules! all_engines {
                 ended_transactions_are_not_successes,
                 handler_errors_roll_back,
                 lost_transactions_are_not_successes,
+                refused_bodies_get_their_problem,
             );
         )*
 

@@ -11,6 +11,7 @@ use crate::harness::{
     Answer, ChildServer, Client, send, start, start_configured, unique, until_idle,
 };
 
+pub use crate::bodies::refused_bodies_get_their_problem;
 pub use crate::expiry::{
     concurrent_retries_of_an_expired_key_make_one_effect, expired_keys_run_as_new,
     slow_first_attempts_are_kept_for_their_ttl, sweeping_spares_live_and_taken_over_keys,
