@@ -59,6 +59,18 @@ pub async fn pool_ending_idle_sessions(idle: std::time::Duration) -> PgPool {
         .unwrap()
 }
 
+/// A pool of `size` whose transactions are SERIALIZABLE (the session's
+/// `default_transaction_isolation`), with the tables.
+pub async fn serializable_pool(size: u32) -> PgPool {
+    pool(1).await.close().await;
+    let options: sqlx::postgres::PgConnectOptions = url().parse().unwrap();
+    PgPoolOptions::new()
+        .max_connections(size)
+        .connect_with(options.options([("default_transaction_isolation", "serializable")]))
+        .await
+        .unwrap()
+}
+
 impl TestDb for Postgres {
     const ENGINE: &'static str = "postgres";
     const INSERT_EFFECT: &'static str = "INSERT INTO idem_service_effects (scope, key, note, nonce) VALUES ($1, $2, $3, $4) RETURNING id";

@@ -12,6 +12,11 @@ use crate::harness::{
 };
 
 pub use crate::bodies::refused_bodies_get_their_problem;
+pub use crate::commits::{
+    broken_endings_are_internal_errors, cancelled_savepoints_are_internal_errors,
+    lost_commits_are_503, self_committed_failures_hold_the_key_until_it_expires,
+    serialization_failures_at_commit_are_503,
+};
 pub use crate::expiry::{
     concurrent_retries_of_an_expired_key_make_one_effect, expired_keys_run_as_new,
     slow_first_attempts_are_kept_for_their_ttl, sweeping_spares_live_and_taken_over_keys,
