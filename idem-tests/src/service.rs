@@ -72,11 +72,15 @@ pub trait TestDb: idem::Backend + Sized {
         scope: &str,
     ) -> impl std::future::Future<Output = i64> + Send;
     /// Rows in a key table of a test's own (a plain identifier).
-    fn rows_in(pool: &sqlx::Pool<Self>, table: &str)
-    -> impl std::future::Future<Output = i64> + Send;
+    fn rows_in(
+        pool: &sqlx::Pool<Self>,
+        table: &str,
+    ) -> impl std::future::Future<Output = i64> + Send;
     /// Drops a key table of a test's own (a plain identifier).
-    fn drop_table(pool: &sqlx::Pool<Self>, table: &str)
-    -> impl std::future::Future<Output = ()> + Send;
+    fn drop_table(
+        pool: &sqlx::Pool<Self>,
+        table: &str,
+    ) -> impl std::future::Future<Output = ()> + Send;
     /// Claims of `(scope, key)` (default table) waiting for a lock, as the
     /// database shows them: only requests of that scope and key can be
     /// counted, so other tests' waits on the same server never are. `None`
@@ -176,10 +180,10 @@ macro_rules! test_db_queries {
 
         async fn count_effects(pool: &Pool<Self>, scope: &str) -> i64 {
             sqlx::query_scalar(Self::COUNT_EFFECTS)
-            .bind(scope.as_bytes())
-            .fetch_one(pool)
-            .await
-            .unwrap()
+                .bind(scope.as_bytes())
+                .fetch_one(pool)
+                .await
+                .unwrap()
         }
 
         async fn rows_in(pool: &Pool<Self>, table: &str) -> i64 {
@@ -652,11 +656,10 @@ macro_rules! define_app {
                         let failing = futures::stream::once(async {
                             Err::<bytes::Bytes, _>(std::io::Error::other("the body failed"))
                         });
-                        return Ok((
-                            StatusCode::CREATED,
-                            axum::body::Body::from_stream(failing),
-                        )
-                            .into_response());
+                        return Ok(
+                            (StatusCode::CREATED, axum::body::Body::from_stream(failing))
+                                .into_response(),
+                        );
                     }
                     // A nested `begin()` cancelled in flight (as by a
                     // timeout around repository code): polled once, then
@@ -665,9 +668,7 @@ macro_rules! define_app {
                     // poll: the cancellation was not tested.)
                     "cancelled-savepoint" => {
                         use futures::FutureExt as _;
-                        if let Some(begun) =
-                            sqlx::Connection::begin(&mut **tx).now_or_never()
-                        {
+                        if let Some(begun) = sqlx::Connection::begin(&mut **tx).now_or_never() {
                             drop(begun);
                             return Ok(StatusCode::from_u16(599).unwrap().into_response());
                         }

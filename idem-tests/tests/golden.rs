@@ -296,9 +296,21 @@ mod through_a_request {
         let idem = memory_idem().await;
         let [psp, ledger] = derived(&idem, "acct_123", "order-42").await;
         let golden = [
-            ("acct_123", "psp", "e492c6e2fc2acb1d5ef694defdd9d8b4ede08d17f1df95fb740367849cbe3703"),
-            ("acct_123", "ledger", "0ec86c2beaef1b65f3c9f0611af9dc053ad4660e27be5d3454ddaab8d12edac7"),
-            ("acct_456", "psp", "0218a20f97be839100e8174a27f2ccae5b2e096fb6cbe33413e1f9ad5091ac7c"),
+            (
+                "acct_123",
+                "psp",
+                "e492c6e2fc2acb1d5ef694defdd9d8b4ede08d17f1df95fb740367849cbe3703",
+            ),
+            (
+                "acct_123",
+                "ledger",
+                "0ec86c2beaef1b65f3c9f0611af9dc053ad4660e27be5d3454ddaab8d12edac7",
+            ),
+            (
+                "acct_456",
+                "psp",
+                "0218a20f97be839100e8174a27f2ccae5b2e096fb6cbe33413e1f9ad5091ac7c",
+            ),
         ];
         for (scope, label, literal) in golden {
             let layout = super::spelled::derived(scope, "order-42", label);

@@ -290,7 +290,12 @@ async fn bodies_cut_off_before_their_end_are_400_unreadable() {
     };
     for response in [
         cut(b"cut-1", "content-length: 40", br#"{"note":"#).await,
-        cut(b"cut-2", "transfer-encoding: chunked", b"9\r\n{\"note\":\"\r\n").await,
+        cut(
+            b"cut-2",
+            "transfer-encoding: chunked",
+            b"9\r\n{\"note\":\"\r\n",
+        )
+        .await,
     ] {
         assert!(response.starts_with("HTTP/1.1 400"), "{response}");
         assert_eq!(problem_code(&response), "request_body_unreadable");

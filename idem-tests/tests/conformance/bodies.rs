@@ -43,8 +43,8 @@ impl Raw {
             Some("application/problem+json"),
             "{self:?}"
         );
-        let json: serde_json::Value = serde_json::from_slice(&self.body)
-            .unwrap_or_else(|_| panic!("not JSON: {self:?}"));
+        let json: serde_json::Value =
+            serde_json::from_slice(&self.body).unwrap_or_else(|_| panic!("not JSON: {self:?}"));
         json["code"].as_str().unwrap().to_owned()
     }
 }
@@ -141,11 +141,19 @@ fn parse(bytes: &[u8]) -> Option<Raw> {
 /// its end 400 `request_body_unreadable`: each a problem, with nothing
 /// claimed or run, so the key is then free for the whole request.
 pub async fn refused_bodies_get_their_problem<DB: TestDb>() {
-    let server = start_configured(DB::connect().await, |idem| idem.body_timeout(BODY_TIMEOUT)).await;
+    let server =
+        start_configured(DB::connect().await, |idem| idem.body_timeout(BODY_TIMEOUT)).await;
     let caller = unique("bodies");
     let over = BODY_LIMIT + 1024;
     let cases = [
-        ("big", over, over, Then::SendAll, 413, "request_body_too_large"),
+        (
+            "big",
+            over,
+            over,
+            Then::SendAll,
+            413,
+            "request_body_too_large",
+        ),
         ("slow", 40, 10, Then::Stall, 408, "request_body_timeout"),
         ("cut", 40, 10, Then::Close, 400, "request_body_unreadable"),
     ];

@@ -118,7 +118,8 @@ pub async fn broken_endings_are_internal_errors<DB: TestDb>() {
     let caller = unique("broken_end");
     let client = server.client(&caller);
 
-    let kept = send(client.post_in_mode("/effects/wait", "kept", &format!("keep-tx:{caller}"))).await;
+    let kept =
+        send(client.post_in_mode("/effects/wait", "kept", &format!("keep-tx:{caller}"))).await;
     kept.assert_internal_error();
     // Dropped, the kept `Tx` closes its connection: the server rolls its
     // transaction back (the retry's `wait` covers the time that takes).

@@ -117,7 +117,11 @@ pub async fn sweeping_spares_live_and_taken_over_keys<DB: TestDb>() {
     assert!(!taken.replayed(), "an expired key runs as new");
     assert_eq!(swept, 1, "the sweep deletes `swept` alone");
 
-    assert_eq!(DB::rows_in(&pool, &table).await, 2, "`live` and `taken` remain");
+    assert_eq!(
+        DB::rows_in(&pool, &table).await,
+        2,
+        "`live` and `taken` remain"
+    );
     let retry = send(client.post("/effects/short", "taken", BODY)).await;
     assert!(
         retry.replayed(),

@@ -354,7 +354,10 @@ async fn a_committed_row_without_a_response_is_in_use() {
             .unwrap();
         transactions.push(id);
     }
-    assert_ne!(transactions[0], transactions[1], "a transaction is still open");
+    assert_ne!(
+        transactions[0], transactions[1],
+        "a transaction is still open"
+    );
     let status: Option<i16> = sqlx::query_scalar(AssertSqlSafe(format!(
         "SELECT status FROM {table} WHERE key = 'held'"
     )))
