@@ -84,7 +84,7 @@ async fn an_expired_key_is_taken_over() {
     let pool = key_table().await;
     sqlx::query(
         "INSERT INTO keys (scope, \"key\", fingerprint, status, created_at, expires_at) \
-         VALUES ('acct', 'k', ?1, 201, 0, 1)",
+         VALUES (CAST('acct' AS BLOB), CAST('k' AS BLOB), ?1, 201, 0, 1)",
     )
     .bind(&[9_u8; 32][..])
     .execute(&pool)
