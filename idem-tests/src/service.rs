@@ -662,16 +662,28 @@ macro_rules! define_app {
                         );
                     }
                     // A nested `begin()` cancelled in flight (as by a
-                    // timeout around repository code): polled once, then
-                    // dropped. Then the handler writes on. (599, never
-                    // stored, if the savepoint came back within the one
-                    // poll: the cancellation was not tested.)
-                    "cancelled-savepoint" => {
+                    // timeout around repository code), then the handler
+                    // writes on. The `begin()` is held up behind a statement
+                    // that waits for the test's lock on effect `<id>`, sent
+                    // and abandoned first, so one poll surely leaves it in
+                    // flight. Then the handler is held at `<name>` while the
+                    // test lets its lock go. (599, never stored, if either
+                    // came back within its one poll: nothing was cancelled.)
+                    m if m.starts_with("cancelled-savepoint:") => {
                         use futures::FutureExt as _;
-                        if let Some(begun) = sqlx::Connection::begin(&mut **tx).now_or_never() {
-                            drop(begun);
+                        let (target, name) = m[20..].split_once(':').unwrap();
+                        let blocked = sqlx::query(<$db as TestDb>::TOUCH_EFFECT)
+                            .bind(target.parse::<i64>().unwrap())
+                            .execute(&mut **tx)
+                            .now_or_never()
+                            .is_some();
+                        let begun = sqlx::Connection::begin(&mut **tx).now_or_never().is_some();
+                        if blocked || begun {
                             return Ok(StatusCode::from_u16(599).unwrap().into_response());
                         }
+                        let hold = holds.get(name);
+                        hold.entered.notify_one();
+                        hold.release.notified().await;
                         insert_effect(&mut **tx, caller, &key, "after", &app::nonce()).await?;
                     }
                     // Held, then a transient failure: rolled back.

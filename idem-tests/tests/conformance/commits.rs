@@ -141,19 +141,29 @@ pub async fn broken_endings_are_internal_errors<DB: TestDb>() {
 /// back the whole request's transaction, claim included. The handler is
 /// stopped at its next use of the `Tx`: 500 `internal_error`, nothing
 /// committed (not even the write after the cancellation), nothing stored;
-/// the retry runs once.
+/// the retry runs once. The `begin()` waits behind a statement that waits
+/// for this test's lock on an effect row, so it is surely in flight when
+/// cancelled; the lock goes while the handler is held after that.
 pub async fn cancelled_savepoints_are_internal_errors<DB: TestDb>() {
     let server = start::<DB>().await;
     let caller = unique("cancelled_savepoint");
     let client = server.client(&caller);
-    let answer = send(client.post_in_mode("/effects", "k", "cancelled-savepoint")).await;
-    answer.assert_internal_error();
-    assert_eq!(server.effects(&caller).await, 0);
-    assert_eq!(server.keys(&caller).await, 0);
-    let retry = send(client.post("/effects", "k", BODY)).await;
+    let target = send(client.post("/effects", "target", BODY)).await;
+    assert_eq!(target.status, StatusCode::CREATED, "{target:?}");
+    let holder = DB::lock_effect(server.state.idem.pool(), target.effect().id).await;
+    let mode = format!("cancelled-savepoint:{}:{caller}", target.effect().id);
+    let hold = server.state.holds.get(&caller);
+    let answer = tokio::spawn(send(client.post_in_mode("/effects/wait", "k", &mode)));
+    hold.entered().await;
+    holder.rollback().await.unwrap();
+    hold.release.notify_one();
+    answer.await.unwrap().assert_internal_error();
+    assert_eq!(server.effects(&caller).await, 1, "`target` alone");
+    assert_eq!(server.keys(&caller).await, 1, "`target` alone");
+    let retry = send(client.post("/effects/wait", "k", BODY)).await;
     assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
     assert!(!retry.replayed());
-    assert_eq!(server.effects(&caller).await, 1);
+    assert_eq!(server.effects(&caller).await, 2);
 }
 
 /// A serialization failure at the commit is the store's: 503, with
