@@ -23,12 +23,22 @@ pub fn expand(item: &ItemFn, args: &Args, handler: &Handler) -> TokenStream {
     let krate = krate(args);
     let private = quote!(#krate::__private);
     let tx_ty = &handler.tx_ty;
-    // A bare `Tx` (an alias) names its database through the type itself.
-    let db = match &handler.db {
-        Some(db) => quote!(#db),
-        // Left at the call site: spanned over the parameter, a bare
-        // `idem::Tx` (no database) would be reported twice on its token.
-        None => quote!(<#tx_ty as #private::TxDatabase>::Database),
+    // A bare `Tx` (an alias) names its database through the type itself,
+    // asked of the state in one bound spanned over the parameter: a type
+    // that is no `idem::Tx` is then that bound's one error, at the route
+    // (as an extractor that fails), not one at every use of a database
+    // the compiler could not name.
+    let (db, db_bound) = match &handler.db {
+        Some(db) => (quote!(#db), quote!()),
+        None => {
+            let (first, last) = first_last(tx_ty);
+            let head = respan(quote!(__IdemS: #private::__IdemTxOf<), first);
+            let tail = respan(quote!(>,), last);
+            (
+                quote!(<__IdemS as #private::__IdemTxOf<#tx_ty>>::Database),
+                quote!(#head #tx_ty #tail),
+            )
+        }
     };
 
     // The scope identifies the caller, so it comes from the request's
@@ -87,6 +97,7 @@ pub fn expand(item: &ItemFn, args: &Args, handler: &Handler) -> TokenStream {
             impl<__IdemS #marker_param> #private::Handler<(#marker,), __IdemS> for #name
             where
                 __IdemS: ::core::clone::Clone + ::core::marker::Send + ::core::marker::Sync + 'static,
+                #db_bound
                 #store_bound
                 #(#part_bounds)*
                 #body_bound
@@ -163,7 +174,16 @@ fn finish(item: &ItemFn, handler: &Handler, krate: &TokenStream) -> TokenStream 
         .iter()
         .map(|p| p.local.to_token_stream())
         .collect();
-    call_args.insert(handler.tx_index, quote!(__idem_tx));
+    // An alias's transaction is handed over through the bound that named
+    // its database.
+    let tx_arg = match &handler.db {
+        Some(_) => quote!(__idem_tx),
+        None => {
+            let tx_ty = &handler.tx_ty;
+            quote!(<__IdemS as #private::__IdemTxOf<#tx_ty>>::from_tx(__idem_tx))
+        }
+    };
+    call_args.insert(handler.tx_index, tx_arg);
     // The user's function, kept under its own name (see `shell`).
     let kept = &item.sig.ident;
 

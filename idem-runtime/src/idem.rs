@@ -352,11 +352,18 @@ pub(crate) mod tests {
 
     /// The sweeper's first tick comes at once and deletes every expired
     /// key, 1,000 at a time, however many there are, and nothing else.
+    /// The batches are counted on the pool's one connection, by SQLite's
+    /// hooks: the rows each commit deleted.
     #[cfg(feature = "sqlite")]
     #[tokio::test]
     async fn the_sweeper_deletes_every_expired_key_in_batches() {
+        use std::sync::{Arc, Mutex};
+
         let pool = sqlx::sqlite::SqlitePoolOptions::new()
             .max_connections(1)
+            .min_connections(1)
+            .idle_timeout(None)
+            .max_lifetime(None)
             .connect("sqlite::memory:")
             .await
             .unwrap();
@@ -370,6 +377,27 @@ pub(crate) mod tests {
         .execute(&pool)
         .await
         .unwrap();
+        // (rows deleted in the open transaction, rows each commit deleted)
+        let batches = Arc::new(Mutex::new((0_usize, Vec::new())));
+        {
+            let mut conn = pool.acquire().await.unwrap();
+            let mut handle = conn.lock_handle().await.unwrap();
+            let deleted = batches.clone();
+            handle.set_update_hook(move |change| {
+                if matches!(change.operation, sqlx::sqlite::SqliteOperation::Delete) {
+                    deleted.lock().unwrap().0 += 1;
+                }
+            });
+            let committed = batches.clone();
+            handle.set_commit_hook(move || {
+                let mut batches = committed.lock().unwrap();
+                let rows = std::mem::take(&mut batches.0);
+                if rows > 0 {
+                    batches.1.push(rows);
+                }
+                true
+            });
+        }
         let sweeper = idem.spawn_sweeper(Duration::from_secs(3600));
         let count = || async {
             sqlx::query_scalar::<_, i64>("SELECT count(*) FROM idem_keys")
@@ -387,6 +415,7 @@ pub(crate) mod tests {
             tokio::task::yield_now().await;
         }
         assert_eq!(count().await, 3, "the live keys stay");
+        assert_eq!(batches.lock().unwrap().1, [1000, 1000, 500]);
         assert!(!sweeper.is_finished(), "it keeps running");
         sweeper.abort();
     }

@@ -108,10 +108,32 @@ pub mod __private {
     pub trait TxDatabase {
         /// The `DB` of `Tx<DB>`.
         type Database: crate::Backend;
+        /// The request's transaction as this type.
+        fn from_tx(tx: crate::Tx<Self::Database>) -> Self;
     }
 
     impl<DB: crate::Backend> TxDatabase for crate::Tx<DB> {
         type Database = DB;
+        fn from_tx(tx: Self) -> Self {
+            tx
+        }
+    }
+
+    /// [`TxDatabase`] of `T`, asked of the router's state `Self` so that
+    /// the bound stays open until the state is known: a `T` that is no
+    /// `Tx` is then one error, at the handler's route, pointing at `T`.
+    pub trait __IdemTxOf<T> {
+        /// `T`'s database.
+        type Database: crate::Backend;
+        /// The request's transaction as `T`.
+        fn from_tx(tx: crate::Tx<Self::Database>) -> T;
+    }
+
+    impl<S, T: TxDatabase> __IdemTxOf<T> for S {
+        type Database = T::Database;
+        fn from_tx(tx: crate::Tx<Self::Database>) -> T {
+            T::from_tx(tx)
+        }
     }
 
     /// Splits a request for the parts extractors.

@@ -39,6 +39,8 @@ pub trait TestDb: idem::Backend + Sized {
     const INSERT_EFFECT: &'static str;
     /// Rewrites one effect row in place (takes its row lock): `$1`/`?` = id.
     const TOUCH_EFFECT: &'static str;
+    /// Counts the effects of one scope: `$1`/`?` = the scope's bytes.
+    const COUNT_EFFECTS: &'static str;
     /// Makes the engine itself end the transaction open on `conn`, in which
     /// effect `id` was just inserted, as some errors do: PostgreSQL fails
     /// the transaction, InnoDB rolls it back on a deadlock, SQLite on
@@ -69,6 +71,16 @@ pub trait TestDb: idem::Backend + Sized {
         pool: &sqlx::Pool<Self>,
         scope: &str,
     ) -> impl std::future::Future<Output = i64> + Send;
+    /// Rows in a key table of a test's own (a plain identifier).
+    fn rows_in(
+        pool: &sqlx::Pool<Self>,
+        table: &str,
+    ) -> impl std::future::Future<Output = i64> + Send;
+    /// Drops a key table of a test's own (a plain identifier).
+    fn drop_table(
+        pool: &sqlx::Pool<Self>,
+        table: &str,
+    ) -> impl std::future::Future<Output = ()> + Send;
     /// Claims of `(scope, key)` (default table) waiting for a lock, as the
     /// database shows them: only requests of that scope and key can be
     /// counted, so other tests' waits on the same server never are. `None`
@@ -124,6 +136,26 @@ pub trait TestDb: idem::Backend + Sized {
         let _ = (admin, id);
         async { unreachable!("{} has no server sessions", Self::ENGINE) }
     }
+    /// A pool (tables migrated) on which [`lose_commit`](Self::lose_commit)
+    /// can make a handler's commit fail: the test pool wherever a session
+    /// can be ended.
+    fn commit_losing_pool() -> impl std::future::Future<Output = sqlx::Pool<Self>> + Send {
+        Self::connect()
+    }
+    /// Makes the next commit of the transaction that a handler parked in
+    /// `session:` mode holds on session `session` (of `pool`) fail for the
+    /// store's reasons, as a lost connection would: by default the server
+    /// ends the session. Returns what must live until that commit failed.
+    fn lose_commit(
+        pool: &sqlx::Pool<Self>,
+        session: Option<i64>,
+    ) -> impl std::future::Future<Output = Box<dyn std::any::Any + Send>> + Send {
+        async move {
+            let id = session.expect("an engine with server sessions");
+            Self::end_session(pool, id).await;
+            Box::new(()) as Box<dyn std::any::Any + Send>
+        }
+    }
 }
 
 /// The `TestDb` methods every engine writes alike, but for its
@@ -141,15 +173,31 @@ macro_rules! test_db_queries {
             tx
         }
 
+        const COUNT_EFFECTS: &'static str = concat!(
+            "SELECT count(*) FROM idem_service_effects WHERE scope = ",
+            $placeholder
+        );
+
         async fn count_effects(pool: &Pool<Self>, scope: &str) -> i64 {
-            sqlx::query_scalar(concat!(
-                "SELECT count(*) FROM idem_service_effects WHERE scope = ",
-                $placeholder
-            ))
-            .bind(scope.as_bytes())
-            .fetch_one(pool)
-            .await
-            .unwrap()
+            sqlx::query_scalar(Self::COUNT_EFFECTS)
+                .bind(scope.as_bytes())
+                .fetch_one(pool)
+                .await
+                .unwrap()
+        }
+
+        async fn rows_in(pool: &Pool<Self>, table: &str) -> i64 {
+            sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT count(*) FROM {table}")))
+                .fetch_one(pool)
+                .await
+                .unwrap()
+        }
+
+        async fn drop_table(pool: &Pool<Self>, table: &str) {
+            sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP TABLE {table}")))
+                .execute(pool)
+                .await
+                .unwrap();
         }
 
         async fn count_keys(pool: &Pool<Self>, scope: &str) -> i64 {
@@ -265,6 +313,12 @@ pub struct Hold {
     pub release: Notify,
     /// Notified when a held handler's future is dropped unfinished.
     pub dropped: Notify,
+    /// The server's id of the held handler's session (`session:` mode;
+    /// `None` on SQLite).
+    pub session: Mutex<Option<i64>>,
+    /// A `Tx` the handler kept past its end (`keep-tx:` mode), for the
+    /// test to drop.
+    pub kept: Mutex<Option<Box<dyn std::any::Any + Send>>>,
 }
 
 impl Hold {
@@ -275,6 +329,18 @@ impl Hold {
         tokio::time::timeout(Duration::from_secs(10), self.entered.notified())
             .await
             .expect("the held handler never started");
+    }
+
+    /// The held handler's session, as it recorded it.
+    pub fn session(&self) -> Option<i64> {
+        *self.session.lock().unwrap()
+    }
+
+    /// Drops the `Tx` a handler kept past its end, which closes its
+    /// connection and so rolls its transaction back.
+    pub fn drop_kept(&self) {
+        let kept = self.kept.lock().unwrap().take();
+        assert!(kept.is_some(), "the handler kept no Tx");
     }
 }
 
@@ -566,6 +632,62 @@ macro_rules! define_app {
                         hold.release.notified().await;
                         signal.0 = None;
                     }
+                    // Held as in `hold:`, its session recorded for the
+                    // test to end (`TestDb::lose_commit`).
+                    m if m.starts_with("session:") => {
+                        let hold = holds.get(&m[8..]);
+                        *hold.session.lock().unwrap() =
+                            <$db as TestDb>::session_id(&mut **tx).await;
+                        hold.entered.notify_one();
+                        hold.release.notified().await;
+                    }
+                    // Reads its scope's effects (a predicate a concurrent
+                    // writer of the scope conflicts with, under
+                    // SERIALIZABLE), then is held as in `hold:`.
+                    m if m.starts_with("read-then-hold:") => {
+                        let _count: i64 = sqlx::query_scalar(<$db as TestDb>::COUNT_EFFECTS)
+                            .bind(caller.0.as_bytes())
+                            .fetch_one(&mut **tx)
+                            .await?;
+                        let hold = holds.get(&m[15..]);
+                        hold.entered.notify_one();
+                        hold.release.notified().await;
+                    }
+                    // A response whose body fails while it is read.
+                    "failing-body" => {
+                        let failing = futures::stream::once(async {
+                            Err::<bytes::Bytes, _>(std::io::Error::other("the body failed"))
+                        });
+                        return Ok(
+                            (StatusCode::CREATED, axum::body::Body::from_stream(failing))
+                                .into_response(),
+                        );
+                    }
+                    // A nested `begin()` cancelled in flight (as by a
+                    // timeout around repository code), then the handler
+                    // writes on. The `begin()` is held up behind a statement
+                    // that waits for the test's lock on effect `<id>`, sent
+                    // and abandoned first, so one poll surely leaves it in
+                    // flight. Then the handler is held at `<name>` while the
+                    // test lets its lock go. (599, never stored, if either
+                    // came back within its one poll: nothing was cancelled.)
+                    m if m.starts_with("cancelled-savepoint:") => {
+                        use futures::FutureExt as _;
+                        let (target, name) = m[20..].split_once(':').unwrap();
+                        let blocked = sqlx::query(<$db as TestDb>::TOUCH_EFFECT)
+                            .bind(target.parse::<i64>().unwrap())
+                            .execute(&mut **tx)
+                            .now_or_never()
+                            .is_some();
+                        let begun = sqlx::Connection::begin(&mut **tx).now_or_never().is_some();
+                        if blocked || begun {
+                            return Ok(StatusCode::from_u16(599).unwrap().into_response());
+                        }
+                        let hold = holds.get(name);
+                        hold.entered.notify_one();
+                        hold.release.notified().await;
+                        insert_effect(&mut **tx, caller, &key, "after", &app::nonce()).await?;
+                    }
                     // Held, then a transient failure: rolled back.
                     m if m.starts_with("hold-then-503:") => {
                         let hold = holds.get(&m[14..]);
@@ -645,6 +767,17 @@ macro_rules! define_app {
                         let status = StatusCode::from_u16(m[22..].parse().unwrap()).unwrap();
                         return Err(HandlerError::Refused(status));
                     }
+                    // The same, then a panic.
+                    "raw-commit-then-panic" => {
+                        sqlx::raw_sql("COMMIT").execute(&mut **tx).await?;
+                        panic!("handler panicked after committing");
+                    }
+                    // The same, then an `Ok` with a transient status.
+                    m if m.starts_with("raw-commit-then-status:") => {
+                        sqlx::raw_sql("COMMIT").execute(&mut **tx).await?;
+                        let status = StatusCode::from_u16(m[23..].parse().unwrap()).unwrap();
+                        return Ok((status, "failed after committing").into_response());
+                    }
                     // Misuse: the handler ends the transaction itself,
                     // then writes on (that write commits on its own).
                     "raw-rollback" => {
@@ -713,7 +846,12 @@ macro_rules! handler {
             mut tx: Tx<$db>,
             Json(req): Json<EffectRequest>,
         ) -> app::HandlerResult {
-            effect(&caller, &headers, &holds, &mut tx, req.note).await
+            let answer = effect(&caller, &headers, &holds, &mut tx, req.note).await;
+            // Misuse: the handler keeps its `Tx` past its end.
+            if let Some(name) = app::mode(&headers).strip_prefix("keep-tx:") {
+                *holds.get(name).kept.lock().unwrap() = Some(Box::new(tx));
+            }
+            answer
         }
     };
 }

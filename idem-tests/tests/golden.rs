@@ -14,6 +14,10 @@
 //! old derived keys still produced, until every key made before the change
 //! has expired.
 //!
+//! Each literal is also derived here from the layout written out with
+//! `sha2` (see [`spelled`]), not from idem's code: a change to the
+//! implementation cannot carry the expected values along with it.
+//!
 //! No database server is needed. Fingerprints are pure functions; derived
 //! keys come from a handler's `Tx` (the runtime alone makes an
 //! `IdempotencyKey`), so that half runs one request against SQLite in
@@ -25,6 +29,66 @@ use idem::__private::{Fingerprint, canonicalize};
 fn hex(fingerprint: Fingerprint) -> String {
     hex::encode(fingerprint.as_bytes())
 }
+
+/// The hashed layouts, spelled out: a version prefix, then each part as
+/// its length (8 bytes, big-endian) and its bytes.
+mod spelled {
+    use sha2::{Digest, Sha256};
+
+    /// What a body is hashed as.
+    pub enum Body<'a> {
+        /// JSON by its content type, in this canonical form.
+        Json(&'a str),
+        /// Anything else, byte for byte.
+        Raw(&'a [u8]),
+    }
+
+    fn framed(hasher: &mut Sha256, part: &[u8]) {
+        hasher.update((part.len() as u64).to_be_bytes());
+        hasher.update(part);
+    }
+
+    /// `idem-fingerprint-v1`, the method, the path, `0` without a query or
+    /// `1` and the query, then `json` and the canonical body or `raw` and
+    /// the body.
+    pub fn fingerprint(method: &str, path: &str, query: Option<&str>, body: Body<'_>) -> String {
+        let mut hasher = Sha256::new();
+        hasher.update(b"idem-fingerprint-v1");
+        framed(&mut hasher, method.as_bytes());
+        framed(&mut hasher, path.as_bytes());
+        match query {
+            None => hasher.update([0]),
+            Some(query) => {
+                hasher.update([1]);
+                framed(&mut hasher, query.as_bytes());
+            }
+        }
+        match body {
+            Body::Json(canonical) => {
+                hasher.update(b"json");
+                framed(&mut hasher, canonical.as_bytes());
+            }
+            Body::Raw(bytes) => {
+                hasher.update(b"raw");
+                framed(&mut hasher, bytes);
+            }
+        }
+        hex::encode(hasher.finalize())
+    }
+
+    /// `idem-derive-v1`, then the scope, the key and the label.
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+    pub fn derived(scope: &str, key: &str, label: &str) -> String {
+        let mut hasher = Sha256::new();
+        hasher.update(b"idem-derive-v1");
+        for part in [scope, key, label] {
+            framed(&mut hasher, part.as_bytes());
+        }
+        hex::encode(hasher.finalize())
+    }
+}
+
+use spelled::Body::{Json, Raw};
 
 fn content_type(value: &'static str) -> HeaderMap {
     HeaderMap::from_iter([(CONTENT_TYPE, HeaderValue::from_static(value))])
@@ -61,6 +125,10 @@ fn json_fingerprints_are_pinned() {
             body.as_bytes(),
         ))
     };
+    assert_eq!(
+        spelled::fingerprint("POST", "/v1/charges", None, Json(NESTED_CANONICAL)),
+        NESTED_FINGERPRINT
+    );
     assert_eq!(of(NESTED), NESTED_FINGERPRINT);
     // Every spelling and JSON media type is the one fingerprint.
     assert_eq!(of(NESTED_CANONICAL), NESTED_FINGERPRINT);
@@ -90,25 +158,34 @@ fn query_fingerprints_are_pinned() {
             body,
         ))
     };
-    assert_eq!(
-        of(None),
-        "097aeb5d58af4641a2d3fe956a279bc76874f3706b5b2cc75e1b4697d691646f"
-    );
-    assert_eq!(
-        of(Some("expand=customer")),
-        "92928fc2dc432ab86c8fa5b549643957b3aab3213f9cd22813f24e0556c579d8"
-    );
     // An empty query is present, not absent.
-    assert_eq!(
-        of(Some("")),
-        "7583a676846bb7ed57a3edfff4df8c423db30ab2ecd45634f95f15d1ab8fb9be"
-    );
+    for (query, golden) in [
+        (
+            None,
+            "097aeb5d58af4641a2d3fe956a279bc76874f3706b5b2cc75e1b4697d691646f",
+        ),
+        (
+            Some("expand=customer"),
+            "92928fc2dc432ab86c8fa5b549643957b3aab3213f9cd22813f24e0556c579d8",
+        ),
+        (
+            Some(""),
+            "7583a676846bb7ed57a3edfff4df8c423db30ab2ecd45634f95f15d1ab8fb9be",
+        ),
+    ] {
+        let layout = spelled::fingerprint("POST", "/v1/charges", query, Json(r#"{"amount":1250}"#));
+        assert_eq!(layout, golden, "{query:?}: the layout");
+        assert_eq!(of(query), golden, "{query:?}");
+    }
 }
 
 #[test]
 fn raw_fingerprints_are_pinned() {
     // Not JSON by its content type: hashed byte for byte.
     let text = content_type("text/plain");
+    let golden = "b987351ad522800820878ed3b8315f189543141485f0b8be6ffa1bb07508d031";
+    let layout = spelled::fingerprint("POST", "/v1/charges", None, Raw(br#"{"amount": 1250}"#));
+    assert_eq!(layout, golden);
     assert_eq!(
         hex(Fingerprint::of(
             &Method::POST,
@@ -117,10 +194,13 @@ fn raw_fingerprints_are_pinned() {
             &text,
             br#"{"amount": 1250}"#
         )),
-        "b987351ad522800820878ed3b8315f189543141485f0b8be6ffa1bb07508d031"
+        golden
     );
     // JSON by its content type, but it does not parse: byte for byte too.
     let json = content_type("application/json");
+    let golden = "bc8c71c12a1bf8db1adb29f67e58f5195c8d8312bebf6b09ea6fe6b8a5f4f1e4";
+    let layout = spelled::fingerprint("POST", "/v1/charges", None, Raw(b"{\"amount\": 12"));
+    assert_eq!(layout, golden);
     assert_eq!(
         hex(Fingerprint::of(
             &Method::POST,
@@ -129,9 +209,12 @@ fn raw_fingerprints_are_pinned() {
             &json,
             b"{\"amount\": 12"
         )),
-        "bc8c71c12a1bf8db1adb29f67e58f5195c8d8312bebf6b09ea6fe6b8a5f4f1e4"
+        golden
     );
     // No body, no content type, another method.
+    let golden = "d707e42080b60151c00cd65d959722cc7bcc95111b3adab70bc1747d4778fb9d";
+    let layout = spelled::fingerprint("DELETE", "/v1/charges/ch_1", None, Raw(b""));
+    assert_eq!(layout, golden);
     assert_eq!(
         hex(Fingerprint::of(
             &Method::DELETE,
@@ -140,7 +223,7 @@ fn raw_fingerprints_are_pinned() {
             &HeaderMap::new(),
             b""
         )),
-        "d707e42080b60151c00cd65d959722cc7bcc95111b3adab70bc1747d4778fb9d"
+        golden
     );
 }
 
@@ -212,20 +295,32 @@ mod through_a_request {
     async fn derived_keys_are_pinned() {
         let idem = memory_idem().await;
         let [psp, ledger] = derived(&idem, "acct_123", "order-42").await;
-        assert_eq!(
-            psp,
-            "e492c6e2fc2acb1d5ef694defdd9d8b4ede08d17f1df95fb740367849cbe3703"
-        );
-        assert_eq!(
-            ledger,
-            "0ec86c2beaef1b65f3c9f0611af9dc053ad4660e27be5d3454ddaab8d12edac7"
-        );
+        let golden = [
+            (
+                "acct_123",
+                "psp",
+                "e492c6e2fc2acb1d5ef694defdd9d8b4ede08d17f1df95fb740367849cbe3703",
+            ),
+            (
+                "acct_123",
+                "ledger",
+                "0ec86c2beaef1b65f3c9f0611af9dc053ad4660e27be5d3454ddaab8d12edac7",
+            ),
+            (
+                "acct_456",
+                "psp",
+                "0218a20f97be839100e8174a27f2ccae5b2e096fb6cbe33413e1f9ad5091ac7c",
+            ),
+        ];
+        for (scope, label, literal) in golden {
+            let layout = super::spelled::derived(scope, "order-42", label);
+            assert_eq!(layout, literal, "{scope} {label}: the layout");
+        }
+        assert_eq!(psp, golden[0].2);
+        assert_eq!(ledger, golden[1].2);
         // Another scope, same key and label: another derived key.
         let [other_psp, _] = derived(&idem, "acct_456", "order-42").await;
-        assert_eq!(
-            other_psp,
-            "0218a20f97be839100e8174a27f2ccae5b2e096fb6cbe33413e1f9ad5091ac7c"
-        );
+        assert_eq!(other_psp, golden[2].2);
         // The RFC 8941 string form is the same key, so the same derived
         // keys (run afresh, in a database that never saw the key: not a
         // replay of the answer above).
@@ -248,6 +343,13 @@ mod through_a_request {
             .await
             .unwrap();
         let golden = "21bf810a4ee0ccb9ffbe69a8d4947261136136fbcfd2cb630e70478a0c11a050";
+        let layout = super::spelled::fingerprint(
+            "POST",
+            "/v1/charges",
+            Some("expand=customer"),
+            super::Json(super::NESTED_CANONICAL),
+        );
+        assert_eq!(layout, golden);
         assert_eq!(hex::encode(stored), golden);
         let json = super::content_type("application/json");
         let request = Fingerprint::of(

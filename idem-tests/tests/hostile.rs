@@ -32,15 +32,29 @@ async fn still_serving(client: &Client) {
 }
 
 /// Sends `head` and then `body` chunk by chunk over a raw connection, with
-/// `pause` between chunks, while reading the response; returns the status
-/// line and headers once they arrive (the rest of the body need not be
-/// sent). Bounded by `limit`.
+/// `pause` between chunks, while reading the response; returns the whole
+/// response (status line, headers and `content-length` of body) once it
+/// arrived, or what came before the server closed (the rest of the request
+/// body need not be sent). Bounded by `limit`.
 async fn raw_exchange(
     addr: SocketAddr,
     head: Vec<u8>,
     chunks: impl Iterator<Item = Vec<u8>>,
     pause: Duration,
     limit: Duration,
+) -> String {
+    raw_exchange_then(addr, head, chunks, pause, limit, false).await
+}
+
+/// [`raw_exchange`], closing the client's side of the connection once the
+/// chunks are sent when `close`: a body cut off before its end.
+async fn raw_exchange_then(
+    addr: SocketAddr,
+    head: Vec<u8>,
+    chunks: impl Iterator<Item = Vec<u8>>,
+    pause: Duration,
+    limit: Duration,
+    close: bool,
 ) -> String {
     let stream = TcpStream::connect(addr).await.unwrap();
     let (mut read, mut write) = stream.into_split();
@@ -55,6 +69,9 @@ async fn raw_exchange(
                 }
                 write.write_all(&chunk).await?;
             }
+            if close {
+                write.shutdown().await?;
+            }
             std::io::Result::Ok(())
         };
         let _ = sent.await;
@@ -64,7 +81,7 @@ async fn raw_exchange(
     let reader = async move {
         let mut response = Vec::new();
         let mut buf = [0u8; 4096];
-        while !contains(&response, b"\r\n\r\n") {
+        while !whole_response(&response) {
             match read.read(&mut buf).await {
                 Ok(0) | Err(_) => break,
                 Ok(n) => response.extend_from_slice(&buf[..n]),
@@ -83,8 +100,31 @@ async fn raw_exchange(
         .expect("the server neither answered nor closed in time")
 }
 
-fn contains(haystack: &[u8], needle: &[u8]) -> bool {
-    haystack.windows(needle.len()).any(|w| w == needle)
+/// Whether `bytes` hold a response's head and its `content-length` of body.
+fn whole_response(bytes: &[u8]) -> bool {
+    let Some(end) = bytes.windows(4).position(|w| w == b"\r\n\r\n") else {
+        return false;
+    };
+    let head = String::from_utf8_lossy(&bytes[..end]).to_ascii_lowercase();
+    let length = head
+        .lines()
+        .find_map(|line| line.strip_prefix("content-length:"))
+        .map_or(0, |value| value.trim().parse().unwrap_or(0));
+    bytes.len() >= end + 4 + length
+}
+
+/// The `code` member of the problem+json body of a raw response.
+fn problem_code(response: &str) -> String {
+    assert!(
+        response
+            .to_ascii_lowercase()
+            .contains("content-type: application/problem+json"),
+        "{response}"
+    );
+    let (_, body) = response.split_once("\r\n\r\n").expect("a whole response");
+    let json: serde_json::Value =
+        serde_json::from_str(body).unwrap_or_else(|_| panic!("not JSON: {response}"));
+    json["code"].as_str().unwrap().to_owned()
 }
 
 fn head(scope: &str, key: &[u8], framing: &str) -> Vec<u8> {
@@ -129,7 +169,7 @@ async fn ten_megabyte_bodies_are_413_and_nothing_is_kept() {
     )
     .await;
     assert!(response.starts_with("HTTP/1.1 413"), "{response}");
-    assert!(response.contains("application/problem+json"), "{response}");
+    assert_eq!(problem_code(&response), "request_body_too_large");
     still_serving(&client).await;
 
     // Chunked, with no length announced: the limit still holds.
@@ -152,10 +192,13 @@ async fn ten_megabyte_bodies_are_413_and_nothing_is_kept() {
     )
     .await;
     assert!(response.starts_with("HTTP/1.1 413"), "{response}");
+    assert_eq!(problem_code(&response), "request_body_too_large");
 
     // Just over the limit is refused as surely as far over it.
     let over = format!(r#"{{"note":"{}"}}"#, "a".repeat(BODY_LIMIT));
-    assert_eq!(send(client.post("big-3", &over)).await.status, 413);
+    let answer = send(client.post("big-3", &over)).await;
+    assert_eq!(answer.status, 413, "{answer:?}");
+    assert_eq!(answer.problem_code(), "request_body_too_large");
 
     still_serving(&client).await;
     for key in ["big-1", "big-2", "big-3"] {
@@ -211,7 +254,7 @@ async fn trickling_bodies_are_408_within_the_body_timeout() {
     for task in slow {
         let (response, elapsed) = task.await.unwrap();
         assert!(response.starts_with("HTTP/1.1 408"), "{response}");
-        assert!(response.contains("request_body_timeout") || response.contains("problem+json"));
+        assert_eq!(problem_code(&response), "request_body_timeout");
         assert!(
             elapsed >= TIMEOUT && elapsed < Duration::from_secs(3),
             "answered after {elapsed:?}: the timeout, not the body, must decide"
@@ -225,6 +268,45 @@ async fn trickling_bodies_are_408_within_the_body_timeout() {
     }
     still_serving(&client).await;
     assert_eq!(keys_in_scope(server.pool(), &scope).await, 2);
+}
+
+/// A body that ends before its announced length, or a chunked body whose
+/// last chunk never comes, is 400 `request_body_unreadable`: nothing is
+/// claimed or run, and the key is then free for the whole request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bodies_cut_off_before_their_end_are_400_unreadable() {
+    let server = server().await;
+    let scope = unique("hostile-cut");
+    let client = server.client(&scope);
+    let cut = |key: &'static [u8], framing: &'static str, sent: &'static [u8]| {
+        raw_exchange_then(
+            server.addr,
+            head(&scope, key, framing),
+            std::iter::once(sent.to_vec()),
+            Duration::ZERO,
+            Duration::from_secs(10),
+            true,
+        )
+    };
+    for response in [
+        cut(b"cut-1", "content-length: 40", br#"{"note":"#).await,
+        cut(
+            b"cut-2",
+            "transfer-encoding: chunked",
+            b"9\r\n{\"note\":\"\r\n",
+        )
+        .await,
+    ] {
+        assert!(response.starts_with("HTTP/1.1 400"), "{response}");
+        assert_eq!(problem_code(&response), "request_body_unreadable");
+    }
+    assert_eq!(keys_in_scope(server.pool(), &scope).await, 0);
+    assert_eq!(effects_in_scope(server.pool(), &scope).await, 0);
+    for key in ["cut-1", "cut-2"] {
+        let whole = send(client.post(key, BODY)).await;
+        assert_eq!(whole.status, 201, "{key}: {whole:?}");
+        assert!(!whole.replayed(), "{key}: {whole:?}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -18,6 +18,12 @@ static READY: OnceCell<()> = OnceCell::const_new();
 
 const URL_VAR: &str = "IDEM_TEST_MYSQL_URL";
 
+/// The size of a test service's pool: enough for the suite's concurrent
+/// requests (duplicates of a key in flight wait holding none), small
+/// enough that the conformance tests running at once stay within the
+/// server's `max_connections` (see the harness's `TESTS_AT_ONCE`).
+pub const SERVER_POOL: u32 = 10;
+
 /// The test server's URL.
 pub fn url() -> String {
     app::env_or(URL_VAR, "mysql://root@127.0.0.1:3306/test")
@@ -156,7 +162,7 @@ impl TestDb for MySql {
     }
 
     async fn connect() -> Pool<Self> {
-        pool(40).await
+        pool(SERVER_POOL).await
     }
 
     fn unreachable_pool() -> Pool<Self> {

@@ -26,6 +26,12 @@ END $$";
 
 static READY: OnceCell<()> = OnceCell::const_new();
 
+/// The size of a test service's pool: enough for the suite's concurrent
+/// requests (duplicates of a key in flight wait holding none), small
+/// enough that the conformance tests running at once stay within the
+/// server's `max_connections` (see the harness's `TESTS_AT_ONCE`).
+pub const SERVER_POOL: u32 = 10;
+
 /// The test server's URL.
 pub fn url() -> String {
     app::env_or(URL_VAR, DEFAULT_URL)
@@ -49,6 +55,18 @@ pub async fn pool_ending_idle_sessions(idle: std::time::Duration) -> PgPool {
     PgPoolOptions::new()
         .max_connections(1)
         .connect_with(options.options([("idle_session_timeout", timeout.as_str())]))
+        .await
+        .unwrap()
+}
+
+/// A pool of `size` whose transactions are SERIALIZABLE (the session's
+/// `default_transaction_isolation`), with the tables.
+pub async fn serializable_pool(size: u32) -> PgPool {
+    pool(1).await.close().await;
+    let options: sqlx::postgres::PgConnectOptions = url().parse().unwrap();
+    PgPoolOptions::new()
+        .max_connections(size)
+        .connect_with(options.options([("default_transaction_isolation", "serializable")]))
         .await
         .unwrap()
 }
@@ -156,7 +174,7 @@ impl TestDb for Postgres {
     }
 
     async fn connect() -> Pool<Self> {
-        pool(40).await
+        pool(SERVER_POOL).await
     }
 
     fn unreachable_pool() -> Pool<Self> {

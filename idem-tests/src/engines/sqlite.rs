@@ -136,4 +136,30 @@ impl TestDb for Sqlite {
     fn router(state: AppState<Self>) -> axum::Router {
         handlers::router(state)
     }
+
+    async fn commit_losing_pool() -> Pool<Self> {
+        // A database of its own in rollback-journal mode, where a commit
+        // waits for every reader to finish (WAL's cannot be made to fail).
+        let path = target_tmp().join(format!("{}.sqlite3", app::unique("lost-commit")));
+        let options = SqliteConnectOptions::new()
+            .filename(path)
+            .journal_mode(SqliteJournalMode::Delete)
+            .busy_timeout(Duration::from_millis(200));
+        open(options).await
+    }
+
+    async fn lose_commit(pool: &Pool<Self>, _: Option<i64>) -> Box<dyn std::any::Any + Send> {
+        // No session to end: a reader's lock, taken while the handler holds
+        // the write lock, keeps its `COMMIT` from the exclusive lock it
+        // needs, until the busy timeout ends the wait with SQLITE_BUSY.
+        use sqlx::Connection;
+        let mut reader = sqlx::SqliteConnection::connect_with(&pool.connect_options())
+            .await
+            .unwrap();
+        sqlx::raw_sql("BEGIN; SELECT count(*) FROM idem_keys")
+            .execute(&mut reader)
+            .await
+            .unwrap();
+        Box::new(reader)
+    }
 }

@@ -15,6 +15,30 @@ use crate::app::{AppState, Hold, Holds, TestDb, percent_encode};
 /// The stored-response cap of the test service (the `big` mode exceeds it).
 pub const RESPONSE_CAP: usize = 32 * 1024;
 
+/// Tests of one engine that run at once, however many threads libtest
+/// uses: each starts at most two pools of `engines::*::SERVER_POOL` (10)
+/// connections (two instances, or a killed child and its successor), so
+/// a server engine sees at most 80 from this binary, within PostgreSQL's
+/// default `max_connections` of 100 on a machine of any size.
+const TESTS_AT_ONCE: usize = 4;
+
+/// A place among the [`TESTS_AT_ONCE`] tests of `DB`'s engine; held for
+/// the whole test.
+pub async fn slot<DB: TestDb>() -> tokio::sync::SemaphorePermit<'static> {
+    use tokio::sync::Semaphore;
+    static SLOTS: [Semaphore; 3] = [
+        Semaphore::const_new(TESTS_AT_ONCE),
+        Semaphore::const_new(TESTS_AT_ONCE),
+        Semaphore::const_new(TESTS_AT_ONCE),
+    ];
+    let engine = match DB::ENGINE {
+        "postgres" => 0,
+        "mysql" => 1,
+        _ => 2,
+    };
+    SLOTS[engine].acquire().await.unwrap()
+}
+
 /// A server on 127.0.0.1, stopped when dropped.
 pub struct Server<DB: TestDb> {
     pub addr: SocketAddr,

@@ -66,6 +66,7 @@ fn created(body: &'static str) -> StoredResponse {
 /// for its insert and whether the claim won (`Claimed`) or lost (`InUse`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_claim_restores_the_sessions_lock_wait() {
+    let _slot = crate::harness::slot::<MySql>().await;
     MySql::connect().await; // the server is there and the table migrated
     let pool = session_pool(format!(
         "SET SESSION innodb_lock_wait_timeout = {SESSION_LOCK_WAIT}"
@@ -113,12 +114,50 @@ async fn the_claim_restores_the_sessions_lock_wait() {
     held.release();
 }
 
+/// Log lines written while a test runs, for it to read.
+#[derive(Clone, Default)]
+struct Captured(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Captured {
+    /// The lines at `level` so far.
+    fn lines_at(&self, level: &str) -> Vec<String> {
+        String::from_utf8_lossy(&self.0.lock().unwrap())
+            .lines()
+            .filter(|line| line.contains(level))
+            .map(str::to_owned)
+            .collect()
+    }
+}
+
 /// A statement of the handler's that commits implicitly (DDL) ends the
 /// request's transaction by committing it, claim row and all: the finish
 /// then stores the response on that committed row, so the key replays
-/// instead of answering 409 until it expires.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+/// instead of answering 409 until it expires; and it logs a warning, the
+/// operator's only sign that a response was stored after its effects.
+/// (On this test's thread, where the runtime runs everything, so the
+/// thread's own subscriber sees the finish's events.)
+#[tokio::test(flavor = "current_thread")]
 async fn an_implicit_commit_still_stores_the_response() {
+    let _slot = crate::harness::slot::<MySql>().await;
+    let log = Captured::default();
+    let writer = log.clone();
+    let _logging = tracing::subscriber::set_default(
+        tracing_subscriber::fmt()
+            .with_ansi(false)
+            .with_writer(move || writer.clone())
+            .finish(),
+    );
     let pool = MySql::connect().await;
     let scope = unique("implicit");
     let claim = claim(&scope, 9, Duration::ZERO);
@@ -138,10 +177,17 @@ async fn an_implicit_commit_still_stores_the_response() {
         .unwrap();
     assert_eq!(in_transaction, 0, "the DDL committed the transaction");
     let response = created("{\"id\":1}");
+    assert_eq!(log.lines_at("WARN"), Vec::<String>::new());
     MySql::finish(&mut held, "idem_keys", Some(&claim), Some(&response))
         .await
         .expect("the response is stored on the committed claim");
     held.release();
+    let warnings = log.lines_at("WARN");
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert!(
+        warnings[0].contains("committed its transaction implicitly"),
+        "{warnings:?}"
+    );
 
     match MySql::claim(&pool, Acquire::default(), "idem_keys", &claim)
         .await
@@ -167,6 +213,7 @@ async fn an_implicit_commit_still_stores_the_response() {
 /// does.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_autocommit_a_rolled_back_claim_is_not_a_success() {
+    let _slot = crate::harness::slot::<MySql>().await;
     MySql::connect().await;
     let pool = session_pool("SET SESSION autocommit = 0".to_owned()).await;
     let scope = unique("noautocommit");
@@ -215,6 +262,7 @@ async fn without_autocommit_a_rolled_back_claim_is_not_a_success() {
 /// claimed again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sessions_select_limit_cannot_defeat_the_claim() {
+    let _slot = crate::harness::slot::<MySql>().await;
     MySql::connect().await;
     for limit in [1, 0] {
         let pool = session_pool(format!("SET SESSION sql_select_limit = {limit}")).await;
@@ -250,6 +298,7 @@ async fn a_sessions_select_limit_cannot_defeat_the_claim() {
 /// locks are gone), and the read's snapshot ends with it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_autocommit_sweeps_and_reads_leave_no_transaction_open() {
+    let _slot = crate::harness::slot::<MySql>().await;
     MySql::connect().await;
     let pool = session_pool("SET SESSION autocommit = 0".to_owned()).await;
     let table = format!("idem_noautocommit_{}", std::process::id());
@@ -318,6 +367,7 @@ async fn without_autocommit_sweeps_and_reads_leave_no_transaction_open() {
 /// gone and closed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_that_waited_keeps_its_connection() {
+    let _slot = crate::harness::slot::<MySql>().await;
     MySql::connect().await;
     let pool = session_pool(format!(
         "SET SESSION innodb_lock_wait_timeout = {SESSION_LOCK_WAIT}"

@@ -11,6 +11,12 @@ use crate::harness::{
     Answer, ChildServer, Client, send, start, start_configured, unique, until_idle,
 };
 
+pub use crate::bodies::refused_bodies_get_their_problem;
+pub use crate::commits::{
+    broken_endings_are_internal_errors, cancelled_savepoints_are_internal_errors,
+    lost_commits_are_503, self_committed_failures_hold_the_key_until_it_expires,
+    serialization_failures_at_commit_are_503,
+};
 pub use crate::expiry::{
     concurrent_retries_of_an_expired_key_make_one_effect, expired_keys_run_as_new,
     slow_first_attempts_are_kept_for_their_ttl, sweeping_spares_live_and_taken_over_keys,
@@ -660,6 +666,7 @@ pub async fn extractor_rejections_store_nothing<DB: TestDb>() {
     ))
     .await;
     assert_eq!(too_big.status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(too_big.problem_code(), "request_body_too_large");
     assert_eq!(server.effects(&caller).await, 0);
     assert_eq!(server.keys(&caller).await, 0);
     let ok = send(client.post("/effects", "k", BODY)).await;
@@ -712,12 +719,13 @@ pub async fn optional_keys<DB: TestDb>() {
         2,
         "a keyless 503 still rolls back"
     );
-    send(client.post("/effects/optional", "k", BODY)).await;
-    assert!(
-        send(client.post("/effects/optional", "k", BODY))
-            .await
-            .replayed()
-    );
+    let keyed = send(client.post("/effects/optional", "k", BODY)).await;
+    assert_eq!(keyed.status, StatusCode::CREATED, "{keyed:?}");
+    assert!(!keyed.replayed(), "{keyed:?}");
+    assert_eq!(server.keys(&caller).await, 1, "a keyed request is stored");
+    let again = send(client.post("/effects/optional", "k", BODY)).await;
+    assert!(again.replayed(), "{again:?}");
+    assert_eq!(again.body, keyed.body);
     assert_eq!(server.effects(&caller).await, 3);
 }
 

@@ -116,7 +116,7 @@ async fn claims_are_retried_only_when_the_engine_asks() {
         ),
         (&[Some(retry), Some(in_use)], "in use", &[1, 2]),
         (&[Some(in_use)], "in use", &[1]),
-        (&[Some(fatal)], "no rows", &[1]),
+        (&[Some(fatal)], "vanished", &[1]),
     ];
     for (script, expected, attempts) in cases {
         let mut claim = Scripted {
@@ -384,14 +384,36 @@ async fn a_committed_row_without_a_response_is_in_use() {
         .await
         .expect("claim");
     assert!(matches!(outcome, ClaimOutcome::InUse { .. }), "{outcome:?}");
-    // The one connection came back to the pool, out of any transaction.
+    // The one connection came back to the pool, out of any transaction:
+    // two statements on it run in two transactions.
+    let mut conn = tokio::time::timeout(Duration::from_secs(5), pool.acquire())
+        .await
+        .expect("the claim's connection came back to the pool")
+        .unwrap();
+    assert!(
+        !sqlx::Connection::is_in_transaction(&*conn),
+        "sqlx counts a transaction"
+    );
+    let mut transactions = Vec::new();
+    for _ in 0..2 {
+        let id: String = sqlx::query_scalar("SELECT pg_current_xact_id()::text")
+            .fetch_one(&mut *conn)
+            .await
+            .unwrap();
+        transactions.push(id);
+    }
+    assert_ne!(
+        transactions[0], transactions[1],
+        "a transaction is still open"
+    );
     let status: Option<i16> = sqlx::query_scalar(AssertSqlSafe(format!(
         "SELECT status FROM {table} WHERE key = 'held'"
     )))
-    .fetch_one(&pool)
+    .fetch_one(&mut *conn)
     .await
     .unwrap();
     assert_eq!(status, None);
+    drop(conn);
     drop_table(&pool, &table).await;
 }
 
