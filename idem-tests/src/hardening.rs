@@ -53,12 +53,7 @@ impl<DB: TestDb> Server<DB> {
             idem,
             holds: Holds::default(),
         };
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let app = DB::router(state.clone());
-        let task = tokio::spawn(async move {
-            axum::serve(listener, app).await.unwrap();
-        });
+        let (addr, task) = crate::service::serve(state.clone()).await;
         Server { addr, state, task }
     }
 

@@ -15,6 +15,7 @@ pub mod proxy;
 pub mod round_trip_service;
 pub mod service;
 pub mod stats;
+pub mod store;
 #[cfg(feature = "postgres")]
 pub mod ui;
 pub mod unique;

@@ -302,6 +302,19 @@ impl<DB: idem::Backend> axum::extract::FromRef<AppState<DB>> for Holds {
     }
 }
 
+/// Serves `state`'s router on 127.0.0.1 until the task is aborted.
+pub async fn serve<DB: TestDb>(
+    state: AppState<DB>,
+) -> (std::net::SocketAddr, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let app = DB::router(state);
+    let task = tokio::spawn(async move {
+        axum::serve(listener, app).await.unwrap();
+    });
+    (addr, task)
+}
+
 /// Handlers in `hold:<name>` mode park here after their write until the
 /// test releases them: the test drives the timing, not sleeps.
 #[derive(Clone, Default)]

@@ -89,12 +89,7 @@ impl<DB: Remote> Service<DB> {
             idem: Idem::new(pool),
             holds: Holds::default(),
         };
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let app = DB::router(state.clone());
-        let task = tokio::spawn(async move {
-            axum::serve(listener, app).await.unwrap();
-        });
+        let (addr, task) = idem_tests::service::serve(state.clone()).await;
         Service {
             addr,
             state,
@@ -172,49 +167,29 @@ impl<DB: Remote> Service<DB> {
     }
 }
 
-/// The connection dies on the service's side while the handler runs, just
-/// after the claim and its write: the service's commit fails (503), the
-/// session stays idle in its transaction holding the key, and the server
-/// ends it within the bound; the retry then runs the request once.
-async fn cut_after_the_claim<DB: Remote>() {
-    let service = Service::<DB>::start("half-open-claim").await;
+/// The connection dies on the service's side while the handler runs, after
+/// the claim and its write: now (`Cut::Now`), or as the service sends its
+/// `COMMIT`, which never reaches the server (`Cut::BeforeCommit`). The
+/// service answers 503; the session stays idle in its transaction holding
+/// the key until the server ends it within the bound; the retry then runs
+/// the request once (nothing of the first attempt committed).
+async fn cut_while_held<DB: Remote>(cut: Cut) {
+    let service = Service::<DB>::start("half-open").await;
     let (request, hold) = service.parked("k").await;
-    service.proxy.arm(Cut::Now);
-    let cut = Instant::now();
+    service.proxy.arm(cut);
+    let since = Instant::now();
     hold.release.notify_one();
     let failed = request.await.unwrap();
     assert_eq!(
         service.proxy.cuts(),
         1,
-        "{}: one connection cut",
+        "{}: one connection cut ({cut:?})",
         DB::ENGINE
     );
     service.proxy.arm(Cut::Off);
     assert_eq!(failed.status, StatusCode::SERVICE_UNAVAILABLE, "{failed:?}");
-    let (done, after) = service.retry_until_done("k", cut).await;
-    assert!(after <= ORPHAN_BOUND + SLACK, "{after:?}");
-    service.assert_done_once("k", &done).await;
-}
-
-/// The `COMMIT` never reaches the server: the service answers 503, the
-/// session holds the key until the server ends it, and the retry runs the
-/// request once (nothing of the first attempt committed).
-async fn cut_before_commit<DB: Remote>() {
-    let service = Service::<DB>::start("half-open-commit").await;
-    let (request, hold) = service.parked("k").await;
-    service.proxy.arm(Cut::BeforeCommit);
-    let cut = Instant::now();
-    hold.release.notify_one();
-    let failed = request.await.unwrap();
-    assert_eq!(
-        service.proxy.cuts(),
-        1,
-        "{}: the COMMIT was cut",
-        DB::ENGINE
-    );
-    assert_eq!(failed.status, StatusCode::SERVICE_UNAVAILABLE, "{failed:?}");
     assert!(failed.header("retry-after").is_some());
-    let (done, after) = service.retry_until_done("k", cut).await;
+    let (done, after) = service.retry_until_done("k", since).await;
     assert!(after <= ORPHAN_BOUND + SLACK, "{after:?}");
     service.assert_done_once("k", &done).await;
 }
@@ -272,12 +247,12 @@ macro_rules! half_open {
         mod $engine {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn cut_after_the_claim() {
-                super::cut_after_the_claim::<$db>().await;
+                super::cut_while_held::<$db>(super::Cut::Now).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn cut_before_commit() {
-                super::cut_before_commit::<$db>().await;
+                super::cut_while_held::<$db>(super::Cut::BeforeCommit).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -50,9 +50,7 @@ async fn committed_then_failed_is_logged<DB: TestDb>() {
         idem: Idem::new(DB::connect().await),
         holds: Holds::default(),
     };
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let server = tokio::spawn(axum::serve(listener, DB::router(state)).into_future());
+    let (addr, server) = idem_tests::service::serve(state).await;
     let scope = unique("stranded");
     let http = reqwest::Client::new();
     let post = |key: &str, mode: &str| {

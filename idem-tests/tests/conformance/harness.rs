@@ -69,12 +69,7 @@ pub async fn start_configured<DB: TestDb>(
         idem: configure(idem::Idem::new(pool).max_response_bytes(RESPONSE_CAP)),
         holds: Holds::default(),
     };
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let app = DB::router(state.clone());
-    let task = tokio::spawn(async move {
-        axum::serve(listener, app).await.unwrap();
-    });
+    let (addr, task) = idem_tests::service::serve(state.clone()).await;
     Server { addr, state, task }
 }
 

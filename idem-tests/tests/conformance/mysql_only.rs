@@ -3,9 +3,9 @@
 
 use std::time::Duration;
 
-use axum::http::StatusCode;
-use idem::__private::{Acquire, Claim, ClaimOutcome, Fingerprint, FinishError, StoredResponse};
+use idem::__private::{Acquire, ClaimOutcome, FinishError};
 use idem::Backend;
+use idem_tests::store::{claim, claimed, created};
 use sqlx::mysql::MySqlPoolOptions;
 use sqlx::{Executor, MySql};
 
@@ -39,28 +39,6 @@ async fn session_pool(set: String) -> sqlx::MySqlPool {
         .unwrap()
 }
 
-/// A claim of key `k` in `scope`, kept a minute, its fingerprint `fill`
-/// repeated.
-fn claim(scope: &str, fill: u8, wait: Duration) -> Claim<'_> {
-    Claim {
-        scope,
-        key: "k",
-        fingerprint: Fingerprint::from_bytes(&[fill; 32]).unwrap(),
-        ttl: Duration::from_secs(60),
-        wait,
-        timeout_ms: 30_000,
-    }
-}
-
-/// A 201 with `body` and no headers, as a handler's answer is stored.
-fn created(body: &'static str) -> StoredResponse {
-    StoredResponse {
-        status: StatusCode::CREATED,
-        headers: Vec::new(),
-        body: body.into(),
-    }
-}
-
 /// The handler runs with the session's own `innodb_lock_wait_timeout`, and
 /// the connection goes back to the pool with it, whatever the claim set
 /// for its insert and whether the claim won (`Claimed`) or lost (`InUse`).
@@ -75,13 +53,7 @@ async fn the_claim_restores_the_sessions_lock_wait() {
     let scope = unique("lockwait");
     let claim = claim(&scope, 7, Duration::from_millis(250));
 
-    let ClaimOutcome::Claimed(mut held) =
-        MySql::claim(&pool, Acquire::default(), "idem_keys", &claim)
-            .await
-            .unwrap()
-    else {
-        panic!("a fresh key is claimed")
-    };
+    let mut held = claimed(&pool, &claim, "the claim").await;
     assert_eq!(
         lock_wait(&mut held).await,
         SESSION_LOCK_WAIT,
@@ -161,13 +133,7 @@ async fn an_implicit_commit_still_stores_the_response() {
     let pool = MySql::connect().await;
     let scope = unique("implicit");
     let claim = claim(&scope, 9, Duration::ZERO);
-    let ClaimOutcome::Claimed(mut held) =
-        MySql::claim(&pool, Acquire::default(), "idem_keys", &claim)
-            .await
-            .unwrap()
-    else {
-        panic!("a fresh key is claimed")
-    };
+    let mut held = claimed(&pool, &claim, "the claim").await;
     held.execute("CREATE TABLE IF NOT EXISTS idem_implicit_commit (id INT) ENGINE = InnoDB")
         .await
         .unwrap();
@@ -218,13 +184,7 @@ async fn without_autocommit_a_rolled_back_claim_is_not_a_success() {
     let pool = session_pool("SET SESSION autocommit = 0".to_owned()).await;
     let scope = unique("noautocommit");
     let claim = claim(&scope, 5, Duration::ZERO);
-    let ClaimOutcome::Claimed(mut held) =
-        MySql::claim(&pool, Acquire::default(), "idem_keys", &claim)
-            .await
-            .unwrap()
-    else {
-        panic!("a fresh key is claimed")
-    };
+    let mut held = claimed(&pool, &claim, "the claim").await;
     held.execute("ROLLBACK").await.unwrap();
     // The handler goes on writing, in the transaction the session opened.
     sqlx::query(<MySql as TestDb>::INSERT_EFFECT)
@@ -268,13 +228,7 @@ async fn a_sessions_select_limit_cannot_defeat_the_claim() {
         let pool = session_pool(format!("SET SESSION sql_select_limit = {limit}")).await;
         let scope = unique("selectlimit");
         let claim = claim(&scope, 6, Duration::ZERO);
-        let ClaimOutcome::Claimed(mut held) =
-            MySql::claim(&pool, Acquire::default(), "idem_keys", &claim)
-                .await
-                .unwrap()
-        else {
-            panic!("limit {limit}: a fresh key is claimed")
-        };
+        let mut held = claimed(&pool, &claim, &format!("limit {limit}")).await;
         let response = created("{\"id\":1}");
         MySql::finish(&mut held, "idem_keys", Some(&claim), Some(&response))
             .await

@@ -178,7 +178,7 @@ async fn a_busy_write_lock_is_503_never_409() {
 /// commits, neither the claim nor the write.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deferred_foreign_key_broken_at_commit_ends_the_transaction() {
-    use idem::__private::{Acquire, Claim, ClaimOutcome, Fingerprint, FinishError, StoredResponse};
+    use idem::__private::FinishError;
     use idem::Backend;
     use sqlx::Sqlite;
 
@@ -192,30 +192,13 @@ async fn a_deferred_foreign_key_broken_at_commit_ends_the_transaction() {
     .execute(&pool)
     .await
     .unwrap();
-    let claim = Claim {
-        scope: "s",
-        key: "k",
-        fingerprint: Fingerprint::from_bytes(&[4; 32]).unwrap(),
-        ttl: std::time::Duration::from_secs(60),
-        wait: std::time::Duration::ZERO,
-        timeout_ms: 30_000,
-    };
-    let ClaimOutcome::Claimed(mut conn) =
-        Sqlite::claim(&pool, Acquire::default(), "idem_keys", &claim)
-            .await
-            .unwrap()
-    else {
-        panic!("a fresh key is claimed")
-    };
+    let claim = idem_tests::store::claim("s", 4, std::time::Duration::ZERO);
+    let mut conn = idem_tests::store::claimed(&pool, &claim, "the claim").await;
     sqlx::raw_sql("INSERT INTO children VALUES (7)")
         .execute(&mut **conn)
         .await
         .expect("a deferred check waits for the commit");
-    let response = StoredResponse {
-        status: StatusCode::CREATED,
-        headers: Vec::new(),
-        body: "{}".into(),
-    };
+    let response = idem_tests::store::created("{}");
     let finished = Sqlite::finish(&mut conn, "idem_keys", Some(&claim), Some(&response)).await;
     assert!(
         matches!(finished, Err(FinishError::Ended(_))),
@@ -238,27 +221,14 @@ async fn a_deferred_foreign_key_broken_at_commit_ends_the_transaction() {
 /// wrong, is closed rather than pooled.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handlers_own_commit_still_stores_the_response() {
-    use idem::__private::{Acquire, Claim, ClaimOutcome, Fingerprint, StoredResponse};
+    use idem::__private::{Acquire, ClaimOutcome, StoredResponse};
     use idem::Backend;
     use sqlx::Sqlite;
 
     let file = TempDatabase::new("owncommit");
     let pool = open(file_options(&file.0)).await;
-    let claim = Claim {
-        scope: "s",
-        key: "k",
-        fingerprint: Fingerprint::from_bytes(&[8; 32]).unwrap(),
-        ttl: std::time::Duration::from_secs(60),
-        wait: std::time::Duration::ZERO,
-        timeout_ms: 30_000,
-    };
-    let ClaimOutcome::Claimed(mut conn) =
-        Sqlite::claim(&pool, Acquire::default(), "idem_keys", &claim)
-            .await
-            .unwrap()
-    else {
-        panic!("a fresh key is claimed")
-    };
+    let claim = idem_tests::store::claim("s", 8, std::time::Duration::ZERO);
+    let mut conn = idem_tests::store::claimed(&pool, &claim, "the claim").await;
     sqlx::raw_sql("COMMIT").execute(&mut **conn).await.unwrap();
     let response = StoredResponse {
         status: StatusCode::CREATED,
@@ -298,7 +268,7 @@ async fn a_handlers_own_commit_still_stores_the_response() {
 /// shared their in-process slot).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn private_memory_databases_do_not_share_keys() {
-    use idem::__private::{Acquire, Claim, ClaimOutcome, Fingerprint};
+    use idem::__private::{Acquire, ClaimOutcome};
     use idem::Backend;
     use sqlx::sqlite::SqlitePoolOptions;
 
@@ -315,14 +285,7 @@ async fn private_memory_databases_do_not_share_keys() {
             .expect("migrate");
         pools.push(pool);
     }
-    let claim = Claim {
-        scope: "acct",
-        key: "k",
-        fingerprint: Fingerprint::from_bytes(&[7; 32]).unwrap(),
-        ttl: std::time::Duration::from_secs(60),
-        wait: std::time::Duration::ZERO,
-        timeout_ms: 30_000,
-    };
+    let claim = idem_tests::store::claim("acct", 7, std::time::Duration::ZERO);
     let table = idem::DEFAULT_TABLE;
     let ClaimOutcome::Claimed(_held) =
         sqlx::Sqlite::claim(&pools[0], Acquire::default(), table, &claim)
