@@ -30,7 +30,7 @@ mod tx;
 pub use backend::Backend;
 pub use error::Error;
 pub use idem::{DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_TABLE, Idem};
-pub use key::{IDEMPOTENCY_KEY, IdempotencyKey, MAX_KEY_LEN};
+pub use key::{IDEMPOTENCY_KEY, IdempotencyKey, KeyError, MAX_KEY_LEN};
 pub use observe::{CLAIM_SECONDS, Outcome, REQUESTS_TOTAL, redact};
 pub use problem::Problem;
 pub use response::{DEFAULT_REPLAY_HEADERS, IDEMPOTENT_REPLAYED};
@@ -45,7 +45,7 @@ pub mod __private {
     pub use crate::backend::{Acquire, Claim, ClaimOutcome, FinishError, OpenTx, StoreError};
     pub use crate::extract::{__IdemFromBody, __IdemFromParts, __IdemFromRef, __IdemFromRequest};
     pub use crate::fingerprint::{Fingerprint, canonicalize};
-    pub use crate::key::{KeyError, parse_key, parse_key_value};
+    pub use crate::key::{parse_key, parse_key_value};
     pub use crate::protocol::{Answer, Config, KeyMode, Prepared, prepare, run};
     pub use crate::response::{CaptureError, StoredResponse, decode_headers, is_storable};
     pub use axum::extract::{FromRef, FromRequest, FromRequestParts, Request};

@@ -81,7 +81,17 @@ pub(crate) fn claim_latency(outcome: &'static str, elapsed: Duration) {
     metrics::histogram!(CLAIM_SECONDS, "outcome" => outcome).record(elapsed.as_secs_f64());
 }
 
-/// A short, stable, non-reversible tag for a scope or a key.
+/// A short, stable, non-reversible tag for a scope or a key: what `idem`
+/// logs in their place, so a service's own logs can carry the same tags.
+///
+/// ```
+/// // The tags of a request of caller `acct_1` with key `order-42`.
+/// let scope = idem_runtime::redact(&["acct_1"]);
+/// let key = idem_runtime::redact(&["acct_1", "order-42"]);
+/// assert_eq!(scope.len(), 16);
+/// assert_ne!(scope, key);
+/// assert_eq!(scope, idem_runtime::redact(&["acct_1"]));
+/// ```
 pub fn redact(parts: &[&str]) -> String {
     let mut hasher = Sha256::new();
     for part in parts {

@@ -8,6 +8,16 @@ use crate::key::KeyError;
 /// One of the responses `idem` answers without running the handler.
 ///
 /// Each has a stable `code` member clients can branch on.
+///
+/// ```
+/// use axum::response::IntoResponse;
+/// use idem_runtime::Problem;
+///
+/// assert_eq!(Problem::KeyReused.code(), "idempotency_key_reused");
+/// let response = Problem::KeyInUse.into_response();
+/// assert_eq!(response.status(), 409);
+/// assert_eq!(response.headers()["retry-after"], "1");
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Problem {

@@ -8,7 +8,8 @@
 
 use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, header::CONTENT_TYPE};
 use idem::__private::parse_key_value;
-use idem::__private::{Fingerprint, KeyError, StoredResponse, canonicalize, decode_headers};
+use idem::__private::{Fingerprint, StoredResponse, canonicalize, decode_headers};
+use idem::KeyError;
 use idem::MAX_KEY_LEN;
 use idem::redact;
 use proptest::prelude::*;
