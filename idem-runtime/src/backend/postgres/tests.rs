@@ -116,7 +116,7 @@ async fn claims_are_retried_only_when_the_engine_asks() {
         ),
         (&[Some(retry), Some(in_use)], "in use", &[1, 2]),
         (&[Some(in_use)], "in use", &[1]),
-        (&[Some(fatal)], "vanished", &[1]),
+        (&[Some(fatal)], "no rows", &[1]),
     ];
     for (script, expected, attempts) in cases {
         let mut claim = Scripted {
