@@ -16,6 +16,4 @@ pub mod round_trip_service;
 pub mod service;
 pub mod stats;
 pub mod store;
-#[cfg(feature = "postgres")]
-pub mod ui;
 pub mod unique;
