@@ -15,6 +15,17 @@
 //! - `ADDR`: where to listen, default `127.0.0.1:3000`.
 //! - `CHARGE_DELAY_MS`: the handler waits this long after its insert, to
 //!   watch a concurrent retry get 409.
+//! - `PROVIDER_URL`: the payment provider `POST /v1/payments` calls (run
+//!   `cargo run --example provider`, then `PROVIDER_URL=http://127.0.0.1:3001`);
+//!   unset, a fake provider runs inside this process (`PROVIDER_DELAY_MS` and
+//!   `PROVIDER_FAIL_FIRST` set its behaviour, as for the standalone one).
+//!
+//! `POST /v1/payments` (same authorization and body as `/v1/charges`) is a
+//! phased handler: a local phase writes a pending payment, the provider is
+//! charged with a key derived from the request's, and the last phase marks
+//! the payment succeeded and answers 201. Its lease is 5 s and the
+//! completer looks every 2 s, so a payment whose server died mid-call is
+//! finished within about 10 s of the restart, without the client.
 //!
 //! The handlers are written once, in `charges_api!`, and stamped out per
 //! engine (an `#[idempotent]` handler names its `Tx<DB>`, so it cannot be
@@ -22,6 +33,9 @@
 
 use std::future::Future;
 use std::time::Duration;
+
+#[path = "shared/fake_provider.rs"]
+mod fake_provider;
 
 use axum::extract::FromRequestParts;
 use axum::http::{StatusCode, request::Parts};
@@ -35,6 +49,14 @@ struct Account(String);
 impl Scope for Account {
     fn scope(&self) -> std::borrow::Cow<'_, str> {
         self.0.as_str().into()
+    }
+}
+
+/// The completer resumes a payment without the caller's credentials: the
+/// account is the scope the payment's key was stored under.
+impl idem::FromScope for Account {
+    fn from_scope(scope: &str) -> Self {
+        Account(scope.to_owned())
     }
 }
 
@@ -56,7 +78,7 @@ impl<S: Send + Sync> FromRequestParts<S> for Account {
     }
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, Serialize)]
 struct NewCharge {
     amount: i64,
     currency: String,
@@ -69,20 +91,85 @@ struct Charge {
     currency: String,
 }
 
-/// Any database error becomes a 500, which `idem` never stores: the
-/// transaction rolls back and a retry runs again.
-struct ApiError(sqlx::Error);
+#[derive(Serialize)]
+struct Payment {
+    id: i64,
+    amount: i64,
+    currency: String,
+    status: String,
+    provider_id: Option<String>,
+}
+
+/// What the provider answered a charge.
+#[derive(Serialize, Deserialize)]
+struct ProviderCharge {
+    id: String,
+}
+
+/// Every error is answered 5xx, which `idem` never stores: the transaction
+/// (or phase) rolls back and a retry runs again.
+enum ApiError {
+    Database(sqlx::Error),
+    /// The provider failed or could not be reached: 502.
+    Provider(String),
+    Phase(idem::PhaseError),
+}
 
 impl From<sqlx::Error> for ApiError {
     fn from(error: sqlx::Error) -> Self {
-        Self(error)
+        Self::Database(error)
+    }
+}
+
+impl From<idem::PhaseError> for ApiError {
+    fn from(error: idem::PhaseError) -> Self {
+        Self::Phase(error)
     }
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        tracing::error!(error = %self.0, "database error");
-        (StatusCode::INTERNAL_SERVER_ERROR, "internal error\n").into_response()
+        match self {
+            Self::Database(error) => {
+                tracing::error!(%error, "database error");
+                (StatusCode::INTERNAL_SERVER_ERROR, "internal error\n").into_response()
+            }
+            Self::Provider(error) => {
+                tracing::warn!(%error, "payment provider failed");
+                (StatusCode::BAD_GATEWAY, "payment provider unavailable\n").into_response()
+            }
+            Self::Phase(error) => error.into_response(),
+        }
+    }
+}
+
+/// The payment provider: charges with the idempotency key it is given.
+#[derive(Clone)]
+struct Provider {
+    http: reqwest::Client,
+    url: String,
+}
+
+impl Provider {
+    async fn charge(&self, key: &str, new: &NewCharge) -> Result<ProviderCharge, ApiError> {
+        let response = self
+            .http
+            .post(format!("{}/v1/payments", self.url))
+            .header("Idempotency-Key", key)
+            .json(&serde_json::json!({"amount": new.amount, "currency": new.currency}))
+            .send()
+            .await
+            .map_err(|error| ApiError::Provider(error.to_string()))?;
+        if !response.status().is_success() {
+            return Err(ApiError::Provider(format!(
+                "answered {}",
+                response.status()
+            )));
+        }
+        response
+            .json()
+            .await
+            .map_err(|error| ApiError::Provider(error.to_string()))
     }
 }
 
@@ -174,9 +261,169 @@ impl Dialect for sqlx::MySql {
     }
 }
 
+/// The SQL of payments, on the engines with the phased mode.
+trait Payments: Dialect + idem::Phased {
+    const CREATE_PAYMENTS: &'static str;
+    /// A pending payment; returns its id.
+    const INSERT_PAYMENT: &'static str;
+    /// Marks payment `$2` succeeded with the provider's id `$1`.
+    const MARK_PAID: &'static str;
+    /// One payment by `(id, account)`.
+    const SELECT_PAYMENT: &'static str;
+}
+
+#[cfg(feature = "postgres")]
+impl Payments for sqlx::Postgres {
+    const CREATE_PAYMENTS: &'static str = "CREATE TABLE IF NOT EXISTS payments (
+        id bigserial PRIMARY KEY, account text NOT NULL, amount bigint NOT NULL,
+        currency text NOT NULL, status text NOT NULL, provider_id text,
+        created_at timestamptz NOT NULL DEFAULT now())";
+    const INSERT_PAYMENT: &'static str = "INSERT INTO payments (account, amount, currency, status) \
+         VALUES ($1, $2, $3, 'pending') RETURNING id";
+    const MARK_PAID: &'static str =
+        "UPDATE payments SET status = 'succeeded', provider_id = $1 WHERE id = $2";
+    const SELECT_PAYMENT: &'static str = "SELECT id, amount, currency, status, provider_id \
+         FROM payments WHERE id = $1 AND account = $2";
+}
+
+#[cfg(feature = "sqlite")]
+impl Payments for sqlx::Sqlite {
+    const CREATE_PAYMENTS: &'static str = "CREATE TABLE IF NOT EXISTS payments (
+        id INTEGER PRIMARY KEY AUTOINCREMENT, account TEXT NOT NULL, amount INTEGER NOT NULL,
+        currency TEXT NOT NULL, status TEXT NOT NULL, provider_id TEXT,
+        created_at TEXT NOT NULL DEFAULT CURRENT_TIMESTAMP)";
+    const INSERT_PAYMENT: &'static str = "INSERT INTO payments (account, amount, currency, status) \
+         VALUES (?, ?, ?, 'pending') RETURNING id";
+    const MARK_PAID: &'static str =
+        "UPDATE payments SET status = 'succeeded', provider_id = ? WHERE id = ?";
+    const SELECT_PAYMENT: &'static str = "SELECT id, amount, currency, status, provider_id \
+         FROM payments WHERE id = ? AND account = ?";
+}
+
+/// `POST /v1/payments` and `GET /v1/payments/{id}` on one engine with the
+/// phased mode.
+macro_rules! payments_api {
+    ($module:ident, $db:ty) => {
+        mod $module {
+            use axum::extract::{FromRef, Path, State};
+            use axum::http::{StatusCode, header};
+            use axum::response::{IntoResponse, Response};
+            use axum::routing::{get, post};
+            use axum::{Json, Router};
+            use idem::{Idem, Phases, idempotent};
+            use sqlx::Pool;
+
+            use crate::{
+                Account, ApiError, NewCharge, Payment, Payments, Provider, ProviderCharge,
+            };
+
+            #[derive(Clone, FromRef)]
+            struct PaymentsState {
+                idem: Idem<$db>,
+                pool: Pool<$db>,
+                provider: Provider,
+            }
+
+            #[idempotent(scope = "account", lease = "5s")]
+            async fn create_payment(
+                account: Account,
+                State(provider): State<Provider>,
+                mut phases: Phases<$db>,
+                Json(new): Json<NewCharge>,
+            ) -> Result<impl IntoResponse, ApiError> {
+                // Phase 1, committed with its recovery point: the payment
+                // exists, pending, whatever happens next.
+                let id: i64 = phases
+                    .local("pending", async |tx| -> Result<_, ApiError> {
+                        let id = sqlx::query_scalar(<$db as Payments>::INSERT_PAYMENT)
+                            .bind(&account.0)
+                            .bind(new.amount)
+                            .bind(&new.currency)
+                            .fetch_one(tx)
+                            .await?;
+                        Ok(id)
+                    })
+                    .await?;
+                // The provider, with a key derived from the request's: a
+                // retry (ours, or the completer's) charges no second time.
+                let charge: ProviderCharge = phases
+                    .external("provider", async |key| provider.charge(&key, &new).await)
+                    .await?;
+                // The last phase commits with the stored response.
+                let tx = phases.last_phase().await?;
+                sqlx::query(<$db as Payments>::MARK_PAID)
+                    .bind(&charge.id)
+                    .bind(id)
+                    .execute(tx)
+                    .await?;
+                let payment = Payment {
+                    id,
+                    amount: new.amount,
+                    currency: new.currency,
+                    status: "succeeded".into(),
+                    provider_id: Some(charge.id),
+                };
+                Ok((
+                    StatusCode::CREATED,
+                    [(header::LOCATION, format!("/v1/payments/{id}"))],
+                    Json(payment),
+                ))
+            }
+
+            async fn get_payment(
+                account: Account,
+                State(pool): State<Pool<$db>>,
+                Path(id): Path<i64>,
+            ) -> Result<Response, ApiError> {
+                let payment: Option<(i64, i64, String, String, Option<String>)> =
+                    sqlx::query_as(<$db as Payments>::SELECT_PAYMENT)
+                        .bind(id)
+                        .bind(&account.0)
+                        .fetch_optional(&pool)
+                        .await?;
+                Ok(match payment {
+                    Some((id, amount, currency, status, provider_id)) => Json(Payment {
+                        id,
+                        amount,
+                        currency,
+                        status,
+                        provider_id,
+                    })
+                    .into_response(),
+                    None => (StatusCode::NOT_FOUND, "no such payment\n").into_response(),
+                })
+            }
+
+            /// The payment routes, their table created.
+            pub async fn router(
+                idem: Idem<$db>,
+                pool: Pool<$db>,
+                provider: Provider,
+            ) -> Result<Router, sqlx::Error> {
+                sqlx::raw_sql(<$db as Payments>::CREATE_PAYMENTS)
+                    .execute(&pool)
+                    .await?;
+                Ok(Router::new()
+                    .route("/v1/payments", post(create_payment))
+                    .route("/v1/payments/{id}", get(get_payment))
+                    .with_state(PaymentsState {
+                        idem,
+                        pool,
+                        provider,
+                    }))
+            }
+        }
+    };
+}
+
+#[cfg(feature = "postgres")]
+payments_api!(postgres_payments, sqlx::Postgres);
+#[cfg(feature = "sqlite")]
+payments_api!(sqlite_payments, sqlx::Sqlite);
+
 /// The API on one engine: its state, its two handlers and its server.
 macro_rules! charges_api {
-    ($engine:ident, $db:ty) => {
+    ($engine:ident, $db:ty $(, payments = $payments:ident)?) => {
         mod $engine {
             use std::time::Duration;
 
@@ -188,7 +435,7 @@ macro_rules! charges_api {
             use idem::{Idem, Tx, idempotent};
             use sqlx::Pool;
 
-            use crate::{Account, ApiError, Charge, Dialect, NewCharge};
+            use crate::{Account, ApiError, Charge, Dialect, NewCharge, Provider};
 
             #[derive(Clone, FromRef)]
             struct AppState {
@@ -248,6 +495,7 @@ macro_rules! charges_api {
                 pool: Pool<$db>,
                 listener: tokio::net::TcpListener,
                 delay: Duration,
+                provider: Provider,
             ) -> Result<(), Box<dyn std::error::Error>> {
                 let idem = Idem::new(pool.clone());
                 idem.migrate().await?;
@@ -259,7 +507,23 @@ macro_rules! charges_api {
                 let app = Router::new()
                     .route("/v1/charges", post(create_charge))
                     .route("/v1/charges/{id}", get(get_charge))
-                    .with_state(AppState { idem, pool, delay });
+                    .with_state(AppState {
+                        idem: idem.clone(),
+                        pool: pool.clone(),
+                        delay,
+                    });
+                // Engines without the phased mode serve charges only.
+                let _ = &provider;
+                $(
+                    let app = app.merge(
+                        crate::$payments::router(idem.clone(), pool, provider).await?,
+                    );
+                    // Resumes payments whose attempt stopped (a crash, a
+                    // kill) within about two seconds of their lease's end.
+                    idem.completer(app.clone())
+                        .every(Duration::from_secs(2))
+                        .spawn();
+                )?
                 tracing::info!("charges API listening on http://{}", listener.local_addr()?);
                 axum::serve(listener, app).await?;
                 Ok(())
@@ -269,9 +533,9 @@ macro_rules! charges_api {
 }
 
 #[cfg(feature = "postgres")]
-charges_api!(postgres, sqlx::Postgres);
+charges_api!(postgres, sqlx::Postgres, payments = postgres_payments);
 #[cfg(feature = "sqlite")]
-charges_api!(sqlite, sqlx::Sqlite);
+charges_api!(sqlite, sqlx::Sqlite, payments = sqlite_payments);
 #[cfg(feature = "mysql")]
 charges_api!(mysql, sqlx::MySql);
 
@@ -294,6 +558,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             .unwrap_or(0),
     );
     let listener = tokio::net::TcpListener::bind(&addr).await?;
+    let provider = provider().await?;
     let url = std::env::var("DATABASE_URL").ok();
     let scheme = url
         .as_deref()
@@ -318,17 +583,23 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             let options = options
                 .create_if_missing(true)
                 .journal_mode(SqliteJournalMode::Wal);
-            sqlite::serve(SqlitePool::connect_with(options).await?, listener, delay).await
+            sqlite::serve(
+                SqlitePool::connect_with(options).await?,
+                listener,
+                delay,
+                provider,
+            )
+            .await
         }
         #[cfg(feature = "postgres")]
         "postgres" | "postgresql" => {
             let pool = sqlx::PgPool::connect(url.as_deref().unwrap_or_default()).await?;
-            postgres::serve(pool, listener, delay).await
+            postgres::serve(pool, listener, delay, provider).await
         }
         #[cfg(feature = "mysql")]
         "mysql" | "mariadb" => {
             let pool = sqlx::MySqlPool::connect(url.as_deref().unwrap_or_default()).await?;
-            mysql::serve(pool, listener, delay).await
+            mysql::serve(pool, listener, delay, provider).await
         }
         _ if url.is_none() => {
             Err("DATABASE_URL is not set and this build has no `sqlite` feature".into())
@@ -339,4 +610,22 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         )
         .into()),
     }
+}
+
+/// The provider at `PROVIDER_URL`, or a fake one in this process.
+async fn provider() -> Result<Provider, Box<dyn std::error::Error>> {
+    let url = match std::env::var("PROVIDER_URL") {
+        Ok(url) => url.trim_end_matches('/').to_owned(),
+        Err(_) => {
+            let addr = fake_provider::spawn(fake_provider::Settings::from_env()?).await?;
+            tracing::info!(
+                "PROVIDER_URL is not set: a fake provider runs in-process on http://{addr}"
+            );
+            format!("http://{addr}")
+        }
+    };
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(10))
+        .build()?;
+    Ok(Provider { http, url })
 }

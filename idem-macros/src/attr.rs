@@ -5,17 +5,23 @@ use syn::ext::IdentExt;
 use syn::parse::{ParseStream, Parser};
 use syn::{Expr, ExprLit, Ident, Lit, LitStr, Token};
 
-use crate::duration::{MAX_TIMEOUT_MS, MAX_TTL_MS, MAX_WAIT_MS, parse_ms};
+use crate::duration::{
+    MAX_LEASE_MS, MAX_TIMEOUT_MS, MAX_TTL_MS, MAX_WAIT_MS, MIN_LEASE_MS, parse_ms,
+};
 use crate::errors::Errors;
 
-const KEYS: &[&str] = &["scope", "ttl", "key", "wait", "timeout", "crate"];
-const VALID_KEYS: &str = "valid arguments are `scope`, `ttl`, `key`, `wait`, `timeout` and `crate`";
+const KEYS: &[&str] = &["scope", "ttl", "key", "wait", "timeout", "lease", "crate"];
+const VALID_KEYS: &str =
+    "valid arguments are `scope`, `ttl`, `key`, `wait`, `timeout`, `lease` and `crate`";
 
 /// The default `ttl`: 24 hours.
 pub const DEFAULT_TTL_MS: u64 = 24 * 60 * 60 * 1000;
 
 /// The default `timeout`: 30 seconds.
 pub const DEFAULT_TIMEOUT_MS: u64 = 30 * 1000;
+
+/// The default `lease` of a phased handler: 30 seconds.
+pub const DEFAULT_LEASE_MS: u64 = 30 * 1000;
 
 /// Whether requests must carry a key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -34,7 +40,10 @@ pub struct Args {
     pub ttl: Option<(u64, Span)>,
     pub wait: Option<(u64, Span)>,
     pub timeout: Option<(u64, Span)>,
+    pub lease: Option<(u64, Span)>,
     pub key: Option<KeyMode>,
+    /// Where `key` was written, for errors about its combination with phases.
+    pub key_span: Option<Span>,
     pub krate: Option<syn::Path>,
 }
 
@@ -51,6 +60,10 @@ impl Args {
         self.timeout.map_or(DEFAULT_TIMEOUT_MS, |(ms, _)| ms)
     }
 
+    pub fn lease_ms(&self) -> u64 {
+        self.lease.map_or(DEFAULT_LEASE_MS, |(ms, _)| ms)
+    }
+
     /// Fills the slot of a known `key` written once, from its value.
     fn set(&mut self, key: &str, value: &Expr) -> syn::Result<()> {
         match key {
@@ -58,7 +71,11 @@ impl Args {
             "ttl" => self.ttl = Some((duration(key, value)?, value_span(value))),
             "wait" => self.wait = Some((duration(key, value)?, value_span(value))),
             "timeout" => self.timeout = Some((duration(key, value)?, value_span(value))),
-            "key" => self.key = Some(key_mode(value)?),
+            "lease" => self.lease = Some((duration(key, value)?, value_span(value))),
+            "key" => {
+                self.key = Some(key_mode(value)?);
+                self.key_span = Some(value_span(value));
+            }
             _ => self.krate = Some(krate(value)?),
         }
         Ok(())
@@ -257,7 +274,7 @@ fn krate(value: &Expr) -> syn::Result<syn::Path> {
 fn duration(key: &str, value: &Expr) -> syn::Result<u64> {
     let example = match key {
         "ttl" => "24h",
-        "timeout" => "30s",
+        "timeout" | "lease" => "30s",
         _ => "2s",
     };
     let lit = string(
@@ -275,12 +292,23 @@ fn duration(key: &str, value: &Expr) -> syn::Result<u64> {
             MAX_TIMEOUT_MS,
             "1h: a running handler holds its transaction, a connection and its key",
         ),
+        "lease" => (
+            MAX_LEASE_MS,
+            "1h: an attempt that stopped holds its key for its lease before another takes over",
+        ),
         _ => (
             MAX_WAIT_MS,
             "60s: a waiting duplicate holds a connection; past a minute, a 409 and a \
              client retry serve everyone better",
         ),
     };
+    if key == "lease" && ms < MIN_LEASE_MS {
+        return Err(syn::Error::new(
+            lit.span(),
+            "`lease` must be at least 1s: a shorter lease ends while a phase commits, and every \
+             attempt would be taken over by the next",
+        ));
+    }
     if ms == 0 && key != "wait" {
         let why = if key == "ttl" {
             "a key that expires at once protects nothing"

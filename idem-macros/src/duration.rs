@@ -12,6 +12,13 @@ pub const MAX_WAIT_MS: u64 = 60 * 1000;
 /// pooled connection and its key while it runs.
 pub const MAX_TIMEOUT_MS: u64 = 60 * 60 * 1000;
 
+/// The longest `lease`: an hour. An attempt that stopped holds its key
+/// for its lease before another attempt (or the completer) takes over.
+pub const MAX_LEASE_MS: u64 = 60 * 60 * 1000;
+
+/// The shortest `lease`: a second.
+pub const MIN_LEASE_MS: u64 = 1000;
+
 const DAY_MS: u64 = 24 * 60 * 60 * 1000;
 
 /// Parses `<digits><unit>` into milliseconds; the error says what is wrong.

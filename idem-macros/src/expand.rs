@@ -48,14 +48,25 @@ pub fn expand(item: &ItemFn, args: &Args, handler: &Handler) -> TokenStream {
         Some((last, rest)) if handler.scope_index != rest.len() => (rest, Some(last)),
         _ => (handler.extractors.as_slice(), None),
     };
+    // A phased handler's scope is rebuilt from the stored scope when the
+    // completer resumes a request (which carries no credentials).
+    let parts_trait = |index: usize| {
+        if handler.phased && index == handler.scope_index {
+            quote!(__IdemScopeFromParts)
+        } else {
+            quote!(__IdemFromParts)
+        }
+    };
     let part_bounds = parts
         .iter()
-        .map(|param| bound_over(quote!(__IdemFromParts), &param.ty, quote!()));
-    let extract_parts = parts.iter().map(|param| {
+        .enumerate()
+        .map(|(index, param)| bound_over(parts_trait(index), &param.ty, quote!()));
+    let extract_parts = parts.iter().enumerate().map(|(index, param)| {
         let (ty, local) = (&param.ty, &param.local);
+        let trait_ = parts_trait(index);
         quote! {
             let (__idem_request, #local) =
-                match <__IdemS as __IdemFromParts<#ty>>::extract(__idem_request, &__idem_state).await {
+                match <__IdemS as #trait_<#ty>>::extract(__idem_request, &__idem_state).await {
                     ::core::result::Result::Ok(__idem_extracted) => __idem_extracted,
                     ::core::result::Result::Err(__idem_rejection) => return __idem_rejection,
                 };
@@ -73,10 +84,22 @@ pub fn expand(item: &ItemFn, args: &Args, handler: &Handler) -> TokenStream {
         let (first, last) = first_last(&handler.tx_ty);
         let head = respan(quote!(__IdemS: __IdemFromRef<#krate::Idem<), first);
         let tail = respan(quote!(>>,), last);
-        quote!(#head #db #tail)
+        // A phased handler's database must support phases: said once, at
+        // the `Phases<..>` parameter.
+        let phased = if handler.phased {
+            let head = respan(quote!(#db: #private::), first);
+            let tail = respan(quote!(Phased,), last);
+            quote!(#head #tail)
+        } else {
+            quote!()
+        };
+        quote!(#head #db #tail #phased)
     };
 
-    let (config, finish) = (config(args, &private), finish(item, handler, &krate));
+    let (config, finish) = (
+        config(args, handler, &private),
+        finish(item, handler, &krate),
+    );
     let helpers = helper_traits(&private);
     let Shell {
         cfgs,
@@ -126,7 +149,7 @@ pub fn expand(item: &ItemFn, args: &Args, handler: &Handler) -> TokenStream {
 }
 
 /// The handler's arguments, checked, as the runtime takes them.
-fn config(args: &Args, private: &TokenStream) -> TokenStream {
+fn config(args: &Args, handler: &Handler, private: &TokenStream) -> TokenStream {
     let ttl = args.ttl_ms();
     let wait = args.wait_ms();
     let timeout = args.timeout_ms();
@@ -134,9 +157,15 @@ fn config(args: &Args, private: &TokenStream) -> TokenStream {
         KeyMode::Required => quote!(Required),
         KeyMode::Optional => quote!(Optional),
     };
+    let phased = if handler.phased {
+        let lease = args.lease_ms();
+        quote!(.phased(#lease))
+    } else {
+        quote!()
+    };
     quote! {
         const __IDEM_CONFIG: #private::Config =
-            #private::Config::new(#ttl, #wait, #timeout, #private::KeyMode::#mode);
+            #private::Config::new(#ttl, #wait, #timeout, #private::KeyMode::#mode) #phased;
     }
 }
 
@@ -167,7 +196,11 @@ fn finish(item: &ItemFn, handler: &Handler, krate: &TokenStream) -> TokenStream 
         args.set_span(Span::call_site().located_at(last));
         quote!(#callee #args)
     };
-    let run = spanned_over(quote!(#private::run), output);
+    let run = if handler.phased {
+        spanned_over(quote!(#private::run_phased), output)
+    } else {
+        spanned_over(quote!(#private::run), output)
+    };
 
     let mut call_args: Vec<TokenStream> = handler
         .extractors
@@ -210,7 +243,9 @@ fn finish(item: &ItemFn, handler: &Handler, krate: &TokenStream) -> TokenStream 
 fn helper_traits(private: &TokenStream) -> TokenStream {
     quote! {
         #[allow(unused_imports)]
-        use #private::{__IdemFromBody, __IdemFromParts, __IdemFromRef, __IdemFromRequest};
+        use #private::{
+            __IdemFromBody, __IdemFromParts, __IdemFromRef, __IdemFromRequest, __IdemScopeFromParts,
+        };
     }
 }
 

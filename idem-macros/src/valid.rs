@@ -3,7 +3,7 @@
 use quote::ToTokens;
 use syn::{FnArg, GenericArgument, Ident, ItemFn, Pat, PathArguments, Signature, Type};
 
-use crate::attr::Args;
+use crate::attr::{Args, KeyMode};
 use crate::errors::Errors;
 
 /// Extractors that consume the request body, so must come last.
@@ -41,6 +41,8 @@ pub struct Handler {
     pub db: Option<Type>,
     /// Index into `extractors` of the scope parameter.
     pub scope_index: usize,
+    /// The handler takes `Phases<DB>` (the phased mode) rather than a `Tx`.
+    pub phased: bool,
 }
 
 pub fn check(item: &ItemFn, args: &Args, errors: &mut Errors) -> Option<Handler> {
@@ -73,13 +75,47 @@ pub fn check(item: &ItemFn, args: &Args, errors: &mut Errors) -> Option<Handler>
         return None;
     }
     let (tx_index, db, tx_ty) = tx?;
+    let phased = matches!(tx_database(&tx_ty), TxParam::Tx(_, Kind::Phases));
+    check_mode_arguments(args, phased, errors);
+    if errors.count() != before {
+        return None;
+    }
     Some(Handler {
         extractors,
         tx_index,
         tx_ty,
         db,
         scope_index: scope_index?,
+        phased,
     })
+}
+
+/// The arguments that belong to one mode only.
+fn check_mode_arguments(args: &Args, phased: bool, errors: &mut Errors) {
+    if let (false, Some((_, span))) = (phased, args.lease) {
+        errors.push(syn::Error::new(
+            span,
+            "`lease` is for phased handlers (a `Phases<DB>` parameter): this handler runs in one \
+             transaction (`Tx`), which holds its key until it commits or rolls back",
+        ));
+    }
+    if !phased {
+        return;
+    }
+    if let (Some(KeyMode::Optional), Some(span)) = (args.key, args.key_span) {
+        errors.push(syn::Error::new(
+            span,
+            "a phased handler needs a key: its phases are recorded under it, and it cannot be \
+             optional",
+        ));
+    }
+    if let Some((_, span)) = args.wait {
+        errors.push(syn::Error::new(
+            span,
+            "`wait` is for handlers with a `Tx`: a duplicate of a phased request is answered 409 \
+             at once, with `Retry-After` from the first attempt's lease",
+        ));
+    }
 }
 
 /// axum's `#[debug_handler]`, under any path: it checks a function's
@@ -204,7 +240,7 @@ impl Params {
                     });
                     continue;
                 }
-                TxParam::Tx(db) => Some(Some(db)),
+                TxParam::Tx(db, _) => Some(Some(db)),
                 TxParam::Alias => Some(None),
                 TxParam::Malformed => None,
             };
@@ -236,7 +272,7 @@ fn the_one_tx(
             sig.ident.span(),
             "`#[idempotent]` handlers take exactly one `Tx<DB>` parameter, the request's \
              transaction; add one, e.g. `mut tx: idem::Tx<sqlx::Postgres>` (an alias of it \
-             must be named `Tx`)",
+             must be named `Tx`), or `phases: idem::Phases<DB>` for effects outside the database",
         ));
         return None;
     }
@@ -251,17 +287,30 @@ fn the_one_tx(
         _ => 0,
     };
     let (index, db, ty) = &txs[chosen];
+    let kind_of = |ty: &Type| match tx_database(ty) {
+        TxParam::Tx(_, kind) => Some(kind),
+        _ if last_ident_is(ty, "Phases") => Some(Kind::Phases),
+        _ => Some(Kind::Tx),
+    };
+    let chosen_kind = kind_of(ty);
     if db.is_none() {
-        errors.push(syn::Error::new_spanned(
-            ty,
-            "`Tx` takes the database as its one type argument, e.g. `Tx<sqlx::Postgres>`",
-        ));
+        let message = if chosen_kind == Some(Kind::Phases) {
+            "`Phases` takes the database as its one type argument, e.g. `Phases<sqlx::Postgres>`"
+        } else {
+            "`Tx` takes the database as its one type argument, e.g. `Tx<sqlx::Postgres>`"
+        };
+        errors.push(syn::Error::new_spanned(ty, message));
     }
     for (at, (_, other_db, other)) in txs.iter().enumerate() {
         if at == chosen {
             continue;
         }
-        let message = if explicit.len() == 1 && matches!(other_db, Some(None)) {
+        let message = if kind_of(other) != chosen_kind {
+            "a handler runs either in one transaction (`Tx<DB>`, the atomic mode) or in phases \
+             (`Phases<DB>`, for effects outside the database), not both: remove one"
+        } else if chosen_kind == Some(Kind::Phases) {
+            "a second `Phases` parameter: a phased handler has exactly one"
+        } else if explicit.len() == 1 && matches!(other_db, Some(None)) {
             "a second `Tx` parameter: `#[idempotent]` handlers run in exactly one transaction, \
              and read a bare `Tx` as an alias of `idem::Tx` (rename another type named `Tx`)"
         } else {
@@ -273,6 +322,11 @@ fn the_one_tx(
         (Some(db), 1) => Some((*index, db.cloned(), (*ty).clone())),
         _ => None,
     }
+}
+
+/// Whether `ty` is a path whose last segment is `name`.
+fn last_ident_is(ty: &Type, name: &str) -> bool {
+    matches!(ty, Type::Path(path) if path.path.segments.last().is_some_and(|last| last.ident == name))
 }
 
 /// A well-known body extractor anywhere but last.
@@ -289,10 +343,20 @@ fn check_body_is_last(extractors: &[Param], errors: &mut Errors) {
     }
 }
 
+/// Which of the two modes' parameters a type is.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// `Tx<DB>`: the atomic mode.
+    Tx,
+    /// `Phases<DB>`: the phased mode.
+    Phases,
+}
+
 /// What a parameter's type says about the transaction.
 enum TxParam<'a> {
-    /// `Tx<DB>`: the request's transaction over `DB`.
-    Tx(&'a Type),
+    /// `Tx<DB>` or `Phases<DB>`: the request's transaction (or phases)
+    /// over `DB`.
+    Tx(&'a Type, Kind),
     /// A bare `Tx`: an alias naming its database, or `idem::Tx` without
     /// one (which rustc then reports on the token).
     Alias,
@@ -301,7 +365,8 @@ enum TxParam<'a> {
     No,
 }
 
-/// `Tx<DB>` (any path ending in `Tx`) yields `DB`; a bare `Tx` is an alias.
+/// `Tx<DB>` or `Phases<DB>` (any path ending in either) yields `DB`; a
+/// bare `Tx` is an alias. (`Phases` has no alias form.)
 fn tx_database(ty: &Type) -> TxParam<'_> {
     let Type::Path(path) = ty else {
         return TxParam::No;
@@ -309,16 +374,20 @@ fn tx_database(ty: &Type) -> TxParam<'_> {
     let Some(last) = path.path.segments.last() else {
         return TxParam::No;
     };
-    if last.ident != "Tx" {
+    let kind = if last.ident == "Tx" {
+        Kind::Tx
+    } else if last.ident == "Phases" {
+        Kind::Phases
+    } else {
         return TxParam::No;
-    }
+    };
     let args = match &last.arguments {
-        PathArguments::None => return TxParam::Alias,
+        PathArguments::None if kind == Kind::Tx => return TxParam::Alias,
         PathArguments::AngleBracketed(args) => args,
-        PathArguments::Parenthesized(_) => return TxParam::Malformed,
+        _ => return TxParam::Malformed,
     };
     match args.args.iter().collect::<Vec<_>>().as_slice() {
-        [GenericArgument::Type(db)] => TxParam::Tx(db),
+        [GenericArgument::Type(db)] => TxParam::Tx(db, kind),
         _ => TxParam::Malformed,
     }
 }

@@ -14,12 +14,15 @@
 
 mod backend;
 mod canonical;
+mod completer;
 mod error;
 mod extract;
 mod fingerprint;
 mod idem;
 mod key;
 mod observe;
+mod phased;
+mod phases;
 mod problem;
 mod protocol;
 mod recent;
@@ -27,11 +30,16 @@ mod response;
 mod scope;
 mod tx;
 
-pub use backend::Backend;
+pub use backend::{Backend, Phased};
+pub use completer::{Completer, CompleterRun};
 pub use error::Error;
 pub use idem::{DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_TABLE, Idem};
 pub use key::{IDEMPOTENCY_KEY, IdempotencyKey, KeyError, MAX_KEY_LEN};
-pub use observe::{CLAIM_SECONDS, Outcome, REQUESTS_TOTAL, redact};
+pub use observe::{
+    CLAIM_SECONDS, COMPLETER_TOTAL, FENCED_TOTAL, Outcome, PHASES_TOTAL, REQUESTS_TOTAL,
+    RESUMES_TOTAL, redact,
+};
+pub use phases::{FromScope, PhaseError, Phases, Resumed};
 pub use problem::Problem;
 pub use response::{DEFAULT_REPLAY_HEADERS, IDEMPOTENT_REPLAYED};
 pub use scope::{MAX_SCOPE_LEN, Scope};
@@ -42,10 +50,14 @@ pub use tx::Tx;
 /// changes without notice.
 #[doc(hidden)]
 pub mod __private {
+    pub use crate::backend::Phased;
     pub use crate::backend::{Acquire, Claim, ClaimOutcome, FinishError, OpenTx, StoreError};
-    pub use crate::extract::{__IdemFromBody, __IdemFromParts, __IdemFromRef, __IdemFromRequest};
+    pub use crate::extract::{
+        __IdemFromBody, __IdemFromParts, __IdemFromRef, __IdemFromRequest, __IdemScopeFromParts,
+    };
     pub use crate::fingerprint::{Fingerprint, canonicalize};
     pub use crate::key::{parse_key, parse_key_value};
+    pub use crate::phased::run_phased;
     pub use crate::protocol::{Answer, Config, KeyMode, Prepared, prepare, run};
     pub use crate::response::{CaptureError, StoredResponse, decode_headers, is_storable};
     pub use axum::extract::{FromRef, FromRequest, FromRequestParts, Request};

@@ -16,6 +16,19 @@ pub const REQUESTS_TOTAL: &str = "idem_requests_total";
 /// wait for a concurrent attempt), by `outcome` of the claim.
 pub const CLAIM_SECONDS: &str = "idem_claim_seconds";
 
+/// Counter of phases and external steps of phased handlers, by `phase`
+/// (its name) and `outcome`: `committed`, `called`, `skipped` (recorded by
+/// an earlier attempt), `failed`, `fenced`.
+pub const PHASES_TOTAL: &str = "idem_phases_total";
+/// Counter of phased attempts that resumed an earlier one's recovery point.
+pub const RESUMES_TOTAL: &str = "idem_resumes_total";
+/// Counter of phased commits refused because another attempt took the key
+/// over.
+pub const FENCED_TOTAL: &str = "idem_fenced_total";
+/// Counter of the completer's attempts, by `outcome`: `completed`,
+/// `failed`, `given_up`.
+pub const COMPLETER_TOTAL: &str = "idem_completer_total";
+
 /// How one request through an `#[idempotent]` handler ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -41,6 +54,9 @@ pub enum Outcome {
     StoreUnavailable,
     /// No key on a `key = "optional"` handler: it ran in a plain transaction.
     Unkeyed,
+    /// A phased attempt lost its key to another attempt (its lease had
+    /// ended) and stopped: 409, nothing of its last phase committed.
+    Fenced,
 }
 
 impl Outcome {
@@ -56,6 +72,7 @@ impl Outcome {
             Self::TimedOut => "timed_out",
             Self::StoreUnavailable => "store_unavailable",
             Self::Unkeyed => "unkeyed",
+            Self::Fenced => "fenced",
         }
     }
 }
@@ -79,6 +96,24 @@ pub(crate) fn finish(span: &Span, outcome: Outcome) {
 
 pub(crate) fn claim_latency(outcome: &'static str, elapsed: Duration) {
     metrics::histogram!(CLAIM_SECONDS, "outcome" => outcome).record(elapsed.as_secs_f64());
+}
+
+/// A phase or external step of a phased handler ended as `outcome`.
+pub(crate) fn phase(name: &str, outcome: &'static str) {
+    metrics::counter!(PHASES_TOTAL, "phase" => name.to_owned(), "outcome" => outcome).increment(1);
+    tracing::debug!(phase = name, outcome, "phase");
+}
+
+pub(crate) fn resumed() {
+    metrics::counter!(RESUMES_TOTAL).increment(1);
+}
+
+pub(crate) fn fenced() {
+    metrics::counter!(FENCED_TOTAL).increment(1);
+}
+
+pub(crate) fn completer(outcome: &'static str) {
+    metrics::counter!(COMPLETER_TOTAL, "outcome" => outcome).increment(1);
 }
 
 /// A short, stable, non-reversible tag for a scope or a key: what `idem`

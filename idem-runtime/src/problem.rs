@@ -27,6 +27,12 @@ pub enum Problem {
     KeyInvalid(KeyError),
     /// 409: another attempt with this key is still running.
     KeyInUse,
+    /// 409: a phased attempt holds the key's lease, which ends in
+    /// `retry_after` seconds (when a retry resumes its work if it stopped).
+    KeyLeased {
+        /// Seconds until the lease ends.
+        retry_after: u32,
+    },
     /// 409: the key is held, by an attempt that may be running or by a
     /// session the server has yet to end (its client gone), or by an
     /// attempt that committed early and failed.
@@ -64,6 +70,10 @@ pub enum Problem {
     TransactionFailed,
     /// 500: the response could not be stored, so the work was rolled back.
     ResponseNotStored,
+    /// 500, stored: a phased request stopped after it may have had effects
+    /// outside the service, and the completer could not finish it within
+    /// its attempts. A person must check it; every retry gets this answer.
+    Abandoned,
     /// 500: the caller's scope is longer than
     /// [`MAX_SCOPE_LEN`](crate::MAX_SCOPE_LEN); nothing ran. The scope comes
     /// from the server's own extractor, so a retry cannot help.
@@ -80,7 +90,7 @@ impl Problem {
             Self::KeyMissing | Self::KeyInvalid(_) | Self::BodyUnreadable => {
                 StatusCode::BAD_REQUEST
             }
-            Self::KeyInUse | Self::KeyHeld => StatusCode::CONFLICT,
+            Self::KeyInUse | Self::KeyHeld | Self::KeyLeased { .. } => StatusCode::CONFLICT,
             Self::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             Self::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
@@ -91,6 +101,7 @@ impl Problem {
             Self::HandlerPanicked
             | Self::TransactionFailed
             | Self::ResponseNotStored
+            | Self::Abandoned
             | Self::ScopeTooLong => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -100,7 +111,7 @@ impl Problem {
         match self {
             Self::KeyMissing => "idempotency_key_missing",
             Self::KeyInvalid(_) => "idempotency_key_invalid",
-            Self::KeyInUse | Self::KeyHeld => "idempotency_key_in_use",
+            Self::KeyInUse | Self::KeyHeld | Self::KeyLeased { .. } => "idempotency_key_in_use",
             Self::KeyReused => "idempotency_key_reused",
             Self::BodyTooLarge => "request_body_too_large",
             Self::BodyUnreadable => "request_body_unreadable",
@@ -112,6 +123,7 @@ impl Problem {
             Self::HandlerTimeout => "handler_timeout",
             Self::ResponseNotStored => "idempotency_response_not_stored",
             Self::ScopeTooLong => "idempotency_scope_too_long",
+            Self::Abandoned => "idempotency_request_abandoned",
         }
     }
 
@@ -119,7 +131,9 @@ impl Problem {
         match self {
             Self::KeyMissing => "Idempotency-Key header missing",
             Self::KeyInvalid(_) => "Idempotency-Key header invalid",
-            Self::KeyInUse => "A request with this Idempotency-Key is still in progress",
+            Self::KeyInUse | Self::KeyLeased { .. } => {
+                "A request with this Idempotency-Key is still in progress"
+            }
             Self::KeyHeld => "This Idempotency-Key is held by another attempt",
             Self::KeyReused => "Idempotency-Key reused with a different request",
             Self::BodyTooLarge => "Request body too large",
@@ -133,6 +147,7 @@ impl Problem {
             Self::HandlerTimeout => "Request took too long",
             Self::ResponseNotStored => "Response could not be stored",
             Self::ScopeTooLong => "Idempotency scope too long",
+            Self::Abandoned => "Request abandoned",
         }
     }
 
@@ -141,6 +156,8 @@ impl Problem {
             Self::KeyMissing => "Send an Idempotency-Key header, one per logical operation, on every attempt.".into(),
             Self::KeyInvalid(error) => format!("{error}."),
             Self::KeyInUse => "Retry after the time given in Retry-After; the first attempt's response will be replayed.".into(),
+            Self::KeyLeased { .. } => "Another attempt is working on this request. Retry after the time given in Retry-After, with the same key: its response will be replayed, or your retry resumes its work where it stopped.".into(),
+            Self::Abandoned => "This request was interrupted after it may have had effects outside this service, and could not be completed. It has been reported for a person to check. Do not retry it with a new key.".into(),
             Self::KeyHeld => "Another attempt holds this key. Retry after the time given in Retry-After, with the same key: if that attempt completed, its response will be replayed; if it did nothing, your request will run.".into(),
             Self::ConnectionLost { .. } => "The connection to the key store was lost while this request held its key; the store releases it within the time given in Retry-After. Retry then, with the same Idempotency-Key: the request either did nothing, or its answer will be replayed.".into(),
             Self::KeyReused => "This key was first used with a different method, path, query or body. Use a new key for a new operation.".into(),
@@ -163,7 +180,9 @@ impl Problem {
             Self::KeyInUse | Self::KeyHeld | Self::StoreUnavailable | Self::HandlerTimeout => {
                 Some(RETRY_AFTER_SECS)
             }
-            Self::ConnectionLost { retry_after } => Some(retry_after),
+            Self::ConnectionLost { retry_after } | Self::KeyLeased { retry_after } => {
+                Some(retry_after)
+            }
             _ => None,
         }
     }

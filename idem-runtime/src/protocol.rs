@@ -27,6 +27,8 @@ use crate::backend::{
 use crate::fingerprint::Fingerprint;
 use crate::key::{IdempotencyKey, parse_key};
 use crate::observe::{self, Outcome};
+use crate::phased::StoredRequest;
+use crate::phases::Resumed;
 use crate::problem::Problem;
 use crate::response::{CaptureError, StoredResponse, is_storable};
 use crate::scope::MAX_SCOPE_LEN;
@@ -44,10 +46,12 @@ pub enum KeyMode {
 /// A handler's `#[idempotent(...)]` arguments, checked at compile time.
 #[derive(Debug, Clone, Copy)]
 pub struct Config {
-    ttl: Duration,
+    pub(crate) ttl: Duration,
     wait: Duration,
-    timeout: Duration,
+    pub(crate) timeout: Duration,
     key: KeyMode,
+    /// The lease of a phased handler; `None` in the atomic mode.
+    pub(crate) lease: Option<Duration>,
 }
 
 impl Config {
@@ -58,12 +62,19 @@ impl Config {
             wait: Duration::from_millis(wait_ms),
             timeout: Duration::from_millis(timeout_ms),
             key,
+            lease: None,
         }
+    }
+
+    /// The same arguments for a phased handler with a lease of `lease_ms`.
+    pub const fn phased(mut self, lease_ms: u64) -> Self {
+        self.lease = Some(Duration::from_millis(lease_ms));
+        self
     }
 
     /// The handler's deadline in milliseconds (at most an hour, as the
     /// attribute checks).
-    fn timeout_ms(&self) -> u32 {
+    pub(crate) fn timeout_ms(&self) -> u32 {
         u32::try_from(self.timeout.as_millis()).unwrap_or(u32::MAX)
     }
 }
@@ -71,9 +82,13 @@ impl Config {
 /// A request whose key is valid and whose body is buffered and fingerprinted.
 #[derive(Debug)]
 pub struct Prepared {
-    key: Option<(String, Fingerprint)>,
-    config: Config,
-    span: Span,
+    pub(crate) key: Option<(String, Fingerprint)>,
+    pub(crate) config: Config,
+    pub(crate) span: Span,
+    /// A phased request as the completer would send it again.
+    pub(crate) request: Option<Vec<u8>>,
+    /// The completer's mark on a request it sent.
+    pub(crate) resumed: Option<Resumed>,
 }
 
 impl Prepared {
@@ -107,6 +122,8 @@ pub async fn prepare<DB: Backend>(
                 key: None,
                 config: *config,
                 span,
+                request: None,
+                resumed: None,
             };
             return Ok((prepared, Request::from_parts(parts, body)));
         }
@@ -124,10 +141,19 @@ pub async fn prepare<DB: Backend>(
         None => parts.uri.path(),
     };
     let fingerprint = fingerprint(&parts, path, &bytes).await;
+    let request = config.lease.map(|_| {
+        let uri = match parts.extensions.get::<OriginalUri>() {
+            Some(OriginalUri(uri)) => uri,
+            None => &parts.uri,
+        };
+        StoredRequest::encode(&parts.method, uri, &parts.headers, &bytes)
+    });
     let prepared = Prepared {
         key: Some((key, fingerprint)),
         config: *config,
         span,
+        request,
+        resumed: parts.extensions.get::<Resumed>().cloned(),
     };
     Ok((prepared, Request::from_parts(parts, Body::from(bytes))))
 }
@@ -186,7 +212,7 @@ fn is_length_limit(error: &axum::Error) -> bool {
 /// over: the response, and whether the handler returned `Err`.
 #[derive(Debug)]
 pub struct Answer {
-    response: Response,
+    pub(crate) response: Response,
     failed: bool,
 }
 
@@ -200,7 +226,7 @@ impl Answer {
 
     /// Whether the transaction may commit with this answer: not after an
     /// `Err`, nor with a transient status (5xx, 408, 429), which roll back.
-    fn commits(&self) -> bool {
+    pub(crate) fn commits(&self) -> bool {
         !self.failed && is_storable(self.response.status())
     }
 }
@@ -286,14 +312,8 @@ async fn run_keyed<'f, DB: Backend>(
     claim: &Claim<'_>,
     handler: &mut DynHandler<'_, 'f, DB>,
 ) -> (Outcome, Response) {
-    if claim.scope.len() > MAX_SCOPE_LEN {
-        // The scope comes from the server's own extractor, so no retry can
-        // help: a 500, not a 503 with `Retry-After`.
-        tracing::error!(
-            bytes = claim.scope.len(),
-            "idempotency scope longer than MAX_SCOPE_LEN ({MAX_SCOPE_LEN} bytes): request refused"
-        );
-        return (Outcome::Rejected, Problem::ScopeTooLong.into_response());
+    if let Some(refused) = scope_too_long(claim) {
+        return refused;
     }
     let started = std::time::Instant::now();
     let claimed = claim_or_read(idem, claim).await;
@@ -307,14 +327,7 @@ async fn run_keyed<'f, DB: Backend>(
             response,
         }) => {
             observe::claim_latency("finished", started.elapsed());
-            return if fingerprint == claim.fingerprint {
-                (
-                    Outcome::Replayed,
-                    response.replay(idem.replay_header_names()),
-                )
-            } else {
-                (Outcome::Reused, Problem::KeyReused.into_response())
-            };
+            return answer_finished(idem, claim, fingerprint, response);
         }
         Ok(ClaimOutcome::InUse { running }) => {
             observe::claim_latency("in_use", started.elapsed());
@@ -390,6 +403,38 @@ async fn run_keyed<'f, DB: Backend>(
             (Outcome::Claimed, stored.into_original(parts))
         }
         Err(error) => commit_failed(conn, error, true).await,
+    }
+}
+
+/// A scope longer than any engine keeps: refused before anything runs.
+pub(crate) fn scope_too_long(claim: &Claim<'_>) -> Option<(Outcome, Response)> {
+    if claim.scope.len() <= MAX_SCOPE_LEN {
+        return None;
+    }
+    // The scope comes from the server's own extractor, so no retry can
+    // help: a 500, not a 503 with `Retry-After`.
+    tracing::error!(
+        bytes = claim.scope.len(),
+        "idempotency scope longer than MAX_SCOPE_LEN ({MAX_SCOPE_LEN} bytes): request refused"
+    );
+    Some((Outcome::Rejected, Problem::ScopeTooLong.into_response()))
+}
+
+/// A finished key's answer to a request with `fingerprint`: its replay,
+/// or 422 for another request.
+pub(crate) fn answer_finished<DB: Backend>(
+    idem: &Idem<DB>,
+    claim: &Claim<'_>,
+    fingerprint: Fingerprint,
+    response: StoredResponse,
+) -> (Outcome, Response) {
+    if fingerprint == claim.fingerprint {
+        (
+            Outcome::Replayed,
+            response.replay(idem.replay_header_names()),
+        )
+    } else {
+        (Outcome::Reused, Problem::KeyReused.into_response())
     }
 }
 
@@ -586,7 +631,7 @@ async fn settled_depth<DB: Backend>(conn: &mut OpenTx<DB>) -> usize {
 }
 
 /// Whole seconds of `Retry-After` that cover `bound`.
-fn retry_after_secs(bound: Duration) -> u32 {
+pub(crate) fn retry_after_secs(bound: Duration) -> u32 {
     u32::try_from(bound.as_secs() + u64::from(bound.subsec_nanos() > 0)).unwrap_or(u32::MAX)
 }
 

@@ -11,6 +11,7 @@
 mod claim;
 mod connection;
 mod contract;
+mod lease;
 #[cfg(feature = "mysql")]
 mod mysql;
 #[cfg(feature = "postgres")]
@@ -27,4 +28,6 @@ pub use connection::{Acquire, OpenTx};
 pub(crate) use connection::{abandon, transaction_depth};
 pub(crate) use contract::ConnectOptions;
 pub use contract::{Backend, Claim, ClaimOutcome, FinishError, StoreError};
+pub use lease::Phased;
+pub(crate) use lease::{Holder, LeaseClaim, LeaseOutcome, Release};
 pub(crate) use single_flight::waiting_duplicates;

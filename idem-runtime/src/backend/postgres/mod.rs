@@ -28,6 +28,7 @@ use crate::Error;
 use crate::fingerprint::Fingerprint;
 use crate::response::StoredResponse;
 
+mod lease;
 mod sql;
 
 impl super::contract::sealed::Sealed for Postgres {}
@@ -56,13 +57,16 @@ impl Backend for Postgres {
         // be cut to the table's own name, `IF NOT EXISTS` would then skip
         // it, and the sweeper would scan the whole table. A long table name
         // gets a hashed one.
-        let index = match format!(
-            "{}_expires_at_idx",
+        // The phased mode's columns and its index of leases came later:
+        // a table from before gets them, once.
+        let index_name = |suffix: &str| match format!(
+            "{}_{suffix}",
             table.rsplit('.').next().unwrap_or(table)
         ) {
             index if index.len() <= 63 => index,
-            _ => format!("idem_{:016x}_expires_at_idx", fnv1a(table.bytes())),
+            _ => format!("idem_{:016x}_{suffix}", fnv1a(table.bytes())),
         };
+        let (index, lease_index) = (index_name("expires_at_idx"), index_name("lease_idx"));
         let ddl = format!(
             "CREATE TABLE IF NOT EXISTS {table} (
                 scope bytea NOT NULL,
@@ -73,23 +77,38 @@ impl Backend for Postgres {
                 body bytea,
                 created_at timestamptz NOT NULL DEFAULT now(),
                 expires_at timestamptz NOT NULL,
+                lease_token bigint,
+                lease_until timestamptz,
+                recovery bytea,
+                request bytea,
+                attempts integer,
                 PRIMARY KEY (scope, key)
             );
-            CREATE INDEX IF NOT EXISTS {index} ON {table} (expires_at);"
+            ALTER TABLE {table}
+                ADD COLUMN IF NOT EXISTS lease_token bigint,
+                ADD COLUMN IF NOT EXISTS lease_until timestamptz,
+                ADD COLUMN IF NOT EXISTS recovery bytea,
+                ADD COLUMN IF NOT EXISTS request bytea,
+                ADD COLUMN IF NOT EXISTS attempts integer;
+            CREATE INDEX IF NOT EXISTS {index} ON {table} (expires_at);
+            CREATE INDEX IF NOT EXISTS {lease_index} ON {table} (lease_until)
+                WHERE status IS NULL AND lease_token IS NOT NULL;"
         );
         // `CREATE INDEX IF NOT EXISTS` takes a SHARE lock on the table before
         // it looks for the index: on a live table it would wait for every
         // open claim and queue every new claim behind it. The catalog read
         // locks nothing, so a migrated table costs a start-up nothing.
-        let qualified_index = match table.rsplit_once('.') {
+        let qualified = |index: &str| match table.rsplit_once('.') {
             Some((schema, _)) => format!("{schema}.{index}"),
-            None => index.clone(),
+            None => index.to_owned(),
         };
         let migrated: bool = sqlx::query_scalar(
-            "SELECT to_regclass($1) IS NOT NULL AND to_regclass($2) IS NOT NULL",
+            "SELECT to_regclass($1) IS NOT NULL AND to_regclass($2) IS NOT NULL \
+             AND to_regclass($3) IS NOT NULL",
         )
         .bind(table)
-        .bind(&qualified_index)
+        .bind(qualified(&index))
+        .bind(qualified(&lease_index))
         .fetch_one(pool)
         .await?;
         if migrated {

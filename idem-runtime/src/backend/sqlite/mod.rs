@@ -62,6 +62,7 @@ use super::{Acquire, Backend, Claim, ClaimOutcome, FinishError, OpenTx, StoreErr
 use crate::Error;
 use crate::response::StoredResponse;
 
+mod lease;
 mod sql;
 #[cfg(test)]
 mod tests;
@@ -88,13 +89,42 @@ impl Backend for Sqlite {
                 body BLOB,
                 created_at INTEGER NOT NULL,
                 expires_at INTEGER NOT NULL,
+                lease_token INTEGER,
+                lease_until INTEGER,
+                recovery BLOB,
+                request BLOB,
+                attempts INTEGER,
                 PRIMARY KEY (scope, \"key\")
             );
             CREATE INDEX IF NOT EXISTS {schema}{name}_expires_at_idx ON {name} (expires_at);"
         );
-        // Both statements run under the write lock, so concurrent migrations
-        // simply queue; no catalog race to retry.
+        // Every statement runs under the write lock, so concurrent
+        // migrations simply queue; no catalog race to retry.
         sqlx::raw_sql(AssertSqlSafe(ddl)).execute(pool).await?;
+        // The phased mode's columns came later: a table from before gets
+        // them (SQLite has no `ADD COLUMN IF NOT EXISTS`).
+        let columns: Vec<String> = sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT name FROM {schema}pragma_table_info('{name}')"
+        )))
+        .fetch_all(pool)
+        .await?;
+        let mut alter = String::new();
+        for (column, ty) in [
+            ("lease_token", "INTEGER"),
+            ("lease_until", "INTEGER"),
+            ("recovery", "BLOB"),
+            ("request", "BLOB"),
+            ("attempts", "INTEGER"),
+        ] {
+            if !columns.iter().any(|present| present == column) {
+                alter.push_str(&format!("ALTER TABLE {table} ADD COLUMN {column} {ty}; "));
+            }
+        }
+        alter.push_str(&format!(
+            "CREATE INDEX IF NOT EXISTS {schema}{name}_lease_idx ON {name} (lease_until) \
+             WHERE status IS NULL AND lease_token IS NOT NULL"
+        ));
+        sqlx::raw_sql(AssertSqlSafe(alter)).execute(pool).await?;
         let mode: String =
             sqlx::query_scalar(AssertSqlSafe(format!("PRAGMA {schema}journal_mode")))
                 .fetch_one(pool)

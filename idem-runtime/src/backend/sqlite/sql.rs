@@ -22,7 +22,9 @@ impl Sql {
                  VALUES (?1, ?2, ?3, ?4, ?5) \
                  ON CONFLICT (scope, \"key\") DO UPDATE SET fingerprint = excluded.fingerprint, \
                  status = NULL, headers = NULL, body = NULL, \
-                 created_at = excluded.created_at, expires_at = excluded.expires_at \
+                 created_at = excluded.created_at, expires_at = excluded.expires_at, \
+                 lease_token = NULL, lease_until = NULL, recovery = NULL, request = NULL, \
+                 attempts = NULL \
                  WHERE expires_at <= ?4; \
                  SELECT {columns}, changes() AS claimed FROM {table} WHERE {row}"
             ),

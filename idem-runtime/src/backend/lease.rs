@@ -1,0 +1,210 @@
+//! The storage contract of the phased mode: a claim that commits on its
+//! own with a lease and a fencing token, recovery points written under that
+//! token, and what the completer reads and writes.
+//!
+//! Every write after the claim names the token it holds and matches no row
+//! once another attempt took the key over (a new token): that is the fence.
+//! A phase's own transaction writes its recovery point last, under the
+//! token, so a fenced phase rolls back with everything it wrote.
+
+use std::future::Future;
+use std::time::Duration;
+
+use sqlx::Pool;
+
+use super::contract::decode_finished;
+use super::{Backend, Claim, StoreError};
+use crate::fingerprint::Fingerprint;
+use crate::response::StoredResponse;
+
+/// Who holds a key in the phased mode: the key and the fencing token the
+/// holder's claim got.
+#[derive(Debug, Clone)]
+pub struct Holder {
+    /// The caller the key belongs to.
+    pub scope: String,
+    /// The key.
+    pub key: String,
+    /// The fencing token: each claim or takeover of the key gets a larger one.
+    pub token: i64,
+}
+
+/// A phased claim: the atomic claim's fields, the lease and the request
+/// kept for the completer.
+#[derive(Debug)]
+pub struct LeaseClaim<'a> {
+    /// The key, its scope, fingerprint and lifetime.
+    pub claim: Claim<'a>,
+    /// How long the claim (and each recovery point after it) holds the key.
+    pub lease: Duration,
+    /// The request as the completer replays it (`phased::StoredRequest`).
+    pub request: &'a [u8],
+    /// The token a completer reserved the key with and handed to the
+    /// request it sends: a claim naming it takes the key over though the
+    /// reservation's lease is live.
+    pub reserved: Option<i64>,
+}
+
+/// What a phased claim found.
+#[derive(Debug)]
+pub enum LeaseOutcome {
+    /// The key is ours, committed, under `token`; `recovery` is the last
+    /// recovery point of an earlier attempt (`None` for a new key).
+    Owned {
+        /// Our fencing token.
+        token: i64,
+        /// The recovery point we resume from.
+        recovery: Option<Vec<u8>>,
+    },
+    /// An attempt finished the key.
+    Finished {
+        /// The fingerprint it was made with.
+        fingerprint: Fingerprint,
+        /// Its stored response.
+        response: StoredResponse,
+    },
+    /// Another attempt holds a live lease for `remaining`.
+    Leased {
+        /// Until the lease ends.
+        remaining: Duration,
+    },
+    /// The key is held by an attempt of the atomic mode (an endpoint
+    /// without phases used the same key).
+    Held,
+    /// The key is unfinished, for another request (another fingerprint).
+    Reused,
+}
+
+/// An abandoned key as the completer reads it: unfinished, its lease over.
+#[derive(Debug)]
+pub struct Abandoned {
+    /// The key and the token its lease ended under.
+    pub holder: Holder,
+    /// How many times a completer resumed it already.
+    pub attempts: u32,
+    /// The request to send again (`phased::StoredRequest`), if kept.
+    pub request: Option<Vec<u8>>,
+}
+
+/// How a failed attempt leaves its key.
+#[derive(Debug, Clone, Copy)]
+pub enum Release {
+    /// Nothing outside the database was attempted: the row goes, and the
+    /// next attempt starts afresh.
+    Delete,
+    /// An external step may have happened: the row stays, with its recovery
+    /// point, and its lease ends after this long (zero: at once).
+    Keep(Duration),
+}
+
+/// An engine that supports the phased mode.
+#[diagnostic::on_unimplemented(
+    message = "the phased mode (`Phases<{Self}>`) is not available on `{Self}`",
+    label = "phases need a key store with leases",
+    note = "the phased mode runs on `sqlx::Postgres` and `sqlx::Sqlite`; on MySQL/MariaDB use the \
+            atomic mode (`Tx<MySql>`) for now"
+)]
+pub trait Phased: Backend {
+    /// Claims the key with a lease, or takes over a lease that ended (or
+    /// that `reserved` names), in one statement that commits on its own.
+    #[doc(hidden)]
+    fn lease(
+        pool: &Pool<Self>,
+        table: &str,
+        claim: &LeaseClaim<'_>,
+    ) -> impl Future<Output = Result<LeaseOutcome, StoreError>> + Send;
+
+    /// Writes the recovery point and renews the lease, if `holder` still
+    /// holds the key: inside a phase's transaction (its last write) or on
+    /// its own. `false`: fenced, nothing written.
+    #[doc(hidden)]
+    fn record(
+        conn: &mut Self::Connection,
+        table: &str,
+        holder: &Holder,
+        recovery: &[u8],
+        lease: Duration,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+
+    /// Stores the response on the key, in the final phase's transaction, if
+    /// `holder` still holds it; the recovery point and kept request go.
+    /// `false`: fenced, nothing written.
+    #[doc(hidden)]
+    fn store(
+        conn: &mut Self::Connection,
+        table: &str,
+        holder: &Holder,
+        response: &StoredResponse,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+
+    /// Leaves the key after a failed attempt, if `holder` still holds it.
+    #[doc(hidden)]
+    fn release(
+        conn: &mut Self::Connection,
+        table: &str,
+        holder: &Holder,
+        how: Release,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+
+    /// Up to `limit` abandoned keys, the longest abandoned first.
+    #[doc(hidden)]
+    fn abandoned(
+        pool: &Pool<Self>,
+        table: &str,
+        limit: u32,
+    ) -> impl Future<Output = Result<Vec<Abandoned>, sqlx::Error>> + Send;
+
+    /// Reserves an abandoned key for one completer's attempt: a new token
+    /// and a lease of `lease`, and one more attempt counted, if its lease is
+    /// still over and `holder` names its token. `None`: someone else has it.
+    #[doc(hidden)]
+    fn reserve(
+        pool: &Pool<Self>,
+        table: &str,
+        holder: &Holder,
+        lease: Duration,
+    ) -> impl Future<Output = Result<Option<i64>, sqlx::Error>> + Send;
+}
+
+/// A key's row that a phased claim did not take, as every engine reads it.
+pub(crate) struct Unclaimed {
+    pub(crate) status: Option<i64>,
+    pub(crate) fingerprint: Vec<u8>,
+    pub(crate) headers: Option<Vec<u8>>,
+    pub(crate) body: Option<Vec<u8>>,
+    /// Whether the row has a lease (a phased claim's) at all.
+    pub(crate) leased: bool,
+    /// The lease's time left (negative: over).
+    pub(crate) remaining_ms: i64,
+}
+
+impl Unclaimed {
+    /// What it tells a claim made with `fingerprint`.
+    pub(crate) fn outcome(self, fingerprint: &Fingerprint) -> Result<LeaseOutcome, StoreError> {
+        if let Some(status) = self.status {
+            let (fingerprint, response) =
+                decode_finished(status, &self.fingerprint, self.headers, self.body)?;
+            return Ok(LeaseOutcome::Finished {
+                fingerprint,
+                response,
+            });
+        }
+        if self.fingerprint[..] != fingerprint.as_bytes()[..] {
+            return Ok(LeaseOutcome::Reused);
+        }
+        if !self.leased {
+            return Ok(LeaseOutcome::Held);
+        }
+        // A lease that ended since the claim's statement: its taker is
+        // about to appear, or the next attempt takes it over.
+        let remaining = u64::try_from(self.remaining_ms).unwrap_or(0);
+        Ok(LeaseOutcome::Leased {
+            remaining: Duration::from_millis(remaining),
+        })
+    }
+}
+
+/// Whole milliseconds, as the engines bind them.
+pub(crate) fn ms(duration: Duration) -> i64 {
+    i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
+}

@@ -1,0 +1,215 @@
+//! PostgreSQL's phased mode: the lease claim is one upsert in autocommit,
+//! the recovery points and the response are `UPDATE`s under the token.
+//! Times are the server's (`clock_timestamp()`, not the transaction's
+//! start), so a lease means the same to every instance of the service.
+//! Only statements CockroachDB and YugabyteDB also run.
+
+use std::time::Duration;
+
+use sqlx::postgres::PgRow;
+use sqlx::{AssertSqlSafe, PgConnection, Pool, Postgres, Row};
+
+use crate::backend::StoreError;
+use crate::backend::lease::{
+    Abandoned, Holder, LeaseClaim, LeaseOutcome, Phased, Release, Unclaimed, ms,
+};
+use crate::response::StoredResponse;
+
+/// `clock_timestamp()` plus `$n` milliseconds.
+fn after(n: u8) -> String {
+    format!("clock_timestamp() + ${n} * interval '1 millisecond'")
+}
+
+impl Phased for Postgres {
+    async fn lease(
+        pool: &Pool<Self>,
+        table: &str,
+        lease: &LeaseClaim<'_>,
+    ) -> Result<LeaseOutcome, StoreError> {
+        let claim = &lease.claim;
+        // An expired row is taken over afresh; an unfinished one of the
+        // same request whose lease ended (or that the completer reserved
+        // for this request) is taken over with its recovery point. Every
+        // claim gets a larger token than the row had.
+        let (expires, until) = (after(4), after(5));
+        let upsert = format!(
+            "INSERT INTO {table} AS k (scope, key, fingerprint, expires_at, \
+                 lease_token, lease_until, request, attempts) \
+             VALUES ($1, $2, $3, {expires}, 1, {until}, $6, 0) \
+             ON CONFLICT (scope, key) DO UPDATE SET \
+                 lease_token = COALESCE(k.lease_token, 0) + 1, \
+                 lease_until = EXCLUDED.lease_until, \
+                 request = EXCLUDED.request, \
+                 recovery = CASE WHEN k.expires_at <= clock_timestamp() THEN NULL ELSE k.recovery END, \
+                 attempts = CASE WHEN k.expires_at <= clock_timestamp() THEN 0 ELSE k.attempts END, \
+                 created_at = CASE WHEN k.expires_at <= clock_timestamp() THEN now() ELSE k.created_at END, \
+                 expires_at = CASE WHEN k.expires_at <= clock_timestamp() THEN EXCLUDED.expires_at ELSE k.expires_at END, \
+                 status = NULL, headers = NULL, body = NULL, \
+                 fingerprint = EXCLUDED.fingerprint \
+             WHERE k.expires_at <= clock_timestamp() \
+                OR (k.status IS NULL AND k.lease_token IS NOT NULL \
+                    AND k.fingerprint = EXCLUDED.fingerprint \
+                    AND (k.lease_until <= clock_timestamp() OR k.lease_token = $7)) \
+             RETURNING lease_token, recovery"
+        );
+        let owned = sqlx::query(AssertSqlSafe(upsert))
+            .bind(claim.scope.as_bytes())
+            .bind(claim.key.as_bytes())
+            .bind(&claim.fingerprint.as_bytes()[..])
+            .bind(ms(claim.ttl))
+            .bind(ms(lease.lease))
+            .bind(lease.request)
+            .bind(lease.reserved.unwrap_or(0))
+            .fetch_optional(pool)
+            .await?;
+        if let Some(row) = owned {
+            return Ok(LeaseOutcome::Owned {
+                token: row.try_get("lease_token")?,
+                recovery: row.try_get("recovery")?,
+            });
+        }
+        let select = format!(
+            "SELECT status, fingerprint, headers, body, lease_token, \
+                 CAST(EXTRACT(EPOCH FROM (lease_until - clock_timestamp())) * 1000 AS bigint) \
+                     AS remaining_ms \
+             FROM {table} WHERE scope = $1 AND key = $2"
+        );
+        let row = sqlx::query(AssertSqlSafe(select))
+            .bind(claim.scope.as_bytes())
+            .bind(claim.key.as_bytes())
+            .fetch_optional(pool)
+            .await?
+            .ok_or(StoreError::Vanished)?;
+        Unclaimed {
+            status: row.try_get::<Option<i16>, _>("status")?.map(i64::from),
+            fingerprint: row.try_get("fingerprint")?,
+            headers: row.try_get("headers")?,
+            body: row.try_get("body")?,
+            leased: row.try_get::<Option<i64>, _>("lease_token")?.is_some(),
+            remaining_ms: row.try_get::<Option<i64>, _>("remaining_ms")?.unwrap_or(0),
+        }
+        .outcome(&claim.fingerprint)
+    }
+
+    async fn record(
+        conn: &mut PgConnection,
+        table: &str,
+        holder: &Holder,
+        recovery: &[u8],
+        lease: Duration,
+    ) -> Result<bool, sqlx::Error> {
+        let until = after(2);
+        let sql = format!(
+            "UPDATE {table} SET recovery = $1, lease_until = {until} \
+             WHERE scope = $3 AND key = $4 AND lease_token = $5 AND status IS NULL"
+        );
+        let done = sqlx::query(AssertSqlSafe(sql))
+            .bind(recovery)
+            .bind(ms(lease))
+            .bind(holder.scope.as_bytes())
+            .bind(holder.key.as_bytes())
+            .bind(holder.token)
+            .execute(conn)
+            .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn store(
+        conn: &mut PgConnection,
+        table: &str,
+        holder: &Holder,
+        response: &StoredResponse,
+    ) -> Result<bool, sqlx::Error> {
+        let sql = format!(
+            "UPDATE {table} SET status = $1, headers = $2, body = $3, \
+                 recovery = NULL, request = NULL, lease_until = NULL \
+             WHERE scope = $4 AND key = $5 AND lease_token = $6 AND status IS NULL"
+        );
+        let done = sqlx::query(AssertSqlSafe(sql))
+            .bind(i16::try_from(response.status.as_u16()).unwrap_or(i16::MAX))
+            .bind(response.encode_headers())
+            .bind(&response.body[..])
+            .bind(holder.scope.as_bytes())
+            .bind(holder.key.as_bytes())
+            .bind(holder.token)
+            .execute(conn)
+            .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn release(
+        conn: &mut PgConnection,
+        table: &str,
+        holder: &Holder,
+        how: Release,
+    ) -> Result<bool, sqlx::Error> {
+        let row = "scope = $1 AND key = $2 AND lease_token = $3 AND status IS NULL";
+        let sql = match how {
+            Release::Delete => format!("DELETE FROM {table} WHERE {row}"),
+            Release::Keep(_) => {
+                format!("UPDATE {table} SET lease_until = {} WHERE {row}", after(4))
+            }
+        };
+        let mut query = sqlx::query(AssertSqlSafe(sql))
+            .bind(holder.scope.as_bytes())
+            .bind(holder.key.as_bytes())
+            .bind(holder.token);
+        if let Release::Keep(after) = how {
+            query = query.bind(ms(after));
+        }
+        Ok(query.execute(conn).await?.rows_affected() == 1)
+    }
+
+    async fn abandoned(
+        pool: &Pool<Self>,
+        table: &str,
+        limit: u32,
+    ) -> Result<Vec<Abandoned>, sqlx::Error> {
+        let sql = format!(
+            "SELECT scope, key, lease_token, attempts, request FROM {table} \
+             WHERE status IS NULL AND lease_token IS NOT NULL \
+                 AND lease_until <= clock_timestamp() AND expires_at > clock_timestamp() \
+             ORDER BY lease_until LIMIT {limit}"
+        );
+        let rows = sqlx::query(AssertSqlSafe(sql)).fetch_all(pool).await?;
+        rows.iter().map(abandoned).collect()
+    }
+
+    async fn reserve(
+        pool: &Pool<Self>,
+        table: &str,
+        holder: &Holder,
+        lease: Duration,
+    ) -> Result<Option<i64>, sqlx::Error> {
+        let sql = format!(
+            "UPDATE {table} SET lease_token = lease_token + 1, lease_until = {}, \
+                 attempts = COALESCE(attempts, 0) + 1 \
+             WHERE scope = $2 AND key = $3 AND lease_token = $4 AND status IS NULL \
+                 AND lease_until <= clock_timestamp() \
+             RETURNING lease_token",
+            after(1)
+        );
+        sqlx::query_scalar(AssertSqlSafe(sql))
+            .bind(ms(lease))
+            .bind(holder.scope.as_bytes())
+            .bind(holder.key.as_bytes())
+            .bind(holder.token)
+            .fetch_optional(pool)
+            .await
+    }
+}
+
+fn abandoned(row: &PgRow) -> Result<Abandoned, sqlx::Error> {
+    let scope: Vec<u8> = row.try_get("scope")?;
+    let key: Vec<u8> = row.try_get("key")?;
+    let attempts: Option<i32> = row.try_get("attempts")?;
+    Ok(Abandoned {
+        holder: Holder {
+            scope: String::from_utf8_lossy(&scope).into_owned(),
+            key: String::from_utf8_lossy(&key).into_owned(),
+            token: row.try_get("lease_token")?,
+        },
+        attempts: u32::try_from(attempts.unwrap_or(0)).unwrap_or(u32::MAX),
+        request: row.try_get("request")?,
+    })
+}

@@ -1,0 +1,214 @@
+//! SQLite's phased mode: the lease claim is one upsert in autocommit, the
+//! recovery points and the response are `UPDATE`s under the token. Times
+//! are milliseconds since the epoch, as the key table keeps them.
+
+use std::time::Duration;
+
+use sqlx::sqlite::SqliteRow;
+use sqlx::{AssertSqlSafe, Pool, Row, Sqlite, SqliteConnection};
+
+use super::{now_ms, ttl_ms};
+use crate::backend::StoreError;
+use crate::backend::lease::{
+    Abandoned, Holder, LeaseClaim, LeaseOutcome, Phased, Release, Unclaimed, ms,
+};
+use crate::response::StoredResponse;
+
+impl Phased for Sqlite {
+    async fn lease(
+        pool: &Pool<Self>,
+        table: &str,
+        lease: &LeaseClaim<'_>,
+    ) -> Result<LeaseOutcome, StoreError> {
+        let claim = &lease.claim;
+        let now = now_ms();
+        // An expired row is taken over afresh; an unfinished one of the
+        // same request whose lease ended (or that the completer reserved
+        // for this request) is taken over with its recovery point. Every
+        // claim gets a larger token than the row had.
+        let upsert = format!(
+            "INSERT INTO {table} (scope, \"key\", fingerprint, created_at, expires_at, \
+                 lease_token, lease_until, request, attempts) \
+             VALUES (?1, ?2, ?3, ?4, ?5, 1, ?6, ?7, 0) \
+             ON CONFLICT (scope, \"key\") DO UPDATE SET \
+                 lease_token = COALESCE(lease_token, 0) + 1, \
+                 lease_until = excluded.lease_until, \
+                 request = excluded.request, \
+                 recovery = CASE WHEN expires_at <= ?4 THEN NULL ELSE recovery END, \
+                 attempts = CASE WHEN expires_at <= ?4 THEN 0 ELSE attempts END, \
+                 created_at = CASE WHEN expires_at <= ?4 THEN excluded.created_at ELSE created_at END, \
+                 expires_at = CASE WHEN expires_at <= ?4 THEN excluded.expires_at ELSE expires_at END, \
+                 status = NULL, headers = NULL, body = NULL, \
+                 fingerprint = excluded.fingerprint \
+             WHERE expires_at <= ?4 \
+                OR (status IS NULL AND lease_token IS NOT NULL \
+                    AND fingerprint = excluded.fingerprint \
+                    AND (lease_until <= ?4 OR lease_token = ?8)) \
+             RETURNING lease_token, recovery"
+        );
+        let owned = sqlx::query(AssertSqlSafe(upsert))
+            .bind(claim.scope.as_bytes())
+            .bind(claim.key.as_bytes())
+            .bind(&claim.fingerprint.as_bytes()[..])
+            .bind(now)
+            .bind(now.saturating_add(ttl_ms(claim)))
+            .bind(now.saturating_add(ms(lease.lease)))
+            .bind(lease.request)
+            .bind(lease.reserved.unwrap_or(0))
+            .fetch_optional(pool)
+            .await?;
+        if let Some(row) = owned {
+            return Ok(LeaseOutcome::Owned {
+                token: row.try_get("lease_token")?,
+                recovery: row.try_get("recovery")?,
+            });
+        }
+        let select = format!(
+            "SELECT status, fingerprint, headers, body, lease_token, lease_until \
+             FROM {table} WHERE scope = ?1 AND \"key\" = ?2"
+        );
+        let row = sqlx::query(AssertSqlSafe(select))
+            .bind(claim.scope.as_bytes())
+            .bind(claim.key.as_bytes())
+            .fetch_optional(pool)
+            .await?
+            .ok_or(StoreError::Vanished)?;
+        let until: Option<i64> = row.try_get("lease_until")?;
+        Unclaimed {
+            status: row.try_get("status")?,
+            fingerprint: row.try_get("fingerprint")?,
+            headers: row.try_get("headers")?,
+            body: row.try_get("body")?,
+            leased: row.try_get::<Option<i64>, _>("lease_token")?.is_some(),
+            remaining_ms: until.map_or(0, |until| until.saturating_sub(now_ms())),
+        }
+        .outcome(&claim.fingerprint)
+    }
+
+    async fn record(
+        conn: &mut SqliteConnection,
+        table: &str,
+        holder: &Holder,
+        recovery: &[u8],
+        lease: Duration,
+    ) -> Result<bool, sqlx::Error> {
+        let sql = format!(
+            "UPDATE {table} SET recovery = ?1, lease_until = ?2 \
+             WHERE scope = ?3 AND \"key\" = ?4 AND lease_token = ?5 AND status IS NULL"
+        );
+        let done = sqlx::query(AssertSqlSafe(sql))
+            .bind(recovery)
+            .bind(now_ms().saturating_add(ms(lease)))
+            .bind(holder.scope.as_bytes())
+            .bind(holder.key.as_bytes())
+            .bind(holder.token)
+            .execute(conn)
+            .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn store(
+        conn: &mut SqliteConnection,
+        table: &str,
+        holder: &Holder,
+        response: &StoredResponse,
+    ) -> Result<bool, sqlx::Error> {
+        let sql = format!(
+            "UPDATE {table} SET status = ?1, headers = ?2, body = ?3, \
+                 recovery = NULL, request = NULL, lease_until = NULL \
+             WHERE scope = ?4 AND \"key\" = ?5 AND lease_token = ?6 AND status IS NULL"
+        );
+        let done = sqlx::query(AssertSqlSafe(sql))
+            .bind(i64::from(response.status.as_u16()))
+            .bind(response.encode_headers())
+            .bind(&response.body[..])
+            .bind(holder.scope.as_bytes())
+            .bind(holder.key.as_bytes())
+            .bind(holder.token)
+            .execute(conn)
+            .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn release(
+        conn: &mut SqliteConnection,
+        table: &str,
+        holder: &Holder,
+        how: Release,
+    ) -> Result<bool, sqlx::Error> {
+        let row = "scope = ?1 AND \"key\" = ?2 AND lease_token = ?3 AND status IS NULL";
+        let query = match how {
+            Release::Delete => {
+                sqlx::query(AssertSqlSafe(format!("DELETE FROM {table} WHERE {row}")))
+            }
+            Release::Keep(_) => sqlx::query(AssertSqlSafe(format!(
+                "UPDATE {table} SET lease_until = ?4 WHERE {row}"
+            ))),
+        };
+        let mut query = query
+            .bind(holder.scope.as_bytes())
+            .bind(holder.key.as_bytes())
+            .bind(holder.token);
+        if let Release::Keep(after) = how {
+            query = query.bind(now_ms().saturating_add(ms(after)));
+        }
+        Ok(query.execute(conn).await?.rows_affected() == 1)
+    }
+
+    async fn abandoned(
+        pool: &Pool<Self>,
+        table: &str,
+        limit: u32,
+    ) -> Result<Vec<Abandoned>, sqlx::Error> {
+        let sql = format!(
+            "SELECT scope, \"key\", lease_token, attempts, request FROM {table} \
+             WHERE status IS NULL AND lease_token IS NOT NULL AND lease_until <= ?1 \
+                 AND expires_at > ?1 \
+             ORDER BY lease_until LIMIT {limit}"
+        );
+        let rows = sqlx::query(AssertSqlSafe(sql))
+            .bind(now_ms())
+            .fetch_all(pool)
+            .await?;
+        rows.iter().map(abandoned).collect()
+    }
+
+    async fn reserve(
+        pool: &Pool<Self>,
+        table: &str,
+        holder: &Holder,
+        lease: Duration,
+    ) -> Result<Option<i64>, sqlx::Error> {
+        let now = now_ms();
+        let sql = format!(
+            "UPDATE {table} SET lease_token = lease_token + 1, lease_until = ?1, \
+                 attempts = COALESCE(attempts, 0) + 1 \
+             WHERE scope = ?2 AND \"key\" = ?3 AND lease_token = ?4 AND status IS NULL \
+                 AND lease_until <= ?5 \
+             RETURNING lease_token"
+        );
+        sqlx::query_scalar(AssertSqlSafe(sql))
+            .bind(now.saturating_add(ms(lease)))
+            .bind(holder.scope.as_bytes())
+            .bind(holder.key.as_bytes())
+            .bind(holder.token)
+            .bind(now)
+            .fetch_optional(pool)
+            .await
+    }
+}
+
+fn abandoned(row: &SqliteRow) -> Result<Abandoned, sqlx::Error> {
+    let scope: Vec<u8> = row.try_get("scope")?;
+    let key: Vec<u8> = row.try_get("key")?;
+    let attempts: Option<i64> = row.try_get("attempts")?;
+    Ok(Abandoned {
+        holder: Holder {
+            scope: String::from_utf8_lossy(&scope).into_owned(),
+            key: String::from_utf8_lossy(&key).into_owned(),
+            token: row.try_get("lease_token")?,
+        },
+        attempts: u32::try_from(attempts.unwrap_or(0)).unwrap_or(u32::MAX),
+        request: row.try_get("request")?,
+    })
+}

@@ -1,0 +1,275 @@
+//! The completer: resumes phased requests whose attempt stopped (its lease
+//! ended without a response), without a client, by sending the stored
+//! request through the service's own router.
+
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::response::IntoResponse;
+use http::{HeaderValue, header};
+use tower::ServiceExt;
+
+use crate::backend::{Holder, OpenTx, Phased};
+use crate::key::IDEMPOTENCY_KEY;
+use crate::phased::StoredRequest;
+use crate::phases::Resumed;
+use crate::problem::Problem;
+use crate::response::{StoredResponse, is_storable};
+use crate::{Error, Idem, observe};
+
+/// How long a completer's reservation of a key holds it while its request
+/// is on the way to the handler, which takes the reservation over.
+const RESERVATION: Duration = Duration::from_secs(30);
+
+/// The longest wait between two attempts on one key.
+const MAX_BACKOFF: Duration = Duration::from_secs(300);
+
+/// Resumes abandoned phased requests: see [`Idem::completer`].
+#[derive(Debug)]
+pub struct Completer<DB: Phased> {
+    idem: Idem<DB>,
+    router: Router,
+    every: Duration,
+    max_attempts: u32,
+    backoff: Duration,
+    batch: u32,
+}
+
+/// What one pass of the completer did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct CompleterRun {
+    /// Abandoned keys it sent a request for.
+    pub resumed: u32,
+    /// Of those, the ones that answered with a stored response.
+    pub completed: u32,
+    /// Keys it gave up on: finished with a stored 500 for a person to check.
+    pub given_up: u32,
+}
+
+impl<DB: Phased> Idem<DB> {
+    /// A completer for the phased handlers of `router`, the service's own
+    /// router (with its state): abandoned keys (their lease ended, no
+    /// response stored) are resumed by sending their stored request through
+    /// it, without the caller's credentials; the handler's scope parameter
+    /// is rebuilt with [`FromScope`](crate::FromScope). Attempts back off
+    /// (doubling from [`Completer::backoff`]); after
+    /// [`Completer::max_attempts`] the key is finished with a stored 500
+    /// (problem code `idempotency_request_abandoned`) and an error is
+    /// logged for a person to check its effects.
+    ///
+    /// ```no_run
+    /// # use idem_runtime as idem;
+    /// # use std::time::Duration;
+    /// # fn demo(idem: idem::Idem<sqlx::Postgres>, app: axum::Router) {
+    /// idem.completer(app.clone())
+    ///     .every(Duration::from_secs(2))
+    ///     .max_attempts(5)
+    ///     .spawn();
+    /// # }
+    /// ```
+    pub fn completer(&self, router: Router) -> Completer<DB> {
+        Completer {
+            idem: self.clone(),
+            router,
+            every: Duration::from_secs(5),
+            max_attempts: 5,
+            backoff: Duration::from_secs(1),
+            batch: 32,
+        }
+    }
+}
+
+impl<DB: Phased> Completer<DB> {
+    /// How often it looks for abandoned keys (default 5 s).
+    pub fn every(mut self, every: Duration) -> Self {
+        self.every = every;
+        self
+    }
+
+    /// How many times it resumes one key before giving up (default 5).
+    pub fn max_attempts(mut self, attempts: u32) -> Self {
+        self.max_attempts = attempts;
+        self
+    }
+
+    /// The wait after a key's first failed resumption, doubled after each
+    /// next one, up to 5 minutes (default 1 s).
+    pub fn backoff(mut self, backoff: Duration) -> Self {
+        self.backoff = backoff;
+        self
+    }
+
+    /// One pass: every abandoned key found (up to a batch) is resumed once,
+    /// or given up.
+    pub async fn run_once(&self) -> Result<CompleterRun, Error> {
+        let idem = &self.idem;
+        let mut run = CompleterRun::default();
+        for abandoned in DB::abandoned(idem.pool(), idem.table_name(), self.batch).await? {
+            let request = abandoned.request.as_deref().and_then(StoredRequest::decode);
+            let Some(request) = request.filter(|_| abandoned.attempts < self.max_attempts) else {
+                if self.give_up(&abandoned.holder, abandoned.attempts).await? {
+                    run.given_up += 1;
+                }
+                continue;
+            };
+            let Some(token) = DB::reserve(
+                idem.pool(),
+                idem.table_name(),
+                &abandoned.holder,
+                RESERVATION,
+            )
+            .await?
+            else {
+                continue;
+            };
+            run.resumed += 1;
+            let backoff = self.backoff_after(abandoned.attempts + 1);
+            if self.send(request, &abandoned.holder, token, backoff).await {
+                run.completed += 1;
+                observe::completer("completed");
+            } else {
+                observe::completer("failed");
+            }
+        }
+        Ok(run)
+    }
+
+    /// Spawns the completer: a pass every [`every`](Self::every), a warning
+    /// logged for a pass that fails. Abort the handle to stop it.
+    ///
+    /// # Panics
+    ///
+    /// If `every` is zero.
+    pub fn spawn(self) -> tokio::task::JoinHandle<()> {
+        assert!(
+            !self.every.is_zero(),
+            "Completer::every must be more than zero"
+        );
+        let mut ticks = tokio::time::interval(self.every);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tokio::spawn(async move {
+            loop {
+                ticks.tick().await;
+                if let Err(error) = self.run_once().await {
+                    let cause = std::error::Error::source(&error)
+                        .map(ToString::to_string)
+                        .unwrap_or_default();
+                    tracing::warn!(error = %error, cause, "the idempotency completer's pass failed");
+                }
+            }
+        })
+    }
+
+    fn backoff_after(&self, attempts: u32) -> Duration {
+        let doubled = self
+            .backoff
+            .saturating_mul(1_u32 << attempts.saturating_sub(1).min(20));
+        doubled.min(MAX_BACKOFF)
+    }
+
+    /// Sends the stored request as the reservation's; whether it answered
+    /// with a stored response.
+    async fn send(
+        &self,
+        stored: StoredRequest,
+        holder: &Holder,
+        token: i64,
+        backoff: Duration,
+    ) -> bool {
+        let mut request = http::Request::new(Body::from(stored.body));
+        *request.method_mut() = stored.method;
+        *request.uri_mut() = stored.uri;
+        if let Some(content_type) = stored.content_type {
+            request
+                .headers_mut()
+                .insert(header::CONTENT_TYPE, content_type);
+        }
+        let Ok(key) = HeaderValue::from_str(&quoted(&holder.key)) else {
+            return false;
+        };
+        request.headers_mut().insert(IDEMPOTENCY_KEY, key);
+        request.extensions_mut().insert(Resumed {
+            scope: holder.scope.clone(),
+            token,
+            backoff,
+        });
+        let Ok(response) = self.router.clone().oneshot(request).await;
+        let status = response.status();
+        let tags = (
+            observe::redact(&[&holder.scope]),
+            observe::redact(&[&holder.scope, &holder.key]),
+        );
+        let completed = is_storable(status) && status != 409 && status != 422;
+        if completed {
+            tracing::info!(scope = tags.0, key = tags.1, %status, "the completer finished an abandoned request");
+        } else {
+            tracing::warn!(scope = tags.0, key = tags.1, %status, retry_in_ms = backoff.as_millis(), "the completer's attempt at an abandoned request failed");
+        }
+        completed
+    }
+
+    /// Finishes a key it will not resume again with a stored 500, for a
+    /// person to check. Whether it did (another process may have it).
+    async fn give_up(&self, holder: &Holder, attempts: u32) -> Result<bool, Error> {
+        let idem = &self.idem;
+        let Some(token) = DB::reserve(idem.pool(), idem.table_name(), holder, RESERVATION).await?
+        else {
+            return Ok(false);
+        };
+        let held = Holder {
+            token,
+            ..holder.clone()
+        };
+        let response = Problem::Abandoned.into_response();
+        let Ok((stored, _)) =
+            StoredResponse::capture(response, idem.replay_header_names(), usize::MAX).await
+        else {
+            unreachable!("a problem's body is in memory and under no cap")
+        };
+        let mut conn = OpenTx::acquire(idem.pool()).await?;
+        let done = DB::store(&mut conn, idem.table_name(), &held, &stored).await;
+        conn.release_unless_gone(&done);
+        let done = done?;
+        if done {
+            observe::completer("given_up");
+            tracing::error!(
+                scope = observe::redact(&[&holder.scope]),
+                key = observe::redact(&[&holder.scope, &holder.key]),
+                attempts,
+                "an idempotent request was abandoned after its last attempt: it is answered 500 \
+                 from now on, and its effects outside the database (see its recovery point's \
+                 external steps) need a person to check them"
+            );
+        }
+        Ok(done)
+    }
+}
+
+/// `key` as an RFC 8941 sf-string, which `idem` reads back as the key.
+fn quoted(key: &str) -> String {
+    let mut out = String::with_capacity(key.len() + 2);
+    out.push('"');
+    for c in key.chars() {
+        if matches!(c, '"' | '\\') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out.push('"');
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::quoted;
+    use crate::key::parse_key_value;
+
+    #[test]
+    fn a_quoted_key_reads_back_as_itself() {
+        for key in ["plain", "with,comma", "q\"uote", "back\\slash", "\"lead"] {
+            assert_eq!(parse_key_value(quoted(key).as_bytes()).unwrap(), key);
+        }
+    }
+}

@@ -1,0 +1,483 @@
+//! One phased request: a claim that commits on its own with a lease, the
+//! handler's phases (see [`Phases`]), and the response stored under the
+//! fencing token with the last phase's writes.
+//!
+//! The failure rule: an attempt that fails (an error, a transient status,
+//! a panic, its deadline) before any external step was attempted, in it or
+//! an earlier attempt, deletes its key, so the next attempt starts afresh;
+//! once one may have happened, the key and its recovery point stay, and the
+//! next attempt (a client's retry or the completer) resumes.
+
+use std::borrow::Cow;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
+use std::time::Duration;
+
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use futures_util::FutureExt;
+use http::{HeaderMap, HeaderValue, Method, Uri, header};
+use tracing::Instrument;
+
+use crate::Idem;
+use crate::backend::{
+    Claim, ClaimOutcome, Holder, LeaseClaim, LeaseOutcome, OpenTx, Phased, Release, abandon,
+};
+use crate::key::IdempotencyKey;
+use crate::observe::{self, Outcome};
+use crate::phases::{PhaseState, Phases, Recovery};
+use crate::problem::Problem;
+use crate::protocol::{Answer, Prepared, answer_finished, retry_after_secs, scope_too_long};
+use crate::response::{CaptureError, StoredResponse};
+
+/// A phased handler's future, boxed as in the atomic mode (see
+/// `protocol::HandlerFuture`).
+type PhasedFuture<'f> = Pin<Box<dyn Future<Output = Answer> + Send + 'f>>;
+
+type DynPhased<'h, 'f, DB> = dyn FnMut(Phases<DB>) -> PhasedFuture<'f> + Send + 'h;
+
+/// Claims the key with a lease (or resumes it), runs the handler's phases,
+/// and stores its response with the last phase; see the module docs for
+/// what a failure leaves.
+pub async fn run_phased<'f, DB, H, Fut>(
+    idem: Idem<DB>,
+    prepared: Prepared,
+    scope: Cow<'_, str>,
+    handler: H,
+) -> Response
+where
+    DB: Phased,
+    H: FnOnce(Phases<DB>) -> Fut + Send,
+    Fut: Future<Output = Answer> + Send + 'f,
+{
+    let mut handler = Some(handler);
+    let mut call = |phases: Phases<DB>| -> PhasedFuture<'f> {
+        let handler = handler
+            .take()
+            .expect("the protocol calls a handler at most once");
+        Box::pin(handler(phases))
+    };
+    run_dyn(idem, prepared, scope, &mut call).await
+}
+
+async fn run_dyn<'f, DB: Phased>(
+    idem: Idem<DB>,
+    prepared: Prepared,
+    scope: Cow<'_, str>,
+    handler: &mut DynPhased<'_, 'f, DB>,
+) -> Response {
+    let span = prepared.span.clone();
+    let Some((key, fingerprint)) = prepared.key else {
+        // The attribute refuses `key = "optional"` with phases.
+        observe::finish(&span, Outcome::Rejected);
+        return Problem::KeyMissing.into_response();
+    };
+    if !span.is_disabled() {
+        span.record("scope", observe::redact(&[&scope]));
+        span.record("key", observe::redact(&[&scope, &key]));
+    }
+    let config = prepared.config;
+    let claim = LeaseClaim {
+        claim: Claim {
+            scope: &scope,
+            key: &key,
+            fingerprint,
+            ttl: config.ttl,
+            wait: Duration::ZERO,
+            timeout_ms: config.timeout_ms(),
+        },
+        lease: config.lease.unwrap_or(Duration::from_secs(30)),
+        request: prepared.request.as_deref().unwrap_or_default(),
+        reserved: prepared.resumed.as_ref().map(|resumed| resumed.token),
+    };
+    let backoff = prepared
+        .resumed
+        .as_ref()
+        .map_or(Duration::ZERO, |resumed| resumed.backoff);
+    let (outcome, response) = run_keyed(&idem, &claim, backoff, handler)
+        .instrument(span.clone())
+        .await;
+    observe::finish(&span, outcome);
+    response
+}
+
+async fn run_keyed<'f, DB: Phased>(
+    idem: &Idem<DB>,
+    lease: &LeaseClaim<'_>,
+    backoff: Duration,
+    handler: &mut DynPhased<'_, 'f, DB>,
+) -> (Outcome, Response) {
+    let claim = &lease.claim;
+    if let Some(refused) = scope_too_long(claim) {
+        return refused;
+    }
+    if let Some(replayed) = peek(idem, claim).await {
+        return replayed;
+    }
+    let started = std::time::Instant::now();
+    let (token, recovery) = match DB::lease(idem.pool(), idem.table_name(), lease).await {
+        Ok(LeaseOutcome::Owned { token, recovery }) => {
+            observe::claim_latency("claimed", started.elapsed());
+            (token, recovery)
+        }
+        Ok(LeaseOutcome::Finished {
+            fingerprint,
+            response,
+        }) => {
+            observe::claim_latency("finished", started.elapsed());
+            idem.finished_keys().remember(claim.scope, claim.key);
+            return answer_finished(idem, claim, fingerprint, response);
+        }
+        Ok(LeaseOutcome::Leased { remaining }) => {
+            observe::claim_latency("in_use", started.elapsed());
+            let retry_after = retry_after_secs(remaining).max(1);
+            return (
+                Outcome::InUse,
+                Problem::KeyLeased { retry_after }.into_response(),
+            );
+        }
+        Ok(LeaseOutcome::Held) => {
+            observe::claim_latency("in_use", started.elapsed());
+            return (Outcome::InUse, Problem::KeyHeld.into_response());
+        }
+        Ok(LeaseOutcome::Reused) => {
+            observe::claim_latency("finished", started.elapsed());
+            return (Outcome::Reused, Problem::KeyReused.into_response());
+        }
+        Err(error) => {
+            observe::claim_latency("error", started.elapsed());
+            tracing::warn!(error = %error, "idempotency key store unavailable");
+            return (
+                Outcome::StoreUnavailable,
+                Problem::StoreUnavailable.into_response(),
+            );
+        }
+    };
+    let holder = Holder {
+        scope: claim.scope.to_owned(),
+        key: claim.key.to_owned(),
+        token,
+    };
+    let recovery = match Recovery::decode(recovery.as_deref()) {
+        Ok(recovery) => recovery,
+        Err(error) => {
+            // Not a recovery point `idem` wrote: resuming from it could
+            // repeat what it recorded. The key stays held for a human.
+            tracing::error!(%error, "corrupt recovery point; the key is left as it is");
+            return (
+                Outcome::StoreUnavailable,
+                Problem::TransactionFailed.into_response(),
+            );
+        }
+    };
+    let resumed = !recovery.steps.is_empty() || recovery.external;
+    if resumed {
+        observe::resumed();
+        tracing::info!(
+            steps = recovery.steps.len(),
+            "resuming an idempotent request from its recovery point"
+        );
+    }
+    let state = PhaseState {
+        idem: idem.clone(),
+        holder,
+        key: IdempotencyKey::new(claim.scope.to_owned(), claim.key.to_owned()),
+        lease: lease.lease,
+        recovery,
+        resumed,
+        fenced: false,
+        last: None,
+        seen: Vec::new(),
+    };
+    let (phases, mut back) = Phases::new(state);
+    let timeout = claim.timeout();
+    let ran = tokio::time::timeout(timeout, AssertUnwindSafe(handler(phases)).catch_unwind()).await;
+    // The handler's future is dropped by now, and its `Phases` with it.
+    let Ok(mut state) = back.try_recv() else {
+        tracing::error!(
+            "a phased handler kept its Phases after returning; its key is released when its \
+             lease ends"
+        );
+        return (
+            Outcome::RolledBack,
+            Problem::HandlerPanicked.into_response(),
+        );
+    };
+    if state.fenced {
+        if let Some(conn) = state.last.take() {
+            abandon(conn).await;
+        }
+        observe::fenced();
+        return (Outcome::Fenced, Problem::KeyInUse.into_response());
+    }
+    let answer = match ran {
+        Ok(Ok(answer)) if answer.commits() => answer,
+        Ok(Ok(answer)) => {
+            fail(state, backoff).await;
+            return (Outcome::RolledBack, answer.response);
+        }
+        Ok(Err(_panic)) => {
+            tracing::error!("phased handler panicked; its last phase was rolled back");
+            fail(state, backoff).await;
+            return (
+                Outcome::RolledBack,
+                Problem::HandlerPanicked.into_response(),
+            );
+        }
+        Err(_elapsed) => {
+            tracing::warn!(
+                timeout_ms = timeout.as_millis(),
+                "phased handler passed its deadline; dropped"
+            );
+            // The last phase may have been mid-statement: closed, not reused.
+            drop(state.last.take());
+            fail(state, backoff).await;
+            return (Outcome::TimedOut, Problem::HandlerTimeout.into_response());
+        }
+    };
+    store(idem, state, answer.response, backoff).await
+}
+
+/// A key this process saw finish: answered by a plain read.
+async fn peek<DB: Phased>(idem: &Idem<DB>, claim: &Claim<'_>) -> Option<(Outcome, Response)> {
+    let finished = idem.finished_keys();
+    if !finished.seen(claim.scope, claim.key) {
+        return None;
+    }
+    match Box::pin(DB::peek(
+        idem.pool(),
+        idem.acquire(),
+        idem.table_name(),
+        claim,
+    ))
+    .await
+    {
+        Ok(Some(ClaimOutcome::Finished {
+            fingerprint,
+            response,
+        })) => Some(answer_finished(idem, claim, fingerprint, response)),
+        _ => {
+            finished.forget(claim.scope, claim.key);
+            None
+        }
+    }
+}
+
+/// Stores the response under the token, with the last phase's writes.
+async fn store<DB: Phased>(
+    idem: &Idem<DB>,
+    mut state: PhaseState<DB>,
+    response: Response,
+    backoff: Duration,
+) -> (Outcome, Response) {
+    let captured =
+        StoredResponse::capture(response, idem.replay_header_names(), idem.response_cap()).await;
+    let (stored, parts) = match captured {
+        Ok(captured) => captured,
+        Err(error) => {
+            fail(state, backoff).await;
+            let problem = match error {
+                CaptureError::TooLarge { limit } => {
+                    tracing::error!(
+                        limit,
+                        "phased handler's response exceeds the stored-response cap; its last \
+                         phase was rolled back (raise Idem::max_response_bytes)"
+                    );
+                    Problem::ResponseNotStored
+                }
+                CaptureError::Body(error) => {
+                    tracing::error!(error = %error, "phased handler's response body failed");
+                    Problem::HandlerPanicked
+                }
+            };
+            return (Outcome::RolledBack, problem.into_response());
+        }
+    };
+    let mut conn = match state.last.take() {
+        Some(conn) => conn,
+        None => match DB::begin(idem.pool(), idem.acquire()).await {
+            Ok(conn) => conn,
+            Err(error) => {
+                tracing::warn!(%error, "the key store failed before the response was stored");
+                fail(state, backoff).await;
+                return (
+                    Outcome::StoreUnavailable,
+                    Problem::StoreUnavailable.into_response(),
+                );
+            }
+        },
+    };
+    let table = idem.table_name();
+    match DB::store(&mut conn, table, &state.holder, &stored).await {
+        Ok(true) => {}
+        Ok(false) => {
+            abandon(conn).await;
+            observe::fenced();
+            tracing::warn!(
+                "another attempt took this idempotency key over; this attempt's last phase \
+                 rolled back"
+            );
+            return (Outcome::Fenced, Problem::KeyInUse.into_response());
+        }
+        Err(error) => {
+            tracing::warn!(%error, "storing the phased handler's response failed");
+            abandon(conn).await;
+            fail(state, backoff).await;
+            return (
+                Outcome::StoreUnavailable,
+                Problem::StoreUnavailable.into_response(),
+            );
+        }
+    }
+    match DB::finish(&mut conn, table, None, None).await {
+        Ok(()) => {
+            conn.release();
+            idem.finished_keys()
+                .remember(&state.holder.scope, &state.holder.key);
+            (Outcome::Claimed, stored.into_original(parts))
+        }
+        Err(error) => {
+            // The commit may have landed: the key is left to its lease, and
+            // the next attempt replays the response or resumes.
+            tracing::warn!(error = %error, "committing the last phase failed");
+            abandon(conn).await;
+            (
+                Outcome::StoreUnavailable,
+                Problem::StoreUnavailable.into_response(),
+            )
+        }
+    }
+}
+
+/// Leaves the key of a failed attempt as the failure rule says.
+async fn fail<DB: Phased>(mut state: PhaseState<DB>, backoff: Duration) {
+    if let Some(conn) = state.last.take() {
+        abandon(conn).await;
+    }
+    let how = if state.recovery.external {
+        Release::Keep(backoff)
+    } else {
+        Release::Delete
+    };
+    let idem = &state.idem;
+    let released = match OpenTx::acquire(idem.pool()).await {
+        Ok(mut conn) => {
+            let released = DB::release(&mut conn, idem.table_name(), &state.holder, how).await;
+            conn.release_unless_gone(&released);
+            released
+        }
+        Err(error) => Err(error),
+    };
+    match released {
+        Ok(_) => {}
+        // The lease ends by itself; the next attempt then resumes.
+        Err(error) => tracing::warn!(
+            %error,
+            "releasing a failed attempt's key failed; it is free when its lease ends"
+        ),
+    }
+}
+
+/// A phased request as kept for the completer: the method, the URI (path
+/// and query), the content type and the body. Never the other headers:
+/// credentials (`Authorization`, `Cookie`) are not kept.
+#[derive(Debug)]
+pub(crate) struct StoredRequest {
+    pub(crate) method: Method,
+    pub(crate) uri: Uri,
+    pub(crate) content_type: Option<HeaderValue>,
+    pub(crate) body: Bytes,
+}
+
+/// The encoding's version, its first byte.
+const REQUEST_VERSION: u8 = 1;
+
+impl StoredRequest {
+    /// `[1][method len: u8][method][uri len: u32][uri][type len: u16][type][body]`.
+    pub(crate) fn encode(method: &Method, uri: &Uri, headers: &HeaderMap, body: &[u8]) -> Vec<u8> {
+        let method = method.as_str().as_bytes();
+        let uri = uri
+            .path_and_query()
+            .map_or("/", |path_and_query| path_and_query.as_str())
+            .as_bytes();
+        let content_type = headers
+            .get(header::CONTENT_TYPE)
+            .map_or(&[][..], HeaderValue::as_bytes);
+        let mut out =
+            Vec::with_capacity(8 + method.len() + uri.len() + content_type.len() + body.len());
+        out.push(REQUEST_VERSION);
+        // Methods are short tokens and URIs and content types are bounded
+        // by hyper's header limits, far below these widths.
+        out.push(u8::try_from(method.len()).unwrap_or(u8::MAX));
+        out.extend_from_slice(&method[..method.len().min(255)]);
+        let uri_len = u32::try_from(uri.len()).unwrap_or(u32::MAX);
+        out.extend_from_slice(&uri_len.to_be_bytes());
+        out.extend_from_slice(&uri[..uri_len as usize]);
+        let type_len = u16::try_from(content_type.len()).unwrap_or(0);
+        out.extend_from_slice(&type_len.to_be_bytes());
+        out.extend_from_slice(&content_type[..usize::from(type_len)]);
+        out.extend_from_slice(body);
+        out
+    }
+
+    pub(crate) fn decode(bytes: &[u8]) -> Option<Self> {
+        let (&version, rest) = bytes.split_first()?;
+        if version != REQUEST_VERSION {
+            return None;
+        }
+        let (&method_len, rest) = rest.split_first()?;
+        let (method, rest) = rest.split_at_checked(usize::from(method_len))?;
+        let (uri_len, rest) = rest.split_first_chunk::<4>()?;
+        let (uri, rest) = rest.split_at_checked(u32::from_be_bytes(*uri_len) as usize)?;
+        let (type_len, rest) = rest.split_first_chunk::<2>()?;
+        let (content_type, body) =
+            rest.split_at_checked(usize::from(u16::from_be_bytes(*type_len)))?;
+        Some(Self {
+            method: Method::from_bytes(method).ok()?,
+            uri: Uri::try_from(uri).ok()?,
+            content_type: match content_type {
+                [] => None,
+                value => Some(HeaderValue::from_bytes(value).ok()?),
+            },
+            body: Bytes::copy_from_slice(body),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stored_request_reads_back_without_credentials() {
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        headers.insert(
+            header::AUTHORIZATION,
+            HeaderValue::from_static("Bearer secret"),
+        );
+        headers.insert(header::COOKIE, HeaderValue::from_static("session=secret"));
+        let uri: Uri = "http://example.com/v1/payments?x=1".parse().unwrap();
+        let bytes = StoredRequest::encode(&Method::POST, &uri, &headers, b"{\"amount\":1}");
+        assert!(!bytes.windows(6).any(|window| window == b"secret"));
+        let request = StoredRequest::decode(&bytes).unwrap();
+        assert_eq!(request.method, Method::POST);
+        assert_eq!(request.uri, "/v1/payments?x=1");
+        assert_eq!(request.content_type.unwrap(), "application/json");
+        assert_eq!(&request.body[..], b"{\"amount\":1}");
+
+        let bare =
+            StoredRequest::encode(&Method::PUT, &"/a".parse().unwrap(), &HeaderMap::new(), b"");
+        let request = StoredRequest::decode(&bare).unwrap();
+        assert_eq!((request.method, request.content_type), (Method::PUT, None));
+        for cut in 0..bytes.len() - 12 {
+            // Any truncation before the body is refused, never misread.
+            assert!(StoredRequest::decode(&bytes[..cut]).is_none(), "{cut}");
+        }
+        assert!(StoredRequest::decode(&[2]).is_none());
+    }
+}

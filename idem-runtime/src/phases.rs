@@ -1,0 +1,463 @@
+//! [`Phases`]: a phased handler's recovery points, as the handler sees them.
+
+use std::borrow::Cow;
+use std::time::Duration;
+
+use axum::response::{IntoResponse, Response};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use tokio::sync::oneshot;
+
+use crate::Idem;
+use crate::backend::{Holder, OpenTx, Phased, abandon};
+use crate::key::IdempotencyKey;
+use crate::problem::Problem;
+use crate::scope::Scope;
+
+/// The steps of a phased `#[idempotent]` handler: local phases, each its
+/// own transaction that commits a recovery point, external steps between
+/// them, and the last phase, whose writes commit with the stored response.
+///
+/// Take a `Phases<DB>` parameter in place of `Tx<DB>` for a handler that
+/// calls something outside its database (a payment provider, a mailer):
+///
+/// ```no_run
+/// # use idem_runtime as idem;
+/// # use idem::{Phases, PhaseError};
+/// # use sqlx::Postgres;
+/// # struct ApiError;
+/// # impl From<PhaseError> for ApiError { fn from(_: PhaseError) -> Self { ApiError } }
+/// # impl From<sqlx::Error> for ApiError { fn from(_: sqlx::Error) -> Self { ApiError } }
+/// # async fn charge_card(key: String, amount: i64) -> Result<String, ApiError> { Ok(key) }
+/// # async fn demo(mut phases: Phases<Postgres>, amount: i64) -> Result<(), ApiError> {
+/// // A local phase: its writes and its result commit together, once.
+/// let id: i64 = phases
+///     .local("pending", async |tx| -> Result<_, ApiError> {
+///         let id = sqlx::query_scalar("INSERT INTO payments (amount) VALUES ($1) RETURNING id")
+///             .bind(amount)
+///             .fetch_one(tx)
+///             .await?;
+///         Ok(id)
+///     })
+///     .await?;
+/// // An external step: the provider gets a key derived from the request's,
+/// // the same on every attempt, so our retry is the provider's retry.
+/// let provider_id: String = phases
+///     .external("provider", async |key| charge_card(key, amount).await)
+///     .await?;
+/// // The last phase: its writes commit with the stored response.
+/// let tx = phases.last_phase().await?;
+/// sqlx::query("UPDATE payments SET status = 'succeeded', provider_id = $1 WHERE id = $2")
+///     .bind(&provider_id)
+///     .bind(id)
+///     .execute(tx)
+///     .await?;
+/// # Ok(()) }
+/// ```
+///
+/// On a later attempt (a client's retry once the lease has ended, or the
+/// completer), a phase or step whose result was recorded is skipped and
+/// its recorded result returned: name each phase and step once per
+/// handler, and keep the names stable across deploys. Results are kept as
+/// JSON (`serde`), so they must read back as they were written.
+pub struct Phases<DB: Phased> {
+    state: Option<PhaseState<DB>>,
+    home: Option<oneshot::Sender<PhaseState<DB>>>,
+}
+
+/// What a phase left, handed back to the protocol when the handler ends.
+pub(crate) struct PhaseState<DB: Phased> {
+    pub(crate) idem: Idem<DB>,
+    pub(crate) holder: Holder,
+    pub(crate) key: IdempotencyKey,
+    pub(crate) lease: Duration,
+    pub(crate) recovery: Recovery,
+    /// A recovery point of an earlier attempt was found.
+    pub(crate) resumed: bool,
+    /// A write under our token matched nothing: another attempt took over.
+    pub(crate) fenced: bool,
+    /// The last phase's transaction, once begun.
+    pub(crate) last: Option<OpenTx<DB>>,
+    /// The phases and steps this attempt ran or skipped.
+    pub(crate) seen: Vec<String>,
+}
+
+/// The recovery point: each recorded result by its phase's name, and
+/// whether an external step may have happened.
+#[derive(Debug, Default, Serialize, Deserialize)]
+pub(crate) struct Recovery {
+    #[serde(default)]
+    pub(crate) steps: serde_json::Map<String, serde_json::Value>,
+    #[serde(default)]
+    pub(crate) external: bool,
+}
+
+impl Recovery {
+    pub(crate) fn decode(bytes: Option<&[u8]>) -> Result<Self, serde_json::Error> {
+        match bytes {
+            None | Some([]) => Ok(Self::default()),
+            Some(bytes) => serde_json::from_slice(bytes),
+        }
+    }
+
+    fn encode(&self) -> Vec<u8> {
+        serde_json::to_vec(self).expect("a JSON map serializes")
+    }
+}
+
+/// Why a phase could not run or be recorded.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PhaseError {
+    /// Another attempt took the key over (this one's lease had ended):
+    /// nothing of this phase was committed. The request answers 409.
+    #[error("another attempt took this idempotency key over; this attempt stops")]
+    Fenced,
+    /// The key store failed to begin, record or commit the phase.
+    #[error("the key store failed while recording a phase: {0}")]
+    Store(#[source] sqlx::Error),
+    /// A result did not serialize, or a recorded one did not read back as
+    /// the type the handler asks for (a phase renamed or retyped across a
+    /// deploy).
+    #[error("the result of phase `{name}` could not be recorded or read back: {source}")]
+    Result {
+        /// The phase or step.
+        name: String,
+        /// What serde said.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// A phase or step name used twice in one handler, or a phase after
+    /// the last one began.
+    #[error("phase `{0}` is out of order: each name once, and nothing after `last_phase`")]
+    Order(String),
+}
+
+impl PhaseError {
+    fn problem(&self) -> Problem {
+        match self {
+            Self::Fenced => Problem::KeyInUse,
+            Self::Store(_) => Problem::StoreUnavailable,
+            Self::Result { .. } | Self::Order(_) => Problem::TransactionFailed,
+        }
+    }
+}
+
+/// As the problem `idem` answers for it: 409 when fenced, 503 when the
+/// store failed, 500 otherwise. (A fenced attempt is answered 409 whatever
+/// the handler made of the error.)
+impl IntoResponse for PhaseError {
+    fn into_response(self) -> Response {
+        if !matches!(self, Self::Fenced) {
+            tracing::error!(error = %self, "a phase failed");
+        }
+        self.problem().into_response()
+    }
+}
+
+impl From<PhaseError> for Response {
+    fn from(error: PhaseError) -> Self {
+        error.into_response()
+    }
+}
+
+impl<DB: Phased> Phases<DB> {
+    pub(crate) fn new(state: PhaseState<DB>) -> (Self, oneshot::Receiver<PhaseState<DB>>) {
+        let (home, back) = oneshot::channel();
+        let phases = Self {
+            state: Some(state),
+            home: Some(home),
+        };
+        (phases, back)
+    }
+
+    fn state(&mut self) -> &mut PhaseState<DB> {
+        self.state.as_mut().expect("Phases used after drop")
+    }
+
+    /// The request's idempotency key; [`derive`](IdempotencyKey::derive)
+    /// it for a downstream call by hand, or let [`external`](Self::external)
+    /// do so.
+    pub fn key(&self) -> &IdempotencyKey {
+        &self.state.as_ref().expect("Phases used after drop").key
+    }
+
+    /// Whether this attempt resumes an earlier one's recovery point.
+    pub fn resumed(&self) -> bool {
+        self.state.as_ref().is_some_and(|state| state.resumed)
+    }
+
+    /// Runs a local phase: `phase` gets a connection in a new transaction,
+    /// and its `Ok` result commits together with its writes and the key's
+    /// recovery point (renewing the lease). On a later attempt the phase is
+    /// skipped and the recorded result returned. An `Err` rolls the phase
+    /// back and is returned as is; a phase whose attempt lost the key
+    /// rolls back and returns [`PhaseError::Fenced`].
+    pub async fn local<T, E, F>(&mut self, name: &str, phase: F) -> Result<T, E>
+    where
+        T: Serialize + DeserializeOwned,
+        E: From<PhaseError>,
+        F: AsyncFnOnce(&mut DB::Connection) -> Result<T, E>,
+    {
+        let state = self.state();
+        if let Some(done) = state.recorded(name)? {
+            crate::observe::phase(name, "skipped");
+            return Ok(done);
+        }
+        let mut conn = DB::begin(state.idem.pool(), state.idem.acquire())
+            .await
+            .map_err(PhaseError::Store)?;
+        let value = match phase(&mut **conn).await {
+            Ok(value) => value,
+            Err(error) => {
+                abandon(conn).await;
+                crate::observe::phase(name, "failed");
+                return Err(error);
+            }
+        };
+        let state = self.state();
+        state.keep(name, &value)?;
+        let recorded = DB::record(
+            &mut conn,
+            state.idem.table_name(),
+            &state.holder,
+            &state.recovery.encode(),
+            state.lease,
+        )
+        .await;
+        match recorded {
+            Ok(true) => {}
+            Ok(false) => {
+                abandon(conn).await;
+                return Err(state.fence(name).into());
+            }
+            Err(error) => {
+                abandon(conn).await;
+                state.recovery.steps.remove(name);
+                crate::observe::phase(name, "failed");
+                return Err(PhaseError::Store(error).into());
+            }
+        }
+        match DB::finish(&mut conn, state.idem.table_name(), None, None).await {
+            Ok(()) => {
+                conn.release();
+                crate::observe::phase(name, "committed");
+                Ok(value)
+            }
+            Err(error) => {
+                // The commit may have landed: a later attempt then skips
+                // the phase, or runs it again if it did not.
+                abandon(conn).await;
+                crate::observe::phase(name, "failed");
+                let error = match error {
+                    crate::backend::FinishError::Ended(store)
+                    | crate::backend::FinishError::Store(store) => match store {
+                        crate::backend::StoreError::Database(error) => error,
+                        other => sqlx::Error::Protocol(other.to_string()),
+                    },
+                };
+                Err(PhaseError::Store(error).into())
+            }
+        }
+    }
+
+    /// Runs an external step: `step` gets the key derived from the
+    /// request's for `label` ([`IdempotencyKey::derive`]), the same on every
+    /// attempt, to pass to the downstream API so that our retry is its
+    /// retry. Before the call, the recovery point notes that an external
+    /// step may happen (so a failed attempt keeps the key, and the next one
+    /// resumes rather than starting afresh), and the lease is renewed. The
+    /// `Ok` result is recorded with the next local phase, or the response;
+    /// on a later attempt that recorded it the step is skipped.
+    pub async fn external<T, E, F>(&mut self, label: &str, step: F) -> Result<T, E>
+    where
+        T: Serialize + DeserializeOwned,
+        E: From<PhaseError>,
+        F: AsyncFnOnce(String) -> Result<T, E>,
+    {
+        let state = self.state();
+        if let Some(done) = state.recorded(label)? {
+            crate::observe::phase(label, "skipped");
+            return Ok(done);
+        }
+        state.recovery.external = true;
+        let mut conn = OpenTx::acquire(state.idem.pool())
+            .await
+            .map_err(PhaseError::Store)?;
+        let recorded = DB::record(
+            &mut conn,
+            state.idem.table_name(),
+            &state.holder,
+            &state.recovery.encode(),
+            state.lease,
+        )
+        .await;
+        conn.release_unless_gone(&recorded);
+        match recorded {
+            Ok(true) => {}
+            Ok(false) => return Err(state.fence(label).into()),
+            Err(error) => {
+                crate::observe::phase(label, "failed");
+                return Err(PhaseError::Store(error).into());
+            }
+        }
+        let derived = state.key.derive(label);
+        match step(derived).await {
+            Ok(value) => {
+                self.state().keep(label, &value)?;
+                crate::observe::phase(label, "called");
+                Ok(value)
+            }
+            Err(error) => {
+                crate::observe::phase(label, "failed");
+                Err(error)
+            }
+        }
+    }
+
+    /// Begins the last phase, if it has not begun, and returns its
+    /// connection: its writes commit together with the stored response
+    /// when the handler answers a storable status, as in the atomic mode,
+    /// and roll back otherwise. A handler that never calls it has its
+    /// response stored in a transaction of its own.
+    pub async fn last_phase(&mut self) -> Result<&mut DB::Connection, PhaseError> {
+        let state = self.state();
+        if state.last.is_none() {
+            let conn = DB::begin(state.idem.pool(), state.idem.acquire())
+                .await
+                .map_err(PhaseError::Store)?;
+            state.last = Some(conn);
+        }
+        let conn = state.last.as_mut().expect("begun above");
+        Ok(&mut ***conn)
+    }
+}
+
+impl<DB: Phased> PhaseState<DB> {
+    /// A recorded result of `name`, if an earlier attempt recorded one.
+    fn recorded<T: DeserializeOwned>(&mut self, name: &str) -> Result<Option<T>, PhaseError> {
+        if self.last.is_some() || self.seen.iter().any(|seen| seen == name) {
+            return Err(PhaseError::Order(name.to_owned()));
+        }
+        self.seen.push(name.to_owned());
+        let Some(value) = self.recovery.steps.get(name) else {
+            return Ok(None);
+        };
+        T::deserialize(value)
+            .map(Some)
+            .map_err(|source| PhaseError::Result {
+                name: name.to_owned(),
+                source,
+            })
+    }
+
+    /// Keeps `value` as `name`'s result in the recovery point to write.
+    fn keep<T: Serialize>(&mut self, name: &str, value: &T) -> Result<(), PhaseError> {
+        let json = serde_json::to_value(value).map_err(|source| PhaseError::Result {
+            name: name.to_owned(),
+            source,
+        })?;
+        self.recovery.steps.insert(name.to_owned(), json);
+        Ok(())
+    }
+
+    /// Notes that another attempt took the key over.
+    fn fence(&mut self, name: &str) -> PhaseError {
+        self.fenced = true;
+        crate::observe::phase(name, "fenced");
+        tracing::warn!(
+            phase = name,
+            "another attempt took this idempotency key over; this attempt's phase rolled back"
+        );
+        PhaseError::Fenced
+    }
+}
+
+impl<DB: Phased> Drop for Phases<DB> {
+    fn drop(&mut self) {
+        // Hand what the phases left to the protocol; if nobody waits (the
+        // request was cancelled), the last phase's connection closes with
+        // the state, which rolls its transaction back.
+        if let (Some(state), Some(home)) = (self.state.take(), self.home.take()) {
+            let _ = home.send(state);
+        }
+    }
+}
+
+impl<DB: Phased> std::fmt::Debug for Phases<DB> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Phases")
+            .field("resumed", &self.resumed())
+            .finish_non_exhaustive()
+    }
+}
+
+/// A caller rebuilt from the scope its key was stored under: how the
+/// completer resumes a phased request without the caller's credentials.
+///
+/// A phased handler's scope parameter implements it. An ordinary request
+/// runs the parameter's extractor (which authenticates the caller); a
+/// request the completer sends carries no credentials and gets the
+/// parameter from `from_scope` instead.
+///
+/// ```
+/// # use idem_runtime as idem;
+/// use std::borrow::Cow;
+///
+/// struct Account(String);
+///
+/// impl idem::Scope for Account {
+///     fn scope(&self) -> Cow<'_, str> {
+///         Cow::Borrowed(&self.0)
+///     }
+/// }
+///
+/// impl idem::FromScope for Account {
+///     fn from_scope(scope: &str) -> Self {
+///         Account(scope.to_owned())
+///     }
+/// }
+/// ```
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot be rebuilt from a stored scope: it does not implement `idem::FromScope`",
+    label = "the scope of a phased handler must implement `idem::FromScope`",
+    note = "the completer resumes abandoned requests without their credentials (idem never stores \
+            them): it names the caller by the scope the key was stored under, and builds this \
+            parameter with `FromScope::from_scope`"
+)]
+pub trait FromScope: Scope + Sized {
+    /// The caller whose [`Scope::scope`] is `scope`.
+    fn from_scope(scope: &str) -> Self;
+}
+
+impl FromScope for String {
+    fn from_scope(scope: &str) -> Self {
+        scope.to_owned()
+    }
+}
+
+impl<T: FromScope> FromScope for axum::Extension<T> {
+    fn from_scope(scope: &str) -> Self {
+        axum::Extension(T::from_scope(scope))
+    }
+}
+
+/// Marks a request the completer sends to resume an abandoned key, in its
+/// extensions: the stored scope, and the reservation the request takes the
+/// key over with. Only `idem` makes one. A middleware that authenticates
+/// requests lets one through without credentials, as the phased handler's
+/// scope comes from [`FromScope`] for it.
+#[derive(Debug, Clone)]
+pub struct Resumed {
+    pub(crate) scope: String,
+    pub(crate) token: i64,
+    /// How long a failed attempt keeps the key from the next one.
+    pub(crate) backoff: Duration,
+}
+
+impl Resumed {
+    /// The scope the key was stored under.
+    pub fn scope(&self) -> Cow<'_, str> {
+        Cow::Borrowed(&self.scope)
+    }
+}
