@@ -22,7 +22,7 @@ use tracing::Instrument;
 
 use crate::Idem;
 use crate::backend::{
-    Claim, ClaimOutcome, Holder, LeaseClaim, LeaseOutcome, OpenTx, Phased, Release, abandon,
+    Claim, ClaimOutcome, Holder, LeaseClaim, LeaseOutcome, Phased, Release, abandon, in_autocommit,
 };
 use crate::key::IdempotencyKey;
 use crate::observe::{self, Outcome};
@@ -116,44 +116,45 @@ async fn run_keyed<'f, DB: Phased>(
         return replayed;
     }
     let started = std::time::Instant::now();
-    let (token, recovery) = match DB::lease(idem.pool(), idem.table_name(), lease).await {
-        Ok(LeaseOutcome::Owned { token, recovery }) => {
-            observe::claim_latency("claimed", started.elapsed());
-            (token, recovery)
-        }
-        Ok(LeaseOutcome::Finished {
-            fingerprint,
-            response,
-        }) => {
-            observe::claim_latency("finished", started.elapsed());
-            idem.finished_keys().remember(claim.scope, claim.key);
-            return answer_finished(idem, claim, fingerprint, response);
-        }
-        Ok(LeaseOutcome::Leased { remaining }) => {
-            observe::claim_latency("in_use", started.elapsed());
-            let retry_after = retry_after_secs(remaining).max(1);
-            return (
-                Outcome::InUse,
-                Problem::KeyLeased { retry_after }.into_response(),
-            );
-        }
-        Ok(LeaseOutcome::Held) => {
-            observe::claim_latency("in_use", started.elapsed());
-            return (Outcome::InUse, Problem::KeyHeld.into_response());
-        }
-        Ok(LeaseOutcome::Reused) => {
-            observe::claim_latency("finished", started.elapsed());
-            return (Outcome::Reused, Problem::KeyReused.into_response());
-        }
-        Err(error) => {
-            observe::claim_latency("error", started.elapsed());
-            tracing::warn!(error = %error, "idempotency key store unavailable");
-            return (
-                Outcome::StoreUnavailable,
-                Problem::StoreUnavailable.into_response(),
-            );
-        }
-    };
+    let (token, recovery) =
+        match DB::lease(idem.pool(), idem.acquire(), idem.table_name(), lease).await {
+            Ok(LeaseOutcome::Owned { token, recovery }) => {
+                observe::claim_latency("claimed", started.elapsed());
+                (token, recovery)
+            }
+            Ok(LeaseOutcome::Finished {
+                fingerprint,
+                response,
+            }) => {
+                observe::claim_latency("finished", started.elapsed());
+                idem.finished_keys().remember(claim.scope, claim.key);
+                return answer_finished(idem, claim, fingerprint, response);
+            }
+            Ok(LeaseOutcome::Leased { remaining }) => {
+                observe::claim_latency("in_use", started.elapsed());
+                let retry_after = retry_after_secs(remaining).max(1);
+                return (
+                    Outcome::InUse,
+                    Problem::KeyLeased { retry_after }.into_response(),
+                );
+            }
+            Ok(LeaseOutcome::Held) => {
+                observe::claim_latency("in_use", started.elapsed());
+                return (Outcome::InUse, Problem::KeyHeld.into_response());
+            }
+            Ok(LeaseOutcome::Reused) => {
+                observe::claim_latency("finished", started.elapsed());
+                return (Outcome::Reused, Problem::KeyReused.into_response());
+            }
+            Err(error) => {
+                observe::claim_latency("error", started.elapsed());
+                tracing::warn!(error = %error, "idempotency key store unavailable");
+                return (
+                    Outcome::StoreUnavailable,
+                    Problem::StoreUnavailable.into_response(),
+                );
+            }
+        };
     let holder = Holder {
         scope: claim.scope.to_owned(),
         key: claim.key.to_owned(),
@@ -360,15 +361,12 @@ async fn fail<DB: Phased>(mut state: PhaseState<DB>, backoff: Duration) {
     } else {
         Release::Delete
     };
-    let idem = &state.idem;
-    let released = match OpenTx::acquire(idem.pool()).await {
-        Ok(mut conn) => {
-            let released = DB::release(&mut conn, idem.table_name(), &state.holder, how).await;
-            conn.release_unless_gone(&released);
-            released
-        }
-        Err(error) => Err(error),
-    };
+    let (idem, holder) = (&state.idem, &state.holder);
+    let released = in_autocommit(idem.pool(), idem.acquire(), |mut conn| async move {
+        let released = DB::release(&mut conn, idem.table_name(), holder, how).await;
+        (conn, released)
+    })
+    .await;
     match released {
         Ok(_) => {}
         // The lease ends by itself; the next attempt then resumes.

@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
 
 use crate::Idem;
-use crate::backend::{Holder, OpenTx, Phased, abandon};
+use crate::backend::{Holder, OpenTx, Phased, abandon, in_autocommit};
 use crate::key::IdempotencyKey;
 use crate::problem::Problem;
 use crate::scope::Scope;
@@ -281,18 +281,14 @@ impl<DB: Phased> Phases<DB> {
             return Ok(done);
         }
         state.recovery.external = true;
-        let mut conn = OpenTx::acquire(state.idem.pool())
-            .await
-            .map_err(PhaseError::Store)?;
-        let recorded = DB::record(
-            &mut conn,
-            state.idem.table_name(),
-            &state.holder,
-            &state.recovery.encode(),
-            state.lease,
-        )
+        let recovery = state.recovery.encode();
+        let (idem, holder, lease) = (&state.idem, &state.holder, state.lease);
+        let recovery = &recovery;
+        let recorded = in_autocommit(idem.pool(), idem.acquire(), |mut conn| async move {
+            let recorded = DB::record(&mut conn, idem.table_name(), holder, recovery, lease).await;
+            (conn, recorded)
+        })
         .await;
-        conn.release_unless_gone(&recorded);
         match recorded {
             Ok(true) => {}
             Ok(false) => return Err(state.fence(label).into()),

@@ -59,6 +59,29 @@ where
     first(OpenTx::acquire(pool).await?).await
 }
 
+/// Runs `statement`, which owns the connection it is given, in autocommit
+/// (see [`on_connection`]), and returns the connection to the pool unless
+/// the statement found it gone.
+pub(crate) async fn in_autocommit<DB, T, Fut>(
+    pool: &Pool<DB>,
+    acquire: Acquire,
+    mut statement: impl FnMut(OpenTx<DB>) -> Fut,
+) -> Result<T, sqlx::Error>
+where
+    DB: Backend,
+    Fut: Future<Output = (OpenTx<DB>, Result<T, sqlx::Error>)>,
+{
+    on_connection(pool, acquire, |conn| {
+        let done = statement(conn);
+        async move {
+            let (conn, done) = done.await;
+            conn.release_unless_gone(&done);
+            done
+        }
+    })
+    .await
+}
+
 /// Notes an idle connection found gone by its first statement.
 pub(crate) fn replaced(error: &dyn std::fmt::Display) {
     tracing::debug!(%error, "an idle connection was gone; its first statement runs again on a checked one");

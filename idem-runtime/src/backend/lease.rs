@@ -13,7 +13,7 @@ use std::time::Duration;
 use sqlx::Pool;
 
 use super::contract::decode_finished;
-use super::{Backend, Claim, StoreError};
+use super::{Acquire, Backend, Claim, StoreError};
 use crate::fingerprint::Fingerprint;
 use crate::response::StoredResponse;
 
@@ -110,6 +110,7 @@ pub trait Phased: Backend {
     #[doc(hidden)]
     fn lease(
         pool: &Pool<Self>,
+        acquire: Acquire,
         table: &str,
         claim: &LeaseClaim<'_>,
     ) -> impl Future<Output = Result<LeaseOutcome, StoreError>> + Send;

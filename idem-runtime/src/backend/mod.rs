@@ -25,7 +25,7 @@ mod sqlite;
 mod test_support;
 
 pub use connection::{Acquire, OpenTx};
-pub(crate) use connection::{abandon, transaction_depth};
+pub(crate) use connection::{abandon, in_autocommit, transaction_depth};
 pub(crate) use contract::ConnectOptions;
 pub use contract::{Backend, Claim, ClaimOutcome, FinishError, StoreError};
 pub use lease::Phased;

@@ -66,3 +66,205 @@ pub(crate) async fn in_use_then_taken_over<DB: Backend>(
         other => panic!("the expired key was not taken over: {other:?}"),
     }
 }
+
+/// The phased mode's storage contract on `table`, as every engine keeps
+/// it: a lease claim, the fence, a takeover that carries the recovery
+/// point, the completer's reservation, the release, the stored response
+/// and a table from before the phased mode migrated.
+pub(crate) async fn lease_contract<DB: super::Phased>(pool: &Pool<DB>, table: &str) {
+    use super::{Holder, LeaseClaim, LeaseOutcome, Release};
+
+    let lease = |claim: Claim<'static>, reserved: Option<i64>| LeaseClaim {
+        claim,
+        lease: Duration::from_secs(30),
+        request: b"stored request",
+        reserved,
+    };
+    let claim_a = claim_of("acct", "phased", 7, Duration::ZERO);
+    let owned = |outcome: LeaseOutcome| match outcome {
+        LeaseOutcome::Owned { token, recovery } => (token, recovery),
+        other => panic!("not owned: {other:?}"),
+    };
+    let take = async |reserved| {
+        DB::lease(pool, Acquire::default(), table, &lease(claim_a, reserved))
+            .await
+            .unwrap()
+    };
+
+    // A new key: ours, token 1, nothing to resume.
+    let (first, recovery) = owned(take(None).await);
+    assert_eq!((first, recovery), (1, None));
+    let holder = |token| Holder {
+        scope: "acct".into(),
+        key: "phased".into(),
+        token,
+    };
+
+    // While leased: another attempt is told how long the lease has left;
+    // another request with the key is told so.
+    match take(None).await {
+        LeaseOutcome::Leased { remaining } => {
+            assert!(
+                remaining <= Duration::from_secs(30) && remaining > Duration::from_secs(20),
+                "{remaining:?}"
+            );
+        }
+        other => panic!("a live lease was taken: {other:?}"),
+    }
+    let other_request = lease(claim_of("acct", "phased", 8, Duration::ZERO), None);
+    assert!(matches!(
+        DB::lease(pool, Acquire::default(), table, &other_request)
+            .await
+            .unwrap(),
+        LeaseOutcome::Reused
+    ));
+
+    // The holder records a recovery point; its lease then ends at once.
+    assert!(
+        DB::record(
+            &mut *one(pool).await,
+            table,
+            &holder(first),
+            b"{\"steps\":{}}",
+            Duration::from_secs(30)
+        )
+        .await
+        .unwrap()
+    );
+    assert!(
+        DB::release(
+            &mut *one(pool).await,
+            table,
+            &holder(first),
+            Release::Keep(Duration::ZERO)
+        )
+        .await
+        .unwrap()
+    );
+
+    // The next attempt takes over with a larger token and the recovery
+    // point; the first holder is fenced from then on.
+    let (second, recovery) = owned(take(None).await);
+    assert_eq!(second, first + 1);
+    assert_eq!(recovery.as_deref(), Some(&b"{\"steps\":{}}"[..]));
+    assert!(
+        !DB::record(
+            &mut *one(pool).await,
+            table,
+            &holder(first),
+            b"late",
+            Duration::from_secs(30)
+        )
+        .await
+        .unwrap()
+    );
+    assert!(
+        !DB::release(
+            &mut *one(pool).await,
+            table,
+            &holder(first),
+            Release::Delete
+        )
+        .await
+        .unwrap()
+    );
+
+    // Abandoned (lease over), the key is listed for the completer, whose
+    // reservation gives a new token that only its own request takes over.
+    assert!(
+        DB::release(
+            &mut *one(pool).await,
+            table,
+            &holder(second),
+            Release::Keep(Duration::ZERO)
+        )
+        .await
+        .unwrap()
+    );
+    let abandoned = DB::abandoned(pool, table, 10).await.unwrap();
+    assert_eq!(abandoned.len(), 1, "{abandoned:?}");
+    assert_eq!(
+        (abandoned[0].holder.token, abandoned[0].attempts),
+        (second, 0)
+    );
+    assert_eq!(
+        abandoned[0].request.as_deref(),
+        Some(&b"stored request"[..])
+    );
+    let reserved = DB::reserve(pool, table, &holder(second), Duration::from_secs(30))
+        .await
+        .unwrap();
+    assert_eq!(reserved, Some(second + 1));
+    assert_eq!(
+        DB::reserve(pool, table, &holder(second), Duration::from_secs(30))
+            .await
+            .unwrap(),
+        None,
+        "reserved twice"
+    );
+    assert!(DB::abandoned(pool, table, 10).await.unwrap().is_empty());
+    assert!(
+        matches!(take(None).await, LeaseOutcome::Leased { .. }),
+        "a client took the reservation"
+    );
+    let (third, _) = owned(take(reserved).await);
+    assert_eq!(third, second + 2);
+
+    // The response is stored under the holding token only, and finishes
+    // the key for every later claim.
+    let response = StoredResponse {
+        status: http::StatusCode::CREATED,
+        headers: Vec::new(),
+        body: "{\"paid\":true}".into(),
+    };
+    assert!(
+        !DB::store(&mut *one(pool).await, table, &holder(second), &response)
+            .await
+            .unwrap()
+    );
+    assert!(
+        DB::store(&mut *one(pool).await, table, &holder(third), &response)
+            .await
+            .unwrap()
+    );
+    match take(None).await {
+        LeaseOutcome::Finished {
+            fingerprint,
+            response,
+        } => {
+            assert_eq!(fingerprint, claim_a.fingerprint);
+            assert_eq!(&response.body[..], b"{\"paid\":true}");
+        }
+        other => panic!("not finished: {other:?}"),
+    }
+
+    // Released before any external step: the row goes, and the key starts
+    // afresh at token 1.
+    let claim_b = claim_of("acct", "released", 7, Duration::ZERO);
+    let (token, _) = owned(
+        DB::lease(pool, Acquire::default(), table, &lease(claim_b, None))
+            .await
+            .unwrap(),
+    );
+    let released = Holder {
+        key: "released".into(),
+        ..holder(token)
+    };
+    assert!(
+        DB::release(&mut *one(pool).await, table, &released, Release::Delete)
+            .await
+            .unwrap()
+    );
+    let (again, recovery) = owned(
+        DB::lease(pool, Acquire::default(), table, &lease(claim_b, None))
+            .await
+            .unwrap(),
+    );
+    assert_eq!((again, recovery), (1, None));
+}
+
+/// A connection for one statement, back to the pool when dropped (an
+/// in-memory SQLite pool has one connection, which the claims need too).
+async fn one<DB: Backend>(pool: &Pool<DB>) -> sqlx::pool::PoolConnection<DB> {
+    pool.acquire().await.unwrap()
+}

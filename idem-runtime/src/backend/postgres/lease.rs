@@ -9,10 +9,10 @@ use std::time::Duration;
 use sqlx::postgres::PgRow;
 use sqlx::{AssertSqlSafe, PgConnection, Pool, Postgres, Row};
 
-use crate::backend::StoreError;
 use crate::backend::lease::{
     Abandoned, Holder, LeaseClaim, LeaseOutcome, Phased, Release, Unclaimed, ms,
 };
+use crate::backend::{Acquire, StoreError, in_autocommit};
 use crate::response::StoredResponse;
 
 /// `clock_timestamp()` plus `$n` milliseconds.
@@ -23,6 +23,7 @@ fn after(n: u8) -> String {
 impl Phased for Postgres {
     async fn lease(
         pool: &Pool<Self>,
+        acquire: Acquire,
         table: &str,
         lease: &LeaseClaim<'_>,
     ) -> Result<LeaseOutcome, StoreError> {
@@ -52,16 +53,21 @@ impl Phased for Postgres {
                     AND (k.lease_until <= clock_timestamp() OR k.lease_token = $7)) \
              RETURNING lease_token, recovery"
         );
-        let owned = sqlx::query(AssertSqlSafe(upsert))
-            .bind(claim.scope.as_bytes())
-            .bind(claim.key.as_bytes())
-            .bind(&claim.fingerprint.as_bytes()[..])
-            .bind(ms(claim.ttl))
-            .bind(ms(lease.lease))
-            .bind(lease.request)
-            .bind(lease.reserved.unwrap_or(0))
-            .fetch_optional(pool)
-            .await?;
+        let upsert = &upsert;
+        let owned = in_autocommit(pool, acquire, |mut conn| async move {
+            let row = sqlx::query(AssertSqlSafe(upsert.clone()))
+                .bind(claim.scope.as_bytes())
+                .bind(claim.key.as_bytes())
+                .bind(&claim.fingerprint.as_bytes()[..])
+                .bind(ms(claim.ttl))
+                .bind(ms(lease.lease))
+                .bind(lease.request)
+                .bind(lease.reserved.unwrap_or(0))
+                .fetch_optional(&mut **conn)
+                .await;
+            (conn, row)
+        })
+        .await?;
         if let Some(row) = owned {
             return Ok(LeaseOutcome::Owned {
                 token: row.try_get("lease_token")?,
@@ -74,12 +80,17 @@ impl Phased for Postgres {
                      AS remaining_ms \
              FROM {table} WHERE scope = $1 AND key = $2"
         );
-        let row = sqlx::query(AssertSqlSafe(select))
-            .bind(claim.scope.as_bytes())
-            .bind(claim.key.as_bytes())
-            .fetch_optional(pool)
-            .await?
-            .ok_or(StoreError::Vanished)?;
+        let select = &select;
+        let row = in_autocommit(pool, acquire, |mut conn| async move {
+            let row = sqlx::query(AssertSqlSafe(select.clone()))
+                .bind(claim.scope.as_bytes())
+                .bind(claim.key.as_bytes())
+                .fetch_optional(&mut **conn)
+                .await;
+            (conn, row)
+        })
+        .await?
+        .ok_or(StoreError::Vanished)?;
         Unclaimed {
             status: row.try_get::<Option<i16>, _>("status")?.map(i64::from),
             fingerprint: row.try_get("fingerprint")?,

@@ -605,3 +605,28 @@ async fn the_longest_table_name_gets_its_expiry_index() {
     assert_eq!(indexes.len(), 1, "{indexes:?}");
     drop_table(&pool, &table).await;
 }
+
+/// The phased mode's storage contract (`test_support::lease_contract`),
+/// on a table from before the phased mode that `migrate` completed.
+#[tokio::test]
+async fn the_lease_contract_holds_on_a_migrated_table() {
+    let pool = test_pool(4, |options| options).await;
+    let table = format!("idem_lease_{}", std::process::id());
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "DROP TABLE IF EXISTS {table}; \
+         CREATE TABLE {table} (scope bytea NOT NULL, key bytea NOT NULL, \
+             fingerprint bytea NOT NULL, status smallint, headers bytea, body bytea, \
+             created_at timestamptz NOT NULL DEFAULT now(), expires_at timestamptz NOT NULL, \
+             PRIMARY KEY (scope, key)); \
+         CREATE INDEX {table}_expires_at_idx ON {table} (expires_at);"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    Postgres::migrate(&pool, &table).await.expect("migrate");
+    Postgres::migrate(&pool, &table)
+        .await
+        .expect("migrate again");
+    crate::backend::test_support::lease_contract(&pool, &table).await;
+    drop_table(&pool, &table).await;
+}

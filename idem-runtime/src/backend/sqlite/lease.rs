@@ -8,15 +8,16 @@ use sqlx::sqlite::SqliteRow;
 use sqlx::{AssertSqlSafe, Pool, Row, Sqlite, SqliteConnection};
 
 use super::{now_ms, ttl_ms};
-use crate::backend::StoreError;
 use crate::backend::lease::{
     Abandoned, Holder, LeaseClaim, LeaseOutcome, Phased, Release, Unclaimed, ms,
 };
+use crate::backend::{Acquire, StoreError, in_autocommit};
 use crate::response::StoredResponse;
 
 impl Phased for Sqlite {
     async fn lease(
         pool: &Pool<Self>,
+        acquire: Acquire,
         table: &str,
         lease: &LeaseClaim<'_>,
     ) -> Result<LeaseOutcome, StoreError> {
@@ -46,17 +47,22 @@ impl Phased for Sqlite {
                     AND (lease_until <= ?4 OR lease_token = ?8)) \
              RETURNING lease_token, recovery"
         );
-        let owned = sqlx::query(AssertSqlSafe(upsert))
-            .bind(claim.scope.as_bytes())
-            .bind(claim.key.as_bytes())
-            .bind(&claim.fingerprint.as_bytes()[..])
-            .bind(now)
-            .bind(now.saturating_add(ttl_ms(claim)))
-            .bind(now.saturating_add(ms(lease.lease)))
-            .bind(lease.request)
-            .bind(lease.reserved.unwrap_or(0))
-            .fetch_optional(pool)
-            .await?;
+        let upsert = &upsert;
+        let owned = in_autocommit(pool, acquire, |mut conn| async move {
+            let row = sqlx::query(AssertSqlSafe(upsert.clone()))
+                .bind(claim.scope.as_bytes())
+                .bind(claim.key.as_bytes())
+                .bind(&claim.fingerprint.as_bytes()[..])
+                .bind(now)
+                .bind(now.saturating_add(ttl_ms(claim)))
+                .bind(now.saturating_add(ms(lease.lease)))
+                .bind(lease.request)
+                .bind(lease.reserved.unwrap_or(0))
+                .fetch_optional(&mut **conn)
+                .await;
+            (conn, row)
+        })
+        .await?;
         if let Some(row) = owned {
             return Ok(LeaseOutcome::Owned {
                 token: row.try_get("lease_token")?,
@@ -67,12 +73,17 @@ impl Phased for Sqlite {
             "SELECT status, fingerprint, headers, body, lease_token, lease_until \
              FROM {table} WHERE scope = ?1 AND \"key\" = ?2"
         );
-        let row = sqlx::query(AssertSqlSafe(select))
-            .bind(claim.scope.as_bytes())
-            .bind(claim.key.as_bytes())
-            .fetch_optional(pool)
-            .await?
-            .ok_or(StoreError::Vanished)?;
+        let select = &select;
+        let row = in_autocommit(pool, acquire, |mut conn| async move {
+            let row = sqlx::query(AssertSqlSafe(select.clone()))
+                .bind(claim.scope.as_bytes())
+                .bind(claim.key.as_bytes())
+                .fetch_optional(&mut **conn)
+                .await;
+            (conn, row)
+        })
+        .await?
+        .ok_or(StoreError::Vanished)?;
         let until: Option<i64> = row.try_get("lease_until")?;
         Unclaimed {
             status: row.try_get("status")?,

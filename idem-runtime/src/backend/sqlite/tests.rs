@@ -102,3 +102,40 @@ async fn an_expired_key_is_taken_over() {
         .unwrap();
     assert_eq!(stored, [[1_u8; 32]], "one row, the new claim's");
 }
+
+/// The phased mode's storage contract (`test_support::lease_contract`).
+#[tokio::test]
+async fn the_lease_contract_holds() {
+    let pool = key_table().await;
+    crate::backend::test_support::lease_contract(&pool, "keys").await;
+}
+
+/// A key table from before the phased mode gets its columns on migrate,
+/// and keeps its rows.
+#[tokio::test]
+async fn a_table_from_before_phases_is_migrated() {
+    let pool = SqlitePoolOptions::new()
+        .max_connections(1)
+        .connect("sqlite::memory:")
+        .await
+        .unwrap();
+    sqlx::raw_sql(
+        "CREATE TABLE old_keys (scope BLOB NOT NULL, \"key\" BLOB NOT NULL, \
+         fingerprint BLOB NOT NULL, status INTEGER, headers BLOB, body BLOB, \
+         created_at INTEGER NOT NULL, expires_at INTEGER NOT NULL, PRIMARY KEY (scope, \"key\")); \
+         INSERT INTO old_keys VALUES (x'61', x'6b', x'00', 201, NULL, NULL, 0, 9e15)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    Sqlite::migrate(&pool, "old_keys").await.expect("migrate");
+    Sqlite::migrate(&pool, "old_keys")
+        .await
+        .expect("migrate again");
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM old_keys WHERE lease_token IS NULL")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(rows, 1);
+    crate::backend::test_support::lease_contract(&pool, "old_keys").await;
+}
