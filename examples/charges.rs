@@ -261,15 +261,20 @@ impl Dialect for sqlx::MySql {
     }
 }
 
-/// The SQL of payments, on the engines with the phased mode.
+/// The SQL of payments.
 trait Payments: Dialect + idem::Phased {
     const CREATE_PAYMENTS: &'static str;
-    /// A pending payment; returns its id.
-    const INSERT_PAYMENT: &'static str;
     /// Marks payment `$2` succeeded with the provider's id `$1`.
     const MARK_PAID: &'static str;
     /// One payment by `(id, account)`.
     const SELECT_PAYMENT: &'static str;
+
+    /// Inserts a pending payment and returns its id.
+    fn insert_payment(
+        conn: &mut Self::Connection,
+        account: &str,
+        payment: &NewCharge,
+    ) -> impl Future<Output = Result<i64, sqlx::Error>> + Send;
 }
 
 #[cfg(feature = "postgres")]
@@ -278,12 +283,26 @@ impl Payments for sqlx::Postgres {
         id bigserial PRIMARY KEY, account text NOT NULL, amount bigint NOT NULL,
         currency text NOT NULL, status text NOT NULL, provider_id text,
         created_at timestamptz NOT NULL DEFAULT now())";
-    const INSERT_PAYMENT: &'static str = "INSERT INTO payments (account, amount, currency, status) \
-         VALUES ($1, $2, $3, 'pending') RETURNING id";
     const MARK_PAID: &'static str =
         "UPDATE payments SET status = 'succeeded', provider_id = $1 WHERE id = $2";
     const SELECT_PAYMENT: &'static str = "SELECT id, amount, currency, status, provider_id \
          FROM payments WHERE id = $1 AND account = $2";
+
+    async fn insert_payment(
+        conn: &mut sqlx::PgConnection,
+        account: &str,
+        payment: &NewCharge,
+    ) -> Result<i64, sqlx::Error> {
+        sqlx::query_scalar(
+            "INSERT INTO payments (account, amount, currency, status) \
+             VALUES ($1, $2, $3, 'pending') RETURNING id",
+        )
+        .bind(account)
+        .bind(payment.amount)
+        .bind(&payment.currency)
+        .fetch_one(conn)
+        .await
+    }
 }
 
 #[cfg(feature = "sqlite")]
@@ -292,12 +311,55 @@ impl Payments for sqlx::Sqlite {
         id INTEGER PRIMARY KEY AUTOINCREMENT, account TEXT NOT NULL, amount INTEGER NOT NULL,
         currency TEXT NOT NULL, status TEXT NOT NULL, provider_id TEXT,
         created_at TEXT NOT NULL DEFAULT CURRENT_TIMESTAMP)";
-    const INSERT_PAYMENT: &'static str = "INSERT INTO payments (account, amount, currency, status) \
-         VALUES (?, ?, ?, 'pending') RETURNING id";
     const MARK_PAID: &'static str =
         "UPDATE payments SET status = 'succeeded', provider_id = ? WHERE id = ?";
     const SELECT_PAYMENT: &'static str = "SELECT id, amount, currency, status, provider_id \
          FROM payments WHERE id = ? AND account = ?";
+
+    async fn insert_payment(
+        conn: &mut sqlx::SqliteConnection,
+        account: &str,
+        payment: &NewCharge,
+    ) -> Result<i64, sqlx::Error> {
+        sqlx::query_scalar(
+            "INSERT INTO payments (account, amount, currency, status) \
+             VALUES (?, ?, ?, 'pending') RETURNING id",
+        )
+        .bind(account)
+        .bind(payment.amount)
+        .bind(&payment.currency)
+        .fetch_one(conn)
+        .await
+    }
+}
+
+#[cfg(feature = "mysql")]
+impl Payments for sqlx::MySql {
+    const CREATE_PAYMENTS: &'static str = "CREATE TABLE IF NOT EXISTS payments (
+        id BIGINT AUTO_INCREMENT PRIMARY KEY, account VARCHAR(255) NOT NULL,
+        amount BIGINT NOT NULL, currency VARCHAR(16) NOT NULL, status VARCHAR(16) NOT NULL,
+        provider_id VARCHAR(64) NULL,
+        created_at TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6)) ENGINE = InnoDB";
+    const MARK_PAID: &'static str =
+        "UPDATE payments SET status = 'succeeded', provider_id = ? WHERE id = ?";
+    const SELECT_PAYMENT: &'static str = "SELECT id, amount, currency, status, provider_id \
+         FROM payments WHERE id = ? AND account = ?";
+
+    async fn insert_payment(
+        conn: &mut sqlx::MySqlConnection,
+        account: &str,
+        payment: &NewCharge,
+    ) -> Result<i64, sqlx::Error> {
+        let done = sqlx::query(
+            "INSERT INTO payments (account, amount, currency, status) VALUES (?, ?, ?, 'pending')",
+        )
+        .bind(account)
+        .bind(payment.amount)
+        .bind(&payment.currency)
+        .execute(conn)
+        .await?;
+        i64::try_from(done.last_insert_id()).map_err(|error| sqlx::Error::Decode(error.into()))
+    }
 }
 
 /// `POST /v1/payments` and `GET /v1/payments/{id}` on one engine with the
@@ -335,13 +397,7 @@ macro_rules! payments_api {
                 // exists, pending, whatever happens next.
                 let id: i64 = phases
                     .local("pending", async |tx| -> Result<_, ApiError> {
-                        let id = sqlx::query_scalar(<$db as Payments>::INSERT_PAYMENT)
-                            .bind(&account.0)
-                            .bind(new.amount)
-                            .bind(&new.currency)
-                            .fetch_one(tx)
-                            .await?;
-                        Ok(id)
+                        Ok(<$db as Payments>::insert_payment(tx, &account.0, &new).await?)
                     })
                     .await?;
                 // The provider, with a key derived from the request's: a
@@ -420,10 +476,12 @@ macro_rules! payments_api {
 payments_api!(postgres_payments, sqlx::Postgres);
 #[cfg(feature = "sqlite")]
 payments_api!(sqlite_payments, sqlx::Sqlite);
+#[cfg(feature = "mysql")]
+payments_api!(mysql_payments, sqlx::MySql);
 
 /// The API on one engine: its state, its two handlers and its server.
 macro_rules! charges_api {
-    ($engine:ident, $db:ty $(, payments = $payments:ident)?) => {
+    ($engine:ident, $db:ty, payments = $payments:ident) => {
         mod $engine {
             use std::time::Duration;
 
@@ -512,18 +570,12 @@ macro_rules! charges_api {
                         pool: pool.clone(),
                         delay,
                     });
-                // Engines without the phased mode serve charges only.
-                let _ = &provider;
-                $(
-                    let app = app.merge(
-                        crate::$payments::router(idem.clone(), pool, provider).await?,
-                    );
-                    // Resumes payments whose attempt stopped (a crash, a
-                    // kill) within about two seconds of their lease's end.
-                    idem.completer(app.clone())
-                        .every(Duration::from_secs(2))
-                        .spawn();
-                )?
+                let app = app.merge(crate::$payments::router(idem.clone(), pool, provider).await?);
+                // Resumes payments whose attempt stopped (a crash, a kill)
+                // within about two seconds of their lease's end.
+                idem.completer(app.clone())
+                    .every(Duration::from_secs(2))
+                    .spawn();
                 tracing::info!("charges API listening on http://{}", listener.local_addr()?);
                 axum::serve(listener, app).await?;
                 Ok(())
@@ -537,7 +589,7 @@ charges_api!(postgres, sqlx::Postgres, payments = postgres_payments);
 #[cfg(feature = "sqlite")]
 charges_api!(sqlite, sqlx::Sqlite, payments = sqlite_payments);
 #[cfg(feature = "mysql")]
-charges_api!(mysql, sqlx::MySql);
+charges_api!(mysql, sqlx::MySql, payments = mysql_payments);
 
 /// With no `DATABASE_URL`: a SQLite file next to where the example runs.
 #[cfg(feature = "sqlite")]

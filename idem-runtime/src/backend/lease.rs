@@ -101,8 +101,8 @@ pub enum Release {
 #[diagnostic::on_unimplemented(
     message = "the phased mode (`Phases<{Self}>`) is not available on `{Self}`",
     label = "phases need a key store with leases",
-    note = "the phased mode runs on `sqlx::Postgres` and `sqlx::Sqlite`; on MySQL/MariaDB use the \
-            atomic mode (`Tx<MySql>`) for now"
+    note = "the phased mode runs on the engines `idem` keeps keys in: `sqlx::Postgres`, \
+            `sqlx::Sqlite` and `sqlx::MySql`, each with its cargo feature"
 )]
 pub trait Phased: Backend {
     /// Claims the key with a lease, or takes over a lease that ended (or

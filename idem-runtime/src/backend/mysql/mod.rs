@@ -59,6 +59,7 @@ use super::{Acquire, Backend, Claim, ClaimOutcome, FinishError, OpenTx, StoreErr
 use crate::Error;
 use crate::response::StoredResponse;
 
+mod lease;
 mod sql;
 
 impl super::contract::sealed::Sealed for MySql {}
@@ -106,10 +107,11 @@ impl Backend for MySql {
         // MySQL names an index within its table, in at most 64 characters:
         // a long table name gets a short index name rather than an error.
         let name = table.rsplit('.').next().unwrap_or(table);
-        let index = match format!("{name}_expires_at_idx") {
+        let index_name = |suffix: &str| match format!("{name}_{suffix}") {
             index if index.len() <= 64 => index,
-            _ => "idem_expires_at_idx".to_owned(),
+            _ => format!("idem_{suffix}"),
         };
+        let (index, lease_index) = (index_name("expires_at_idx"), index_name("lease_idx"));
         let ddl = format!(
             "CREATE TABLE IF NOT EXISTS {table} (
                 scope VARBINARY({MAX_SCOPE_BYTES}) NOT NULL,
@@ -120,12 +122,40 @@ impl Backend for MySql {
                 body LONGBLOB NULL,
                 created_at DATETIME(6) NOT NULL,
                 expires_at DATETIME(6) NOT NULL,
+                lease_token BIGINT NULL,
+                lease_until DATETIME(6) NULL,
+                recovery LONGBLOB NULL,
+                request LONGBLOB NULL,
+                attempts INT NULL,
                 PRIMARY KEY (scope, `key`),
-                KEY {index} (expires_at)
+                KEY {index} (expires_at),
+                KEY {lease_index} (lease_until)
             ) ENGINE = InnoDB ROW_FORMAT = DYNAMIC"
         );
         // DDL takes a metadata lock: concurrent migrations queue, no race.
         sqlx::raw_sql(AssertSqlSafe(ddl)).execute(pool).await?;
+        // The phased mode's columns came later: a table from before gets
+        // them (MySQL has no `ADD COLUMN IF NOT EXISTS`; MariaDB has).
+        let (schema, name) = match table.split_once('.') {
+            Some((schema, name)) => (format!("'{schema}'"), name),
+            None => ("DATABASE()".to_owned(), table),
+        };
+        let present: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT COUNT(*) FROM information_schema.columns \
+             WHERE table_schema = {schema} AND table_name = '{name}' AND column_name = 'lease_token'"
+        )))
+        .fetch_one(pool)
+        .await?;
+        if present == 0 {
+            sqlx::raw_sql(AssertSqlSafe(format!(
+                "ALTER TABLE {table} ADD COLUMN lease_token BIGINT NULL, \
+                 ADD COLUMN lease_until DATETIME(6) NULL, ADD COLUMN recovery LONGBLOB NULL, \
+                 ADD COLUMN request LONGBLOB NULL, ADD COLUMN attempts INT NULL, \
+                 ADD KEY {lease_index} (lease_until)"
+            )))
+            .execute(pool)
+            .await?;
+        }
         Ok(())
     }
 

@@ -417,3 +417,32 @@ async fn the_claims_idle_bound_ends_with_its_transaction() {
     assert_eq!(idle().await, before, "after a rollback");
     drop_table(&pool, &table).await;
 }
+
+/// The phased mode's storage contract (`test_support::lease_contract`),
+/// on a new table and on one from before the phased mode that `migrate`
+/// completed.
+#[tokio::test]
+async fn the_lease_contract_holds() {
+    let pool = test_pool(4).await;
+    let table = key_table(&pool, "lease").await;
+    crate::backend::test_support::lease_contract(&pool, &table).await;
+    drop_table(&pool, &table).await;
+
+    let old = format!("idem_lease_old_{}", std::process::id());
+    run(
+        &mut pool.acquire().await.unwrap(),
+        &format!(
+            "DROP TABLE IF EXISTS {old}; \
+             CREATE TABLE {old} (scope VARBINARY(2048) NOT NULL, `key` VARBINARY(255) NOT NULL, \
+                 fingerprint BINARY(32) NOT NULL, status SMALLINT NULL, headers MEDIUMBLOB NULL, \
+                 body LONGBLOB NULL, created_at DATETIME(6) NOT NULL, expires_at DATETIME(6) NOT NULL, \
+                 PRIMARY KEY (scope, `key`), KEY {old}_expires_at_idx (expires_at)) ENGINE = InnoDB"
+        ),
+    )
+    .await
+    .unwrap();
+    MySql::migrate(&pool, &old).await.expect("migrate");
+    MySql::migrate(&pool, &old).await.expect("migrate again");
+    crate::backend::test_support::lease_contract(&pool, &old).await;
+    drop_table(&pool, &old).await;
+}

@@ -1,0 +1,281 @@
+//! MySQL and MariaDB's phased mode. Without `UPDATE ... RETURNING` or a
+//! conditional `ON DUPLICATE KEY UPDATE`, the claim is a short transaction:
+//! an upsert that changes nothing but locks the key's row (or inserts it,
+//! with token 0, which no claim ever hands out), a read of the locked row,
+//! and the takeover decided here. Times are the server's
+//! (`UTC_TIMESTAMP(6)`), as for the atomic mode's expiry. sqlx sets
+//! `CLIENT_FOUND_ROWS`, so a guarded `UPDATE` counts the rows it matched.
+
+use std::time::Duration;
+
+use sqlx::mysql::MySqlRow;
+use sqlx::{AssertSqlSafe, MySql, MySqlConnection, Pool, Row};
+
+use super::MAX_SCOPE_BYTES;
+use crate::backend::lease::{
+    Abandoned, Holder, LeaseClaim, LeaseOutcome, Phased, Release, Unclaimed, ms,
+};
+use crate::backend::{Acquire, Backend, FinishError, StoreError, abandon};
+use crate::response::StoredResponse;
+
+/// `UTC_TIMESTAMP(6)` plus a bound number of milliseconds.
+const AFTER: &str = "UTC_TIMESTAMP(6) + INTERVAL ? * 1000 MICROSECOND";
+
+/// The key's row, as `WHERE` names it (scope and key bound in that order).
+const ROW: &str = "scope = ? AND `key` = ?";
+
+impl Phased for MySql {
+    async fn lease(
+        pool: &Pool<Self>,
+        acquire: Acquire,
+        table: &str,
+        lease: &LeaseClaim<'_>,
+    ) -> Result<LeaseOutcome, StoreError> {
+        let claim = &lease.claim;
+        if claim.scope.len() > MAX_SCOPE_BYTES {
+            return Err(StoreError::ScopeTooLong {
+                len: claim.scope.len(),
+                max: MAX_SCOPE_BYTES,
+            });
+        }
+        let mut conn = Self::begin(pool, acquire).await?;
+        let found = take(&mut conn, table, lease).await;
+        match found {
+            Ok(found) => match Self::finish(&mut conn, table, None, None).await {
+                Ok(()) => {
+                    conn.release();
+                    Ok(found)
+                }
+                Err(FinishError::Ended(error) | FinishError::Store(error)) => {
+                    abandon(conn).await;
+                    Err(error)
+                }
+            },
+            Err(error) => {
+                abandon(conn).await;
+                Err(error)
+            }
+        }
+    }
+
+    async fn record(
+        conn: &mut MySqlConnection,
+        table: &str,
+        holder: &Holder,
+        recovery: &[u8],
+        lease: Duration,
+    ) -> Result<bool, sqlx::Error> {
+        let sql = format!(
+            "UPDATE {table} SET recovery = ?, lease_until = {AFTER} \
+             WHERE {ROW} AND lease_token = ? AND status IS NULL"
+        );
+        let done = sqlx::query(AssertSqlSafe(sql))
+            .bind(recovery)
+            .bind(ms(lease))
+            .bind(holder.scope.as_bytes())
+            .bind(holder.key.as_bytes())
+            .bind(holder.token)
+            .execute(conn)
+            .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn store(
+        conn: &mut MySqlConnection,
+        table: &str,
+        holder: &Holder,
+        response: &StoredResponse,
+    ) -> Result<bool, sqlx::Error> {
+        let sql = format!(
+            "UPDATE {table} SET status = ?, headers = ?, body = ?, \
+                 recovery = NULL, request = NULL, lease_until = NULL \
+             WHERE {ROW} AND lease_token = ? AND status IS NULL"
+        );
+        let done = sqlx::query(AssertSqlSafe(sql))
+            .bind(response.status.as_u16())
+            .bind(response.encode_headers())
+            .bind(&response.body[..])
+            .bind(holder.scope.as_bytes())
+            .bind(holder.key.as_bytes())
+            .bind(holder.token)
+            .execute(conn)
+            .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn release(
+        conn: &mut MySqlConnection,
+        table: &str,
+        holder: &Holder,
+        how: Release,
+    ) -> Result<bool, sqlx::Error> {
+        let guard = format!("{ROW} AND lease_token = ? AND status IS NULL");
+        let done = match how {
+            Release::Delete => {
+                sqlx::query(AssertSqlSafe(format!("DELETE FROM {table} WHERE {guard}")))
+                    .bind(holder.scope.as_bytes())
+                    .bind(holder.key.as_bytes())
+                    .bind(holder.token)
+                    .execute(conn)
+                    .await?
+            }
+            Release::Keep(after) => {
+                sqlx::query(AssertSqlSafe(format!(
+                    "UPDATE {table} SET lease_until = {AFTER} WHERE {guard}"
+                )))
+                .bind(ms(after))
+                .bind(holder.scope.as_bytes())
+                .bind(holder.key.as_bytes())
+                .bind(holder.token)
+                .execute(conn)
+                .await?
+            }
+        };
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn abandoned(
+        pool: &Pool<Self>,
+        table: &str,
+        limit: u32,
+    ) -> Result<Vec<Abandoned>, sqlx::Error> {
+        let sql = format!(
+            "SELECT scope, `key`, lease_token, attempts, request FROM {table} \
+             WHERE status IS NULL AND lease_token IS NOT NULL \
+                 AND lease_until <= UTC_TIMESTAMP(6) AND expires_at > UTC_TIMESTAMP(6) \
+             ORDER BY lease_until LIMIT {limit}"
+        );
+        let rows = sqlx::query(AssertSqlSafe(sql)).fetch_all(pool).await?;
+        rows.iter().map(abandoned).collect()
+    }
+
+    async fn reserve(
+        pool: &Pool<Self>,
+        table: &str,
+        holder: &Holder,
+        lease: Duration,
+    ) -> Result<Option<i64>, sqlx::Error> {
+        // The token it matched, plus one: no `RETURNING` needed.
+        let sql = format!(
+            "UPDATE {table} SET lease_token = lease_token + 1, lease_until = {AFTER}, \
+                 attempts = COALESCE(attempts, 0) + 1 \
+             WHERE {ROW} AND lease_token = ? AND status IS NULL \
+                 AND lease_until <= UTC_TIMESTAMP(6)"
+        );
+        let done = sqlx::query(AssertSqlSafe(sql))
+            .bind(ms(lease))
+            .bind(holder.scope.as_bytes())
+            .bind(holder.key.as_bytes())
+            .bind(holder.token)
+            .execute(pool)
+            .await?;
+        Ok((done.rows_affected() == 1).then_some(holder.token + 1))
+    }
+}
+
+/// The claim's statements inside its transaction: lock (or insert) the
+/// row, read it, and take it over where the rules allow.
+async fn take(
+    conn: &mut MySqlConnection,
+    table: &str,
+    lease: &LeaseClaim<'_>,
+) -> Result<LeaseOutcome, StoreError> {
+    let claim = &lease.claim;
+    let insert = format!(
+        "INSERT INTO {table} (scope, `key`, fingerprint, created_at, expires_at, \
+             lease_token, lease_until, request, attempts) \
+         VALUES (?, ?, ?, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6) + INTERVAL ? * 1000 MICROSECOND, \
+             0, {AFTER}, ?, 0) \
+         ON DUPLICATE KEY UPDATE lease_token = lease_token"
+    );
+    sqlx::query(AssertSqlSafe(insert))
+        .bind(claim.scope.as_bytes())
+        .bind(claim.key.as_bytes())
+        .bind(&claim.fingerprint.as_bytes()[..])
+        .bind(ms(claim.ttl))
+        .bind(ms(lease.lease))
+        .bind(lease.request)
+        .execute(&mut *conn)
+        .await?;
+    let select = format!(
+        "SELECT status, fingerprint, headers, body, lease_token, recovery, \
+             expires_at <= UTC_TIMESTAMP(6) AS expired, \
+             COALESCE(lease_until <= UTC_TIMESTAMP(6), TRUE) AS ended, \
+             COALESCE(TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), lease_until) DIV 1000, 0) \
+                 AS remaining_ms \
+         FROM {table} WHERE {ROW} FOR UPDATE"
+    );
+    let row = sqlx::query(AssertSqlSafe(select))
+        .bind(claim.scope.as_bytes())
+        .bind(claim.key.as_bytes())
+        .fetch_one(&mut *conn)
+        .await?;
+    let token: Option<i64> = row.try_get("lease_token")?;
+    let status: Option<i16> = row.try_get("status")?;
+    let fingerprint: Vec<u8> = row.try_get("fingerprint")?;
+    let expired = row.try_get::<i64, _>("expired")? != 0;
+    let ended = row.try_get::<i64, _>("ended")? != 0;
+    let same = fingerprint[..] == claim.fingerprint.as_bytes()[..];
+    let resumable = status.is_none()
+        && same
+        && token.is_some_and(|token| token > 0 && (ended || Some(token) == lease.reserved));
+    let (set, recovery) = match token {
+        // Inserted just now by this claim.
+        Some(0) => ("lease_token = 1", None),
+        _ if expired => (
+            "lease_token = COALESCE(lease_token, 0) + 1, recovery = NULL, attempts = 0, \
+             created_at = UTC_TIMESTAMP(6), expires_at = UTC_TIMESTAMP(6) + INTERVAL ? * 1000 MICROSECOND, \
+             status = NULL, headers = NULL, body = NULL, fingerprint = ?",
+            None,
+        ),
+        _ if resumable => (
+            "lease_token = lease_token + 1",
+            row.try_get::<Option<Vec<u8>>, _>("recovery")?,
+        ),
+        _ => {
+            return Unclaimed {
+                status: status.map(i64::from),
+                fingerprint,
+                headers: row.try_get("headers")?,
+                body: row.try_get("body")?,
+                leased: token.is_some(),
+                remaining_ms: row.try_get("remaining_ms")?,
+            }
+            .outcome(&claim.fingerprint);
+        }
+    };
+    let update =
+        format!("UPDATE {table} SET {set}, lease_until = {AFTER}, request = ? WHERE {ROW}");
+    let mut query = sqlx::query(AssertSqlSafe(update));
+    if expired && token != Some(0) {
+        query = query
+            .bind(ms(claim.ttl))
+            .bind(&claim.fingerprint.as_bytes()[..]);
+    }
+    query
+        .bind(ms(lease.lease))
+        .bind(lease.request)
+        .bind(claim.scope.as_bytes())
+        .bind(claim.key.as_bytes())
+        .execute(&mut *conn)
+        .await?;
+    Ok(LeaseOutcome::Owned {
+        token: token.map_or(1, |token| token + 1),
+        recovery,
+    })
+}
+
+fn abandoned(row: &MySqlRow) -> Result<Abandoned, sqlx::Error> {
+    let scope: Vec<u8> = row.try_get("scope")?;
+    let key: Vec<u8> = row.try_get("key")?;
+    let attempts: Option<i32> = row.try_get("attempts")?;
+    Ok(Abandoned {
+        holder: Holder {
+            scope: String::from_utf8_lossy(&scope).into_owned(),
+            key: String::from_utf8_lossy(&key).into_owned(),
+            token: row.try_get("lease_token")?,
+        },
+        attempts: u32::try_from(attempts.unwrap_or(0)).unwrap_or(u32::MAX),
+        request: row.try_get("request")?,
+    })
+}
