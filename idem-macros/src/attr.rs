@@ -366,12 +366,14 @@ mod tests {
             key = "optional",
             wait = "2s",
             timeout = "5s",
+            lease = "10s",
             crate = "::my_idem"
         ));
         assert_eq!(args.scope.as_ref().unwrap().value(), "account");
         assert_eq!(args.ttl_ms(), 3_600_000);
         assert_eq!(args.wait_ms(), 2_000);
         assert_eq!(args.timeout_ms(), 5_000);
+        assert_eq!(args.lease_ms(), 10_000);
         assert_eq!(args.key, Some(KeyMode::Optional));
         let krate = args.krate.as_ref().unwrap();
         assert_eq!(quote!(#krate).to_string(), ":: my_idem");
@@ -387,6 +389,8 @@ mod tests {
             (DEFAULT_TTL_MS, 0, None)
         );
         assert_eq!(defaults.timeout_ms(), DEFAULT_TIMEOUT_MS);
+        assert_eq!(defaults.lease_ms(), DEFAULT_LEASE_MS);
+        assert!(defaults.lease.is_none() && defaults.key_span.is_none());
         assert!(defaults.krate.is_none());
         let args = parse_ok(quote!(r#scope = "a", crate = "my_idem"));
         assert_eq!(args.scope.unwrap().value(), "a");
@@ -394,9 +398,9 @@ mod tests {
 
     #[test]
     fn every_duplicate_is_named() {
-        for key in ["scope", "ttl", "key", "wait", "timeout", "crate"] {
-            let value = match key {
-                "ttl" | "wait" | "timeout" => "1s",
+        for key in KEYS {
+            let value = match *key {
+                "ttl" | "wait" | "timeout" | "lease" => "1s",
                 "key" => "required",
                 "crate" => "::idem",
                 _ => "a",
@@ -415,7 +419,7 @@ mod tests {
 
     #[test]
     fn a_duplicate_is_reported_even_when_the_first_value_is_wrong() {
-        for key in ["scope", "ttl", "key", "wait", "timeout", "crate"] {
+        for key in KEYS {
             let name: TokenStream = key.parse().unwrap();
             let found = messages(quote!(#name = 5, #name = "1s"));
             assert_eq!(found.len(), 2, "{key}: {found:?}");
@@ -454,7 +458,8 @@ mod tests {
         let message = one_message(quote!(scope = "a", colour = "red"));
         assert_eq!(
             message,
-            "unknown argument `colour`; valid arguments are `scope`, `ttl`, `key`, `wait`, `timeout` and `crate`"
+            "unknown argument `colour`; valid arguments are `scope`, `ttl`, `key`, `wait`, \
+             `timeout`, `lease` and `crate`"
         );
         assert!(one_message(quote!(scope)).contains("expected `scope = \"...\"`"));
         assert!(one_message(quote!("account")).contains("write `scope = \"account\"`"));
@@ -522,5 +527,78 @@ mod tests {
         assert_eq!(zero_wait.wait_ms(), 0);
         let equal = parse_ok(quote!(scope = "a", ttl = "1s", wait = "1000ms"));
         assert_eq!(equal.wait_ms(), equal.ttl_ms());
+    }
+
+    #[test]
+    fn leases_are_bounded() {
+        let lease = |tokens: TokenStream| parse_ok(tokens).lease;
+        assert_eq!(lease(quote!(scope = "a", lease = "5s")).unwrap().0, 5_000);
+        assert_eq!(
+            lease(quote!(scope = "a", lease = "1s")).unwrap().0,
+            MIN_LEASE_MS
+        );
+        assert_eq!(
+            lease(quote!(scope = "a", lease = "1000ms")).unwrap().0,
+            MIN_LEASE_MS
+        );
+        assert_eq!(
+            lease(quote!(scope = "a", lease = "1h")).unwrap().0,
+            MAX_LEASE_MS
+        );
+        assert_eq!(
+            lease(quote!(scope = "a", lease = "60m")).unwrap().0,
+            MAX_LEASE_MS
+        );
+        let too_short = "`lease` must be at least 1s: a shorter lease ends while a phase \
+                         commits, and every attempt would be taken over by the next";
+        for short in ["0s", "0ms", "500ms", "999ms"] {
+            assert_eq!(one_message(quote!(scope = "a", lease = #short)), too_short);
+        }
+        for long in ["2h", "61m", "3601s", "1d"] {
+            assert!(
+                one_message(quote!(scope = "a", lease = #long))
+                    .starts_with("`lease` may be at most 1h"),
+                "{long}"
+            );
+        }
+        assert!(one_message(quote!(scope = "a", lease = "5")).starts_with("`5` has no unit"));
+        assert!(
+            one_message(quote!(scope = "a", lease = "abc")).starts_with("`abc` is not a duration")
+        );
+        assert!(one_message(quote!(scope = "a", lease = "-5s")).contains("negative"));
+        assert!(one_message(quote!(scope = "a", lease = "5 s")).contains("write `5s`"));
+    }
+
+    #[test]
+    fn a_lease_that_is_not_a_string_says_what_to_write() {
+        assert_eq!(
+            one_message(quote!(scope = "a", lease = 5)),
+            "`lease` takes a string literal: a duration such as `lease = \"30s\"`"
+        );
+        assert_eq!(
+            one_message(quote!(scope = "a", lease = 5s)),
+            "`lease` takes a string literal: write `lease = \"5s\"`"
+        );
+    }
+
+    /// `lease`, `key` and `wait` are each parsed on their own; which mode
+    /// they fit is the signature's to say (`valid::check_mode_arguments`).
+    #[test]
+    fn mode_arguments_parse_together() {
+        let args = parse_ok(quote!(
+            scope = "a",
+            lease = "5s",
+            key = "optional",
+            wait = "2s"
+        ));
+        assert_eq!(args.lease_ms(), 5_000);
+        assert_eq!(args.key, Some(KeyMode::Optional));
+        assert!(args.key_span.is_some());
+        assert_eq!(args.wait_ms(), 2_000);
+        let found = messages(quote!(scope = "a", lease = "0s", ttl = 5, lease = "9h"));
+        assert_eq!(found.len(), 3, "{found:?}");
+        assert!(found[0].contains("at least 1s"));
+        assert!(found[1].starts_with("`ttl` takes a string literal"));
+        assert_eq!(found[2], "`lease` set multiple times");
     }
 }

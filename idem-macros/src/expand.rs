@@ -48,28 +48,36 @@ pub fn expand(item: &ItemFn, args: &Args, handler: &Handler) -> TokenStream {
         Some((last, rest)) if handler.scope_index != rest.len() => (rest, Some(last)),
         _ => (handler.extractors.as_slice(), None),
     };
-    // A phased handler's scope is rebuilt from the stored scope when the
-    // completer resumes a request (which carries no credentials).
-    let parts_trait = |index: usize| {
-        if handler.phased && index == handler.scope_index {
-            quote!(__IdemScopeFromParts)
-        } else {
-            quote!(__IdemFromParts)
-        }
-    };
     let part_bounds = parts
         .iter()
-        .enumerate()
-        .map(|(index, param)| bound_over(parts_trait(index), &param.ty, quote!()));
+        .map(|param| bound_over(quote!(__IdemFromParts), &param.ty, quote!()));
     let extract_parts = parts.iter().enumerate().map(|(index, param)| {
         let (ty, local) = (&param.ty, &param.local);
-        let trait_ = parts_trait(index);
+        let extract = quote! {
+            match <__IdemS as __IdemFromParts<#ty>>::extract(__idem_request, &__idem_state).await {
+                ::core::result::Result::Ok(__idem_extracted) => __idem_extracted,
+                ::core::result::Result::Err(__idem_rejection) => return __idem_rejection,
+            }
+        };
+        if !(handler.phased && index == handler.scope_index) {
+            return quote!(let (__idem_request, #local) = #extract;);
+        }
+        // A phased handler's scope is rebuilt from the stored scope when
+        // the completer resumes a request (which carries no credentials).
+        // `FromScope` is asked for here, in the body and spanned over the
+        // scope's type, not in the impl's bounds: a type without it is
+        // then reported there, with `FromScope`'s own message, rather than
+        // as a handler that cannot be routed.
+        let from_scope = spanned_over(quote!(<#ty as #krate::FromScope>::from_scope), ty);
         quote! {
-            let (__idem_request, #local) =
-                match <__IdemS as #trait_<#ty>>::extract(__idem_request, &__idem_state).await {
-                    ::core::result::Result::Ok(__idem_extracted) => __idem_extracted,
-                    ::core::result::Result::Err(__idem_rejection) => return __idem_rejection,
-                };
+            let __idem_resumed = __idem_request
+                .extensions()
+                .get::<#krate::Resumed>()
+                .map(|__idem_resumed| #from_scope(&__idem_resumed.scope()));
+            let (__idem_request, #local) = match __idem_resumed {
+                ::core::option::Option::Some(__idem_scope) => (__idem_request, __idem_scope),
+                ::core::option::Option::None => #extract,
+            };
         }
     });
     let Body {
@@ -243,9 +251,7 @@ fn finish(item: &ItemFn, handler: &Handler, krate: &TokenStream) -> TokenStream 
 fn helper_traits(private: &TokenStream) -> TokenStream {
     quote! {
         #[allow(unused_imports)]
-        use #private::{
-            __IdemFromBody, __IdemFromParts, __IdemFromRef, __IdemFromRequest, __IdemScopeFromParts,
-        };
+        use #private::{__IdemFromBody, __IdemFromParts, __IdemFromRef, __IdemFromRequest};
     }
 }
 
@@ -443,5 +449,38 @@ mod tests {
         assert!(text.contains("struct create"));
         assert!(text.contains("impl create { # [allow"), "{text}");
         assert!(text.contains("Self :: create ("), "{text}");
+    }
+
+    #[test]
+    fn a_phased_handler_runs_in_phases() {
+        let handler = quote! {
+            async fn pay(account: Account, phases: Phases<Postgres>, Json(n): Json<i64>) {}
+        };
+        let leased = expansion(quote!(scope = "account", lease = "5s"), handler.clone());
+        assert!(leased.contains(". phased (5000u64)"), "{leased}");
+        assert!(leased.contains("__private :: run_phased"), "{leased}");
+        assert!(
+            leased.contains("Postgres : :: idem :: __private :: Phased"),
+            "{leased}"
+        );
+        // The scope is rebuilt by `FromScope` from a resumed request, asked
+        // for in the body, not in the impl's bounds.
+        assert!(leased.contains("< Account as :: idem :: FromScope > :: from_scope"));
+        assert!(
+            leased.contains("get :: < :: idem :: Resumed > ()"),
+            "{leased}"
+        );
+        assert!(!leased.contains("FromScope >,"), "{leased}");
+        let default = expansion(quote!(scope = "account"), handler);
+        assert!(default.contains(&format!(". phased ({}u64)", attr::DEFAULT_LEASE_MS)));
+        let atomic = expansion(
+            quote!(scope = "account"),
+            quote!(
+                async fn pay(account: Account, tx: Tx<Postgres>) {}
+            ),
+        );
+        for phased_only in ["phased", "Phased", "FromScope", "Resumed"] {
+            assert!(!atomic.contains(phased_only), "{phased_only}: {atomic}");
+        }
     }
 }

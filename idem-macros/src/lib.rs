@@ -49,7 +49,8 @@ use proc_macro::TokenStream;
 /// - Exactly one `Tx<DB>` parameter, anywhere among the others: `DB` is one
 ///   of the enabled engines (`sqlx::Postgres`, `sqlx::Sqlite`,
 ///   `sqlx::MySql`). An alias works if it is named `Tx`
-///   (`type Tx = idem::Tx<Postgres>;`, then `tx: db::Tx`).
+///   (`type Tx = idem::Tx<Postgres>;`, then `tx: db::Tx`). Or, in its
+///   place, exactly one `Phases<DB>` (see [Phased handlers](#phased-handlers)).
 /// - Every other parameter is an axum extractor, run in order. One that
 ///   consumes the body (`Json`, `Form`, `Bytes`, `String`, `Body`,
 ///   `Request`, `Multipart`, `RawForm`, ...) comes last.
@@ -67,6 +68,58 @@ use proc_macro::TokenStream;
 ///
 /// The handler works in any `Router<S>` where `Idem<DB>: FromRef<S>`; the
 /// state is never named here.
+///
+/// # Phased handlers
+///
+/// A handler that calls something outside its database (a payment
+/// provider, a mailer) cannot put that call in its transaction: it takes a
+/// `Phases<DB>` parameter in place of the `Tx`. The key is then claimed in
+/// a commit of its own, held by a lease ([`lease`](#lease), below), and the handler
+/// runs in steps it names, each recorded under the key as it ends:
+/// `phases.local(name, ..)` runs a local phase in a transaction of its
+/// own, `phases.external(label, ..)` calls out with a key derived from the
+/// request's, the same on every attempt, and `phases.last_phase()` returns
+/// the connection whose writes commit with the stored response. An attempt
+/// that fails (an `Err`, a transient status, a panic, its `timeout`) before
+/// any external step gives its key up, and the next one starts afresh;
+/// once an external step may have happened, the key and its recorded steps
+/// stay, and the next attempt (the client's retry, or `idem::Completer`
+/// for one that stopped) resumes, skipping the steps already recorded.
+///
+/// ```ignore
+/// use idem::{Phases, idempotent};
+/// use sqlx::Postgres;
+///
+/// #[idempotent(scope = "account", lease = "10s")]
+/// async fn create_payment(
+///     account: Account,             // implements `idem::Scope` and `idem::FromScope`
+///     mut phases: Phases<Postgres>, // in place of `Tx<Postgres>`; exactly one
+///     Json(new): Json<NewPayment>,
+/// ) -> Result<(StatusCode, Json<Payment>), ApiError> {
+///     let id = phases.local("pending", async |tx| insert_pending(tx, &new).await).await?;
+///     let charge = phases
+///         .external("provider", async |key| provider.charge(key, &new).await)
+///         .await?;
+///     let payment = mark_paid(phases.last_phase().await?, id, &charge).await?;
+///     Ok((StatusCode::CREATED, Json(payment)))
+/// }
+/// ```
+///
+/// - `DB` is one of the enabled engines (`sqlx::Postgres`, `sqlx::Sqlite`,
+///   `sqlx::MySql`), as for `Tx`.
+/// - The scope's type implements `idem::FromScope` as well as
+///   `idem::Scope`: the completer resumes a request without the caller's
+///   credentials (`idem` never stores them) and builds the scope parameter
+///   from the scope the key was stored under (`FromScope::from_scope`).
+///   `Extension<T>` does where `T: FromScope`.
+/// - A handler takes a `Tx` or a `Phases`, never both, and one `Phases` at
+///   most.
+/// - `key = "optional"` and `wait` are refused: the phases are recorded
+///   under the key, and a duplicate is answered 409 at once, with
+///   `Retry-After` from the lease.
+/// - Everything else (the other extractors, `scope`, `ttl`, `timeout`, the
+///   return type) is as for a `Tx`; the last phase commits, with the stored
+///   response, when a `Tx` would.
 ///
 /// # Arguments
 ///
@@ -108,7 +161,8 @@ use proc_macro::TokenStream;
 /// `key = "required"` (the default) or `key = "optional"`: whether a
 /// request without an `Idempotency-Key` header is refused (400,
 /// `idempotency_key_missing`) or runs in a plain transaction, with nothing
-/// claimed or stored (`tx.key()` is then `None`).
+/// claimed or stored (`tx.key()` is then `None`). A phased handler refuses
+/// `key = "optional"`: its phases are recorded under the key.
 ///
 /// ```ignore
 /// #[idempotent(scope = "account", key = "optional")]
@@ -126,6 +180,8 @@ use proc_macro::TokenStream;
 /// How long a duplicate in another process waits depends on the engine:
 /// MySQL counts whole seconds (and waits at least one), SQLite waits for
 /// its write lock up to the pool's `busy_timeout` and answers 503 after it.
+/// A phased handler refuses `wait`, even `"0s"`: a duplicate of a phased
+/// request is answered 409 at once, with `Retry-After` from the lease.
 ///
 /// ```ignore
 /// #[idempotent(scope = "account", wait = "2s")]
@@ -145,6 +201,23 @@ use proc_macro::TokenStream;
 ///
 /// ```ignore
 /// #[idempotent(scope = "account", timeout = "10s")]
+/// ```
+///
+/// ## `lease`
+///
+/// `lease = "<whole number><unit>"`, written as `ttl` is, for phased
+/// handlers only (a `Phases<DB>` parameter; refused beside a `Tx`): how
+/// long the claim, and each step recorded after it, holds the key for the
+/// attempt that made it. A duplicate that arrives meanwhile is answered
+/// 409 (`Retry-After`: the lease's time left); an attempt that stopped
+/// keeps its key until its lease ends, and then the client's retry or the
+/// completer takes it over, and the stopped attempt, if it was only slow,
+/// can record nothing more. Longer than the longest step (a local phase,
+/// an external call), which each renew it. Default `"30s"`; at least
+/// `"1s"`, at most `"1h"`.
+///
+/// ```ignore
+/// #[idempotent(scope = "account", lease = "2m")]
 /// ```
 ///
 /// ## `crate`
@@ -172,9 +245,9 @@ use proc_macro::TokenStream;
 /// ```
 ///
 /// Once those are fixed, rustc reports a scope type that does not implement
-/// `idem::Scope`, a parameter that is not an extractor (where the handler is
-/// routed, with the parameter labelled), or a return type that is not a
-/// response.
+/// `idem::Scope` (or, for a phased handler, `idem::FromScope`), a parameter
+/// that is not an extractor (where the handler is routed, with the
+/// parameter labelled), or a return type that is not a response.
 ///
 /// # What the handler becomes
 ///

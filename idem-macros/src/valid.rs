@@ -96,7 +96,8 @@ fn check_mode_arguments(args: &Args, phased: bool, errors: &mut Errors) {
         errors.push(syn::Error::new(
             span,
             "`lease` is for phased handlers (a `Phases<DB>` parameter): this handler runs in one \
-             transaction (`Tx`), which holds its key until it commits or rolls back",
+             transaction (`Tx`), which holds its key until it commits or rolls back; remove \
+             `lease`",
         ));
     }
     if !phased {
@@ -105,15 +106,15 @@ fn check_mode_arguments(args: &Args, phased: bool, errors: &mut Errors) {
     if let (Some(KeyMode::Optional), Some(span)) = (args.key, args.key_span) {
         errors.push(syn::Error::new(
             span,
-            "a phased handler needs a key: its phases are recorded under it, and it cannot be \
-             optional",
+            "a phased handler needs a key: its phases are recorded under it, so it cannot be \
+             optional; remove `key = \"optional\"`",
         ));
     }
     if let Some((_, span)) = args.wait {
         errors.push(syn::Error::new(
             span,
             "`wait` is for handlers with a `Tx`: a duplicate of a phased request is answered 409 \
-             at once, with `Retry-After` from the first attempt's lease",
+             at once, with `Retry-After` from the first attempt's lease; remove `wait`",
         ));
     }
 }
@@ -309,7 +310,7 @@ fn the_one_tx(
             "a handler runs either in one transaction (`Tx<DB>`, the atomic mode) or in phases \
              (`Phases<DB>`, for effects outside the database), not both: remove one"
         } else if chosen_kind == Some(Kind::Phases) {
-            "a second `Phases` parameter: a phased handler has exactly one"
+            "a second `Phases` parameter: a phased handler has exactly one; remove this one"
         } else if explicit.len() == 1 && matches!(other_db, Some(None)) {
             "a second `Tx` parameter: `#[idempotent]` handlers run in exactly one transaction, \
              and read a bare `Tx` as an alias of `idem::Tx` (rename another type named `Tx`)"
@@ -691,5 +692,156 @@ mod tests {
     fn types_read_as_written() {
         let ty: Type = syn::parse2(quote!(Option<Vec<(i64, &'static str)>>)).unwrap();
         assert_eq!(type_text(&ty), "Option<Vec<(i64, &'static str)>>");
+    }
+
+    #[test]
+    fn a_phased_handler_is_described() {
+        let item: ItemFn = syn::parse2(quote! {
+            async fn pay(account: Account, mut phases: idem::Phases<Postgres>, Json(b): Json<B>) {}
+        })
+        .unwrap();
+        let mut errors = Errors::default();
+        let args = attr::parse(quote!(scope = "account", lease = "5s"), &mut errors);
+        let handler = check(&item, &args, &mut errors).unwrap();
+        assert!(errors.into_result().is_ok());
+        assert!(handler.phased);
+        assert_eq!(handler.extractors.len(), 2);
+        assert_eq!((handler.tx_index, handler.scope_index), (1, 0));
+        assert_eq!(type_text(handler.db.as_ref().unwrap()), "Postgres");
+        assert_eq!(type_text(&handler.tx_ty), "idem::Phases<Postgres>");
+        // Without `lease`, and with the arguments both modes take.
+        let plain = quote!(
+            async fn pay(account: Account, phases: Phases<Pg>) {}
+        );
+        for args in [
+            quote!(scope = "account"),
+            quote!(
+                scope = "account",
+                key = "required",
+                ttl = "1h",
+                timeout = "5s"
+            ),
+        ] {
+            assert!(messages(args.clone(), plain.clone()).is_empty(), "{args}");
+        }
+    }
+
+    #[test]
+    fn mode_arguments_fit_the_mode() {
+        let atomic = quote!(
+            async fn f(a: A, tx: Tx<Pg>) {}
+        );
+        let phased = quote!(
+            async fn f(a: A, phases: Phases<Pg>) {}
+        );
+        let lease = messages(quote!(scope = "a", lease = "5s"), atomic.clone());
+        assert_eq!(lease.len(), 1);
+        assert!(
+            lease[0].starts_with("`lease` is for phased handlers")
+                && lease[0].ends_with("remove `lease`"),
+            "{lease:?}"
+        );
+        // Both modes take these.
+        assert!(messages(quote!(scope = "a", key = "optional", wait = "2s"), atomic).is_empty());
+        let optional = messages(quote!(scope = "a", key = "optional"), phased.clone());
+        assert_eq!(
+            optional,
+            [
+                "a phased handler needs a key: its phases are recorded under it, so it cannot \
+                 be optional; remove `key = \"optional\"`"
+            ]
+        );
+        let wait = messages(quote!(scope = "a", wait = "2s"), phased.clone());
+        assert_eq!(wait.len(), 1);
+        assert!(
+            wait[0].starts_with("`wait` is for handlers with a `Tx`"),
+            "{wait:?}"
+        );
+        // Even the default, written out.
+        assert_eq!(
+            messages(quote!(scope = "a", wait = "0s"), phased.clone()),
+            wait
+        );
+        // Every misfit at once.
+        let both = messages(
+            quote!(scope = "a", key = "optional", wait = "1s", lease = "2s"),
+            phased.clone(),
+        );
+        assert_eq!(both.len(), 2, "{both:?}");
+        // An argument error leaves the mode to be checked once it is fixed:
+        // the handler still expands, with the default lease.
+        let mut errors = Errors::default();
+        let args = attr::parse(quote!(scope = "a", lease = "1d"), &mut errors);
+        let handler = check(&syn::parse2(phased).unwrap(), &args, &mut errors).unwrap();
+        assert!(handler.phased);
+        assert_eq!(
+            (errors.count(), args.lease_ms()),
+            (1, attr::DEFAULT_LEASE_MS)
+        );
+    }
+
+    #[test]
+    fn one_mode_and_one_parameter_of_it() {
+        let not_both = "a handler runs either in one transaction (`Tx<DB>`, the atomic mode) or \
+                        in phases (`Phases<DB>`, for effects outside the database), not both: \
+                        remove one";
+        // Whichever mode comes first, the other is the odd one (the
+        // trybuild case `tx_and_phases` shows it on the second's type).
+        for item in [
+            quote!(
+                async fn f(a: A, x: Tx<Pg>, p: Phases<Pg>) {}
+            ),
+            quote!(
+                async fn f(a: A, p: Phases<Pg>, x: Tx<Pg>) {}
+            ),
+            quote!(
+                async fn f(a: A, p: Phases<Pg>, x: Tx) {}
+            ),
+        ] {
+            assert_eq!(
+                messages(quote!(scope = "a"), item.clone()),
+                [not_both],
+                "{item}"
+            );
+        }
+        assert_eq!(
+            messages(
+                quote!(scope = "a"),
+                quote!(
+                    async fn f(a: A, p: Phases<Pg>, q: Phases<Pg>) {}
+                )
+            ),
+            ["a second `Phases` parameter: a phased handler has exactly one; remove this one"]
+        );
+        let needs_db =
+            "`Phases` takes the database as its one type argument, e.g. `Phases<sqlx::Postgres>`";
+        for malformed in [
+            quote!(Phases),
+            quote!(idem::Phases<Pg, Pg>),
+            quote!(Phases<'a>),
+        ] {
+            let found = messages(
+                quote!(scope = "a"),
+                quote!(async fn f(a: A, p: #malformed) {}),
+            );
+            assert_eq!(found, [needs_db], "{malformed}");
+        }
+        let none = messages(
+            quote!(scope = "a"),
+            quote!(
+                async fn f(a: A) {}
+            ),
+        );
+        assert!(none[0].contains("`phases: idem::Phases<DB>`"), "{none:?}");
+        // The scope cannot name the phases either.
+        assert!(
+            messages(
+                quote!(scope = "p"),
+                quote!(
+                    async fn f(a: A, p: Phases<Pg>) {}
+                )
+            )[0]
+            .contains("names the transaction")
+        );
     }
 }

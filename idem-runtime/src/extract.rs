@@ -98,29 +98,3 @@ where
             .map_err(IntoResponse::into_response)
     }
 }
-
-/// The scope of a phased handler: rebuilt from the stored scope for a
-/// request the completer sent ([`Resumed`](crate::Resumed)), which carries
-/// no credentials; otherwise `T`'s extractor.
-#[doc(hidden)]
-pub trait __IdemScopeFromParts<T> {
-    /// Runs `T`'s extractor, or [`FromScope`](crate::FromScope).
-    fn extract(
-        request: Request,
-        state: &Self,
-    ) -> impl Future<Output = Result<(Request, T), Response>> + Send;
-}
-
-impl<S, T> __IdemScopeFromParts<T> for S
-where
-    S: Send + Sync,
-    T: FromRequestParts<S> + crate::FromScope,
-{
-    async fn extract(request: Request, state: &Self) -> Result<(Request, T), Response> {
-        if let Some(resumed) = request.extensions().get::<crate::Resumed>() {
-            let scope = T::from_scope(&resumed.scope());
-            return Ok((request, scope));
-        }
-        <S as __IdemFromParts<T>>::extract(request, state).await
-    }
-}

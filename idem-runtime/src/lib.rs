@@ -52,9 +52,7 @@ pub use tx::Tx;
 pub mod __private {
     pub use crate::backend::Phased;
     pub use crate::backend::{Acquire, Claim, ClaimOutcome, FinishError, OpenTx, StoreError};
-    pub use crate::extract::{
-        __IdemFromBody, __IdemFromParts, __IdemFromRef, __IdemFromRequest, __IdemScopeFromParts,
-    };
+    pub use crate::extract::{__IdemFromBody, __IdemFromParts, __IdemFromRef, __IdemFromRequest};
     pub use crate::fingerprint::{Fingerprint, canonicalize};
     pub use crate::key::{parse_key, parse_key_value};
     pub use crate::phased::run_phased;

@@ -1,12 +1,12 @@
 //! The compile-time checks of `#[idempotent]` (`tests/ui`), and what their
-//! cases share: a caller extractor that implements `Scope`, and an
-//! application state that holds the store.
+//! cases share: a caller extractor that implements `Scope` (and `FromScope`,
+//! for phased handlers), and an application state that holds the store.
 
 use std::borrow::Cow;
 
 use axum::extract::{FromRef, FromRequestParts};
 use axum::http::{StatusCode, request::Parts};
-use idem::{Idem, Scope};
+use idem::{FromScope, Idem, Scope};
 use sqlx::{PgPool, Postgres};
 
 #[derive(Clone, FromRef)]
@@ -21,6 +21,12 @@ pub struct Account(pub String);
 impl Scope for Account {
     fn scope(&self) -> Cow<'_, str> {
         Cow::Borrowed(&self.0)
+    }
+}
+
+impl FromScope for Account {
+    fn from_scope(scope: &str) -> Self {
+        Account(scope.to_owned())
     }
 }
 
