@@ -19,8 +19,10 @@ use crate::response::{StoredResponse, is_storable};
 use crate::{Error, Idem, observe};
 
 /// How long a completer's reservation of a key holds it while its request
-/// is on the way to the handler, which takes the reservation over.
-const RESERVATION: Duration = Duration::from_secs(30);
+/// is on the way to the handler, which takes the reservation over at once:
+/// short, as a client's retry meanwhile is told to wait this long, and a
+/// request that never reaches the handler holds the key this long.
+const RESERVATION: Duration = Duration::from_secs(5);
 
 /// The longest wait between two attempts on one key.
 const MAX_BACKOFF: Duration = Duration::from_secs(300);

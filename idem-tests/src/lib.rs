@@ -10,6 +10,7 @@ pub mod hardening;
 #[cfg(feature = "mysql")]
 pub mod mysql_proxy;
 pub mod pg_proxy;
+pub mod phased;
 pub mod proxied;
 pub mod proxy;
 pub mod round_trip_service;

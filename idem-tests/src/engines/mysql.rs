@@ -4,9 +4,11 @@ use sqlx::mysql::MySqlPoolOptions;
 use sqlx::{Connection, Executor, MySql, MySqlConnection, Pool};
 use tokio::sync::OnceCell;
 
+use crate::phased::{Dialect, PhasedDb, PhasedState};
 use crate::service::{self as app, AppState, TestDb};
 
 crate::define_app!(sqlx::MySql);
+crate::phased_app!(sqlx::MySql);
 
 /// The effects table; a scope is at most 2,048 bytes, as in the key store.
 const EFFECTS_DDL: &str = "CREATE TABLE IF NOT EXISTS idem_service_effects (
@@ -172,4 +174,29 @@ impl TestDb for MySql {
     fn router(state: AppState<Self>) -> axum::Router {
         handlers::router(state)
     }
+}
+
+impl PhasedDb for MySql {
+    const DIALECT: Dialect = Dialect {
+        params: ["?", "?", "?"],
+        key: "`key`",
+        bigint: "SIGNED",
+        payment_id: "id BIGINT AUTO_INCREMENT PRIMARY KEY",
+    };
+
+    fn fresh_database() -> String {
+        // One server for every test, each in tables of its own.
+        url()
+    }
+
+    async fn open(database: &str, size: u32) -> Pool<Self> {
+        let options = MySqlPoolOptions::new().max_connections(size);
+        app::server_pool(options, "MySQL/MariaDB", URL_VAR, database).await
+    }
+
+    fn phased_router(state: PhasedState<Self>) -> axum::Router {
+        phased_handlers::router(state)
+    }
+
+    crate::phased_queries!();
 }

@@ -5,9 +5,11 @@ use sqlx::postgres::{PgPool, PgPoolOptions};
 use sqlx::{Pool, Postgres};
 use tokio::sync::OnceCell;
 
+use crate::phased::{Dialect, PhasedDb, PhasedState};
 use crate::service::{self as app, AppState, TestDb};
 
 crate::define_app!(sqlx::Postgres);
+crate::phased_app!(sqlx::Postgres);
 
 const URL_VAR: &str = "IDEM_TEST_POSTGRES_URL";
 const DEFAULT_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
@@ -184,4 +186,29 @@ impl TestDb for Postgres {
     fn router(state: AppState<Self>) -> axum::Router {
         handlers::router(state)
     }
+}
+
+impl PhasedDb for Postgres {
+    const DIALECT: Dialect = Dialect {
+        params: ["$1", "$2", "$3"],
+        key: "key",
+        bigint: "BIGINT",
+        payment_id: "id BIGSERIAL PRIMARY KEY",
+    };
+
+    fn fresh_database() -> String {
+        // One server for every test, each in tables of its own.
+        url()
+    }
+
+    async fn open(database: &str, size: u32) -> PgPool {
+        let options = PgPoolOptions::new().max_connections(size);
+        app::server_pool(options, "PostgreSQL", URL_VAR, database).await
+    }
+
+    fn phased_router(state: PhasedState<Self>) -> axum::Router {
+        phased_handlers::router(state)
+    }
+
+    crate::phased_queries!();
 }

@@ -1,7 +1,8 @@
 //! SQLite: a real database file in WAL mode, shared by every test of a run
 //! and by the kill test's child process (`IDEM_TEST_SQLITE_FILE`, default
 //! under cargo's per-target temp dir). Tests that need a database of their
-//! own open one with [`open`].
+//! own open one with [`open`]; each phased test has a file of its own
+//! (`PhasedDb::fresh_database`), which its child processes share.
 
 use std::time::Duration;
 
@@ -9,9 +10,11 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
 use sqlx::{Pool, Sqlite};
 use tokio::sync::OnceCell;
 
+use crate::phased::{Dialect, PhasedDb, PhasedState};
 use crate::service::{self as app, AppState, TestDb};
 
 crate::define_app!(sqlx::Sqlite);
+crate::phased_app!(sqlx::Sqlite);
 
 /// The effects table.
 const EFFECTS_DDL: &str = "CREATE TABLE IF NOT EXISTS idem_service_effects (
@@ -53,9 +56,15 @@ pub async fn open(options: SqliteConnectOptions) -> Pool<Sqlite> {
 }
 
 async fn pool(options: SqliteConnectOptions) -> Pool<Sqlite> {
+    pool_of(options, 16).await
+}
+
+/// A pool of `size` connections (at least one kept open); panics loudly
+/// when the database cannot be opened.
+pub async fn pool_of(options: SqliteConnectOptions, size: u32) -> Pool<Sqlite> {
     let name = options.get_filename().display().to_string();
     SqlitePoolOptions::new()
-        .max_connections(16)
+        .max_connections(size)
         // An in-memory database lives as long as one connection to it.
         .min_connections(1)
         .connect_with(options.create_if_missing(true))
@@ -162,4 +171,34 @@ impl TestDb for Sqlite {
             .unwrap();
         Box::new(reader)
     }
+}
+
+impl PhasedDb for Sqlite {
+    const DIALECT: Dialect = Dialect {
+        params: ["$1", "$2", "$3"],
+        key: "\"key\"",
+        bigint: "INTEGER",
+        payment_id: "id INTEGER PRIMARY KEY AUTOINCREMENT",
+    };
+
+    fn fresh_database() -> String {
+        let file = format!("{}.sqlite3", app::unique("phased"));
+        target_tmp().join(file).display().to_string()
+    }
+
+    async fn open(database: &str, size: u32) -> Pool<Self> {
+        pool_of(file_options(database), size).await
+    }
+
+    fn remove_database(database: &str) {
+        for suffix in ["", "-wal", "-shm"] {
+            let _ = std::fs::remove_file(format!("{database}{suffix}"));
+        }
+    }
+
+    fn phased_router(state: PhasedState<Self>) -> axum::Router {
+        phased_handlers::router(state)
+    }
+
+    crate::phased_queries!();
 }
