@@ -9,6 +9,7 @@
 
 mod harness;
 mod kills;
+mod metrics;
 mod suite;
 
 /// Instantiates every test of the suite for each engine whose cargo
@@ -48,6 +49,12 @@ macro_rules! phased {
         }
     };
     (@tests $db:ty: $($suite:ident::$test:ident),* $(,)?) => {
+        /// On a current-thread runtime of its own (see `metrics`).
+        #[test]
+        fn phases_are_counted() {
+            crate::metrics::phases_are_counted::<$db>();
+        }
+
         $(
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn $test() {
