@@ -3,7 +3,8 @@
 //! handler's SQL in [`work`]), PostgreSQL's tables and pool, and the child
 //! process itself. The handlers, written three ways (plain transaction,
 //! `#[idempotent]`, the hand-written two-phase recipe) with the same SQL,
-//! are stamped out per engine in `handlers`.
+//! and the provider scenarios' four, are stamped out per engine in
+//! `handlers`.
 
 use std::io::BufRead;
 use std::net::SocketAddr;
@@ -19,6 +20,7 @@ use sqlx::{AssertSqlSafe, PgPool};
 
 pub(crate) use crate::account::Account;
 use crate::handlers;
+use crate::provider::Provider;
 
 /// The idempotency table of the benchmark (not the default one, which tests
 /// and examples share).
@@ -99,8 +101,11 @@ pub async fn setup(pool: &PgPool) -> Result<(), Box<dyn std::error::Error>> {
             scope text NOT NULL, key text NOT NULL, fingerprint bytea NOT NULL,
             status smallint, body bytea, expires_at timestamptz NOT NULL,
             PRIMARY KEY (scope, key));
+         CREATE TABLE IF NOT EXISTS bench_payments (
+            id bigserial PRIMARY KEY, account text NOT NULL, amount bigint NOT NULL,
+            currency text NOT NULL, status text NOT NULL, provider_id text);
          TRUNCATE bench_charges, bench_accounts, bench_ledger, bench_two_phase_keys, idem_bench_keys,
-            bench_optimistic_keys;
+            bench_optimistic_keys, bench_payments;
          INSERT INTO bench_accounts (account) SELECT 'c' || i FROM generate_series(0, 255) i;",
     )
     .execute(pool)
@@ -151,11 +156,17 @@ pub fn serve_child() {
         .build()
         .expect("server runtime");
     runtime.block_on(async {
+        // The provider scenarios' fake provider, in this process.
+        let provider = Provider::start().await;
         let app = match std::env::var("IDEM_BENCH_ENGINE").as_deref() {
             Ok("sqlite") => handlers::sqlite::router(
                 crate::sqlite::connect(&config.database_url, config.pool).await,
+                provider,
             ),
-            _ => handlers::postgres::router(connect(&config.database_url, config.pool, true).await),
+            _ => handlers::postgres::router(
+                connect(&config.database_url, config.pool, true).await,
+                provider,
+            ),
         };
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         println!("LISTENING {}", listener.local_addr().unwrap());
@@ -206,12 +217,12 @@ pub async fn server_backends(admin: &PgPool) -> Vec<u32> {
         .collect()
 }
 
-/// A server listening on loopback in this process (for counting round
-/// trips through the proxy).
+/// A server listening on loopback in this process, with its fake provider
+/// (for counting round trips through the proxy).
 pub async fn serve_here(pool: PgPool) -> (SocketAddr, tokio::task::JoinHandle<()>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let app = handlers::postgres::router(pool);
+    let app = handlers::postgres::router(pool, Provider::start().await);
     let task = tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
     (addr, task)
 }

@@ -1,8 +1,11 @@
 //! The charge handler written three ways, once for both engines: `baseline`
 //! (a plain transaction), `idempotent` (the attribute) and `two_phase` (the
-//! hand-written recipe), with their state and routes. `service!` stamps
-//! them out per engine, as `examples/charges.rs` does (an `#[idempotent]`
-//! handler names its `Tx<DB>`, so it cannot be generic). What differs
+//! hand-written recipe); and the provider scenarios' payment (see
+//! `provider`) written four ways: `plain_provider`, `atomic_provider`,
+//! `two_phase_provider` and `phased`; with their state and routes.
+//! `service!` stamps them out per engine, as `examples/charges.rs` does (an
+//! `#[idempotent]` handler names its `Tx<DB>` or `Phases<DB>`, so it cannot
+//! be generic). What differs
 //! between engines is the [`Dialect`] below: how a write transaction opens
 //! and how the two-phase claim computes its expiry; the rest of the SQL is
 //! the same on both.
@@ -32,7 +35,7 @@ impl Dialect for sqlx::Sqlite {
          VALUES ($1, $2, $3, unixepoch() + 86400) ON CONFLICT (scope, key) DO NOTHING";
 }
 
-/// The service on one engine: its state, the three handlers and `router`.
+/// The service on one engine: its state, the handlers and `router`.
 /// `"/path" => handler` pairs add routes this engine alone serves.
 macro_rules! service {
     ($engine:ident, $db:ty $(, $path:literal => $handler:path)* $(,)?) => {
@@ -43,21 +46,26 @@ macro_rules! service {
             use axum::http::{HeaderMap, Method, StatusCode, Uri, header};
             use axum::response::{IntoResponse, Response};
             use axum::routing::post;
-            use idem::{Idem, Tx, idempotent};
+            use idem::{Idem, Phases, Tx, idempotent};
             use idem::__private::Fingerprint;
             use sqlx::{Connection, Pool};
 
             use super::Dialect;
             use crate::app::{Account, ApiError, KEYS_TABLE, NewCharge, created, read_request, work};
+            use crate::provider::{
+                self, PayError, Payer, Payment, Provider, ProviderCharge, insert_pending, mark_paid,
+            };
 
             #[derive(Clone, FromRef)]
             struct AppState {
                 idem: Idem<$db>,
                 pool: Pool<$db>,
+                provider: Provider,
             }
 
-            /// The routes, `{statements}` being 1 or 3.
-            pub fn router(pool: Pool<$db>) -> axum::Router {
+            /// The routes, `{statements}` being 1 or 3; the provider
+            /// scenarios' at `/provider/{scenario}`, calling `provider`.
+            pub fn router(pool: Pool<$db>, provider: Provider) -> axum::Router {
                 let idem = Idem::new(pool.clone())
                     .table(KEYS_TABLE)
                     .expect("table name");
@@ -66,8 +74,12 @@ macro_rules! service {
                     .route("/{statements}/idempotent", post(idempotent))
                     .route("/{statements}/two_phase", post(two_phase::<false>))
                     .route("/{statements}/two_phase_tx", post(two_phase::<true>))
+                    .route("/provider/plain_provider", post(plain_provider))
+                    .route("/provider/atomic_provider", post(atomic_provider))
+                    .route("/provider/two_phase_provider", post(two_phase_provider))
+                    .route("/provider/phased", post(phased))
                     $(.route($path, post($handler)))*
-                    .with_state(AppState { idem, pool })
+                    .with_state(AppState { idem, pool, provider })
             }
 
             /// baseline: the handler as it would be written without idempotency.
@@ -168,6 +180,136 @@ macro_rules! service {
                         Err(error.into())
                     }
                 }
+            }
+
+            /// plain_provider: the payment without idempotency. The pending
+            /// payment commits before the call and the mark after it, each
+            /// transaction on a connection of its own, so none is held over
+            /// the call. The provider's key is derived from the request's
+            /// all the same, so every scenario does the same work.
+            async fn plain_provider(
+                account: Account,
+                State(pool): State<Pool<$db>>,
+                State(provider): State<Provider>,
+                headers: HeaderMap,
+                Json(new): Json<NewCharge>,
+            ) -> Result<Response, PayError> {
+                let key = headers
+                    .get("idempotency-key")
+                    .and_then(|value| value.to_str().ok())
+                    .unwrap_or_default();
+                let mut tx = pool.begin_with(<$db as Dialect>::BEGIN).await?;
+                let id = insert_pending::<$db>(&mut tx, &account.0, &new).await?;
+                tx.commit().await?;
+                let key = provider::derive(&account.0, key, provider::STEP);
+                let charge = provider.charge(&key, &new).await?;
+                let mut tx = pool.begin_with(<$db as Dialect>::BEGIN).await?;
+                mark_paid::<$db>(&mut tx, &charge.id, id).await?;
+                tx.commit().await?;
+                Ok(provider::created(&Payment::paid(id, &account.0, &new, charge)))
+            }
+
+            /// atomic_provider: the atomic mode, the provider called inside
+            /// the request's one transaction (and its connection held over
+            /// the call), the mark committed with the stored response.
+            #[idempotent(scope = "account")]
+            async fn atomic_provider(
+                account: Account,
+                State(provider): State<Provider>,
+                mut tx: Tx<$db>,
+                Json(new): Json<NewCharge>,
+            ) -> Result<Response, PayError> {
+                let key = tx
+                    .key()
+                    .map(|key| key.derive(provider::STEP))
+                    .unwrap_or_default();
+                let id = insert_pending::<$db>(&mut tx, &account.0, &new).await?;
+                let charge = provider.charge(&key, &new).await?;
+                mark_paid::<$db>(&mut tx, &charge.id, id).await?;
+                Ok(provider::created(&Payment::paid(id, &account.0, &new, charge)))
+            }
+
+            /// two_phase_provider: the hand-written recipe for a call
+            /// outside the database. Phase 1 claims the key and writes the
+            /// pending payment, committed together; then the call; phase 2
+            /// marks the payment and stores the response, committed
+            /// together; each transaction on a connection of its own. A
+            /// sketch of the fast path: if the call fails, the key stays
+            /// claimed without a response and a retry answers 409 until it
+            /// expires (no recovery point, no lease: what `phased` adds).
+            async fn two_phase_provider(
+                account: Account,
+                State(pool): State<Pool<$db>>,
+                State(provider): State<Provider>,
+                method: Method,
+                uri: Uri,
+                headers: HeaderMap,
+                body: Bytes,
+            ) -> Result<Response, PayError> {
+                let (key, fingerprint, new) =
+                    match read_request(&method, &uri, &headers, &body) {
+                        Ok(read) => read,
+                        Err(refusal) => return Ok(refusal.into_response()),
+                    };
+                // Phase 1: the claim and the pending payment.
+                let mut tx = pool.begin_with(<$db as Dialect>::BEGIN).await?;
+                let claimed = sqlx::query(<$db as Dialect>::CLAIM)
+                    .bind(&account.0)
+                    .bind(key)
+                    .bind(&fingerprint.as_bytes()[..])
+                    .execute(&mut *tx)
+                    .await?
+                    .rows_affected()
+                    == 1;
+                if !claimed {
+                    // Read in the transaction, which then rolls back.
+                    return Ok(replay_two_phase(&mut tx, &account.0, key, &fingerprint)
+                        .await
+                        .unwrap_or_else(IntoResponse::into_response));
+                }
+                let id = insert_pending::<$db>(&mut tx, &account.0, &new).await?;
+                tx.commit().await?;
+                let derived = provider::derive(&account.0, key, provider::STEP);
+                let charge = provider.charge(&derived, &new).await?;
+                let payment = Payment::paid(id, &account.0, &new, charge);
+                // Phase 2: the mark and the response.
+                let mut tx = pool.begin_with(<$db as Dialect>::BEGIN).await?;
+                mark_paid::<$db>(&mut tx, &payment.provider_id, id).await?;
+                sqlx::query(
+                    "UPDATE bench_two_phase_keys SET status = 201, body = $3 \
+                     WHERE scope = $1 AND key = $2",
+                )
+                .bind(&account.0)
+                .bind(key)
+                .bind(serde_json::to_vec(&payment).expect("serializable"))
+                .execute(&mut *tx)
+                .await?;
+                tx.commit().await?;
+                Ok(provider::created(&payment))
+            }
+
+            /// phased: the phased mode. A local phase writes the pending
+            /// payment (committed with its recovery point), the provider is
+            /// an external step, and the last phase's mark commits with the
+            /// stored response.
+            #[idempotent(scope = "payer", lease = "30s")]
+            async fn phased(
+                payer: Payer,
+                State(provider): State<Provider>,
+                mut phases: Phases<$db>,
+                Json(new): Json<NewCharge>,
+            ) -> Result<Response, PayError> {
+                let id: i64 = phases
+                    .local("pending", async |tx| -> Result<_, PayError> {
+                        Ok(insert_pending::<$db>(tx, &payer.0, &new).await?)
+                    })
+                    .await?;
+                let charge: ProviderCharge = phases
+                    .external(provider::STEP, async |key| provider.charge(&key, &new).await)
+                    .await?;
+                let tx = phases.last_phase().await?;
+                mark_paid::<$db>(tx, &charge.id, id).await?;
+                Ok(provider::created(&Payment::paid(id, &payer.0, &new, charge)))
             }
 
             /// A two-phase key row: status, fingerprint, body.

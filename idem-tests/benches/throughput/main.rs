@@ -3,10 +3,18 @@
 //! request), answered from the store (`replay`), and the hand-written
 //! claim-commit-then-work recipe (`two_phase`); 1 and 3 statements, 16 and
 //! 64 concurrent clients, over real HTTP on loopback, on PostgreSQL and on
-//! SQLite (a WAL file).
+//! SQLite (a WAL file). Also, when named in `IDEM_BENCH_SCENARIOS`, the
+//! provider scenarios (`provider.rs`): a payment that inserts a pending
+//! row, calls a fake provider over HTTP on loopback and marks the row paid,
+//! written without idempotency (`plain_provider`), in the atomic mode
+//! (`atomic_provider`, the transaction held over the call), as the
+//! hand-written two-phase recipe (`two_phase_provider`) and in the phased
+//! mode (`phased`); at each concurrency, not per statement count.
 //!
 //! ```text
 //! cargo bench --bench throughput
+//! IDEM_BENCH_SCENARIOS=plain_provider,atomic_provider,two_phase_provider,phased \
+//!     cargo bench --bench throughput
 //! ```
 //!
 //! The server runs in a child process (so its memory and CPU are its own);
@@ -28,7 +36,7 @@
 //! | `IDEM_BENCH_ROUNDS` | 3 | rounds, each running every scenario back to back; a ratio is the median of the rounds' ratios, req/s and latencies are the best round's, and each round's ratios are printed (`by round`) and kept in the JSON (`*_by_round`) |
 //! | `IDEM_BENCH_CONCURRENCY` | `16,64` | concurrent clients |
 //! | `IDEM_BENCH_STATEMENTS` | `1,3` | statements per handler |
-//! | `IDEM_BENCH_SCENARIOS` | the four | a subset, or also the diagnostics `read_floor` (`floor.rs`), `optimistic` (`optimistic.rs`) and `two_phase_tx` (`handlers.rs`) |
+//! | `IDEM_BENCH_SCENARIOS` | the four | a subset, or also the diagnostics `read_floor` (`floor.rs`), `optimistic` (`optimistic.rs`) and `two_phase_tx` (`handlers.rs`), and the provider scenarios `plain_provider`, `atomic_provider`, `two_phase_provider` and `phased` (`provider.rs`); a list with none of the four or the diagnostics runs no statement-count shape |
 //! | `IDEM_BENCH_ENGINES` | `postgres,sqlite` | `postgres` alone skips SQLite (PostgreSQL always runs) |
 //! | `IDEM_BENCH_POOL` | 16 | the server's connection pool (all scenarios) |
 //! | `IDEM_BENCH_SERVER_THREADS` | cores | the server's tokio workers |
@@ -46,6 +54,7 @@ mod handlers;
 mod load;
 mod memory;
 mod optimistic;
+mod provider;
 mod report;
 mod sqlite;
 
@@ -73,6 +82,20 @@ const DIAGNOSTICS: [&str; 3] = ["read_floor", "optimistic", "two_phase_tx"];
 const OPTIMISTIC: usize = SCENARIOS.len() + 1;
 /// `two_phase_tx`'s place among a group's scenarios.
 const TWO_PHASE_TX: usize = SCENARIOS.len() + 2;
+/// The provider scenarios (see `provider`), run when named in
+/// `IDEM_BENCH_SCENARIOS`, once per concurrency (and engine); kept in the
+/// JSON as `provider_runs`.
+pub const PROVIDER: [&str; 4] = [
+    "plain_provider",
+    "atomic_provider",
+    "two_phase_provider",
+    "phased",
+];
+/// Places among the provider group's scenarios.
+pub const PLAIN_PROVIDER: usize = 0;
+pub const ATOMIC_PROVIDER: usize = 1;
+pub const TWO_PHASE_PROVIDER: usize = 2;
+pub const PHASED: usize = 3;
 /// Finished keys per client that a replay run cycles through.
 const REPLAY_KEYS: usize = 16;
 
@@ -111,7 +134,7 @@ impl Settings {
     fn from_env() -> Self {
         let url = std::env::var("IDEM_TEST_POSTGRES_URL")
             .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
-        Self {
+        let settings = Self {
             server: ServerConfig::from_env(url.clone()),
             url,
             secs: env_number("IDEM_BENCH_SECS", 2),
@@ -121,7 +144,36 @@ impl Settings {
             statements: env_list("IDEM_BENCH_STATEMENTS", "1,3"),
             scenarios: env_list("IDEM_BENCH_SCENARIOS", &SCENARIOS.join(",")),
             engines: env_list("IDEM_BENCH_ENGINES", "postgres,sqlite"),
+        };
+        for scenario in &settings.scenarios {
+            assert!(
+                SCENARIOS
+                    .iter()
+                    .chain(&DIAGNOSTICS)
+                    .chain(&PROVIDER)
+                    .any(|known| known == scenario),
+                "IDEM_BENCH_SCENARIOS: no scenario {scenario}"
+            );
         }
+        settings
+    }
+
+    fn selected(&self, scenario: &str) -> bool {
+        self.scenarios.iter().any(|s| s == scenario)
+    }
+
+    /// Whether any statement-count scenario (the four, the diagnostics)
+    /// is selected.
+    fn shapes(&self) -> bool {
+        SCENARIOS
+            .iter()
+            .chain(&DIAGNOSTICS)
+            .any(|s| self.selected(s))
+    }
+
+    /// Whether any provider scenario is selected.
+    fn payments(&self) -> bool {
+        PROVIDER.iter().any(|s| self.selected(s))
     }
 }
 
@@ -183,7 +235,11 @@ async fn bench() {
         return;
     }
 
-    let trips = count::count(&settings.url, &settings.statements).await;
+    let trips = if settings.shapes() {
+        count::count(&settings.url, &settings.statements).await
+    } else {
+        Vec::new()
+    };
     for t in &trips {
         println!(
             "round trips per request ({} statement(s), pool pings included): baseline {}, \
@@ -200,22 +256,40 @@ async fn bench() {
         );
     }
 
+    let provider_trips = if settings.payments() {
+        let t = count::count_provider(&settings.url).await;
+        println!(
+            "round trips per payment (provider scenarios, pool pings included): plain_provider {}, \
+             atomic_provider {}, two_phase_provider {}, phased {} (replay {}, with a spare connection {}) \
+             => phased - atomic = {}, phased - two_phase = {}; phased's, as sent:",
+            t.plain_provider,
+            t.atomic_provider,
+            t.two_phase_provider,
+            t.phased,
+            t.phased_replay,
+            t.phased_spare_connection,
+            t.phased_extra_over_atomic,
+            t.phased_extra_over_two_phase
+        );
+        for (i, round_trip) in t.phased_recorded.iter().enumerate() {
+            println!("  {:>2}. {round_trip}", i + 1);
+        }
+        Some(t)
+    } else {
+        None
+    };
+
     let server = ServerProcess::start(&settings.server).await;
     let mut runs = Vec::new();
-    println!(
-        "\n{:<9} {:>5} {:>7}  {:<16} {:>9} {:>8} {:>8} {:>8}  {:>27}  {:>4}",
-        "engine",
-        "stmts",
-        "clients",
-        "scenario",
-        "req/s",
-        "p50 ms",
-        "p99 ms",
-        "vs base",
-        "CPU us/req: load srv pg all",
-        "idle"
-    );
-    for &statements in &settings.statements {
+    let mut provider_runs = Vec::new();
+    // The statement counts, unless only provider scenarios were selected.
+    let counts: &[u32] = if settings.shapes() {
+        print_header();
+        &settings.statements
+    } else {
+        &[]
+    };
+    for &statements in counts {
         for &concurrency in &settings.concurrency {
             let results = group(&settings, &server, &admin, statements, concurrency).await;
             let extra = trips
@@ -228,6 +302,18 @@ async fn bench() {
                 concurrency,
                 &results,
                 extra,
+            ));
+        }
+    }
+    if settings.payments() {
+        print_provider_header();
+        for &concurrency in &settings.concurrency {
+            let results = provider_group(&settings, &server, &admin, concurrency).await;
+            provider_runs.push(report::provider_json(
+                "postgres",
+                concurrency,
+                &results,
+                provider_trips.as_ref(),
             ));
         }
     }
@@ -245,7 +331,10 @@ async fn bench() {
             .await
             .expect("create the SQLite benchmark database");
         let server = ServerProcess::start(&sqlite).await;
-        for &statements in &settings.statements {
+        if settings.shapes() {
+            print_header();
+        }
+        for &statements in counts {
             for &concurrency in &settings.concurrency {
                 let results = group(&settings, &server, &admin, statements, concurrency).await;
                 runs.push(report::run_json(
@@ -257,13 +346,25 @@ async fn bench() {
                 ));
             }
         }
+        if settings.payments() {
+            print_provider_header();
+            for &concurrency in &settings.concurrency {
+                let results = provider_group(&settings, &server, &admin, concurrency).await;
+                provider_runs.push(report::provider_json("sqlite", concurrency, &results, None));
+            }
+        }
         drop(server);
     }
 
     let memory = memory::report(&settings.server).await;
 
     println!();
-    report::targets(&runs, &trips);
+    if settings.shapes() {
+        report::targets(&runs, &trips);
+    }
+    if settings.payments() {
+        report::provider_summary(&provider_runs);
+    }
     let load_after = loadavg();
     println!("load average before {load_before}, after {load_after}");
 
@@ -273,6 +374,8 @@ async fn bench() {
         "extra_round_trips": trips.iter().map(|t| t.extra_round_trips).max(),
         "round_trips": trips,
         "runs": runs,
+        "provider_round_trips": provider_trips,
+        "provider_runs": provider_runs,
         "memory": memory,
         "sqlite_file": sqlite_file,
         "settings": {
@@ -293,8 +396,9 @@ async fn bench() {
     println!("{}", path.display());
 }
 
-/// One shape's scenarios, in the order of `SCENARIOS` then `DIAGNOSTICS`
-/// (a scenario not selected stays at zero).
+/// One shape's scenarios, in the order of `SCENARIOS` then `DIAGNOSTICS`,
+/// or the provider scenarios in the order of `PROVIDER` (a scenario not
+/// selected stays at zero).
 struct Group {
     /// The best round of each scenario.
     best: Vec<Outcome>,
@@ -320,6 +424,39 @@ impl Group {
     }
 }
 
+fn print_header() {
+    println!(
+        "\n{:<9} {:>5} {:>7}  {:<16} {:>9} {:>8} {:>8} {:>8}  {:>27}  {:>4}",
+        "engine",
+        "stmts",
+        "clients",
+        "scenario",
+        "req/s",
+        "p50 ms",
+        "p99 ms",
+        "vs base",
+        "CPU us/req: load srv pg all",
+        "idle"
+    );
+}
+
+fn print_provider_header() {
+    println!(
+        "\nprovider scenarios: insert pending, call the fake provider, mark paid (a new key each)\n\
+         {:<9} {:>7}  {:<18} {:>9} {:>8} {:>8} {:>8} {:>9}  {:>27}  {:>4}",
+        "engine",
+        "clients",
+        "scenario",
+        "req/s",
+        "p50 ms",
+        "p99 ms",
+        "vs plain",
+        "phased/it",
+        "CPU us/req: load srv pg all",
+        "idle"
+    );
+}
+
 /// The scenarios at one shape, interleaved `rounds` times: each
 /// scenario's best round, and every round's req/s for the ratios.
 async fn group(
@@ -336,62 +473,17 @@ async fn group(
         &[]
     };
     let all: Vec<&str> = SCENARIOS.iter().chain(diagnostics).copied().collect();
-    let mut best: Vec<Outcome> = vec![Outcome::default(); all.len()];
-    let mut rounds = Vec::with_capacity(settings.rounds);
-    for round in 0..settings.rounds {
-        let mut rps = vec![0.0; all.len()];
-        for (i, scenario) in all.iter().enumerate() {
-            if !settings.scenarios.iter().any(|s| s == scenario) {
-                continue;
-            }
-            let replays = matches!(*scenario, "replay" | "read_floor");
-            let route = if *scenario == "replay" {
-                "idempotent"
-            } else {
-                scenario
-            };
-            let mut load = Load {
-                addr: server.addr,
-                path: format!("/{statements}/idempotent"),
-                concurrency,
-                warmup: settings.warmup,
-                measure: Duration::from_secs(settings.secs),
-                keys: if replays {
-                    Keys::Replay(REPLAY_KEYS)
-                } else {
-                    Keys::Fresh
-                },
-                prefix: format!("{scenario}-{statements}-{concurrency}-{round}"),
-                body: Bytes::from_static(load::CHARGE.as_bytes()),
-                server_pid: Some(server.pid),
-                backends: if engine == "postgres" {
-                    app::server_backends(admin).await
-                } else {
-                    Vec::new()
-                },
-            };
-            if replays {
-                load::prepare(&load, REPLAY_KEYS).await;
-            }
-            load.path = format!("/{statements}/{route}");
-            let outcome = load::run(&load).await;
-            if outcome.errors > 0 {
-                eprintln!(
-                    "{scenario}: {} errors, first: {}",
-                    outcome.errors,
-                    outcome.first_error.as_deref().unwrap_or("?")
-                );
-            }
-            rps[i] = outcome.rps;
-            if outcome.rps > best[i].rps {
-                best[i] = outcome;
-            }
-        }
-        rounds.push(rps);
-    }
-    let group = Group { best, rounds };
+    let group = rounds(
+        settings,
+        server,
+        admin,
+        &all,
+        &statements.to_string(),
+        concurrency,
+    )
+    .await;
     for (i, (scenario, outcome)) in all.iter().zip(&group.best).enumerate() {
-        if outcome.requests == 0 && !settings.scenarios.iter().any(|s| s == scenario) {
+        if outcome.requests == 0 && !settings.selected(scenario) {
             continue;
         }
         let cpu = &outcome.cpu;
@@ -413,17 +505,7 @@ async fn group(
         );
     }
     if settings.rounds > 1 {
-        let show = |a: usize, b: usize| {
-            let ratios = group.ratio_by_round(a, b);
-            if ratios.is_empty() {
-                return "not run".to_owned();
-            }
-            ratios
-                .iter()
-                .map(|r| format!("{r:.2}"))
-                .collect::<Vec<_>>()
-                .join(" ")
-        };
+        let show = |a: usize, b: usize| show_by_round(&group, a, b);
         println!(
             "  by round: idempotent/baseline {} | replay/baseline {} | idempotent/two_phase {}",
             show(1, 0),
@@ -446,6 +528,134 @@ async fn group(
         }
     }
     group
+}
+
+/// The provider scenarios at one concurrency, run as `group` runs a
+/// shape's. `vs plain` is a scenario's req/s over `plain_provider`'s,
+/// `phased/it` `phased`'s over the scenario's (medians of the rounds');
+/// their round trips are the counts printed before the tables.
+async fn provider_group(
+    settings: &Settings,
+    server: &ServerProcess,
+    admin: &sqlx::PgPool,
+    concurrency: usize,
+) -> Group {
+    let engine = server.engine;
+    let group = rounds(settings, server, admin, &PROVIDER, "provider", concurrency).await;
+    for (i, (scenario, outcome)) in PROVIDER.iter().zip(&group.best).enumerate() {
+        if outcome.requests == 0 && !settings.selected(scenario) {
+            continue;
+        }
+        let cpu = &outcome.cpu;
+        println!(
+            "{:<9} {:>7}  {:<18} {:>9.0} {:>8.2} {:>8.2} {:>8.2} {:>9.2}  {:>6.0} {:>6.0} {:>6.0} {:>6.0}  {:>3.0}%",
+            engine,
+            concurrency,
+            scenario,
+            outcome.rps,
+            outcome.p50_ms,
+            outcome.p99_ms,
+            group.ratio(i, PLAIN_PROVIDER),
+            group.ratio(PHASED, i),
+            cpu.client_us,
+            cpu.server_us,
+            cpu.postgres_us,
+            cpu.total_us(),
+            cpu.idle_share * 100.0
+        );
+    }
+    if settings.rounds > 1 {
+        let show = |a: usize, b: usize| show_by_round(&group, a, b);
+        println!(
+            "  by round: phased/atomic_provider {} | phased/two_phase_provider {} | phased/plain_provider {}",
+            show(PHASED, ATOMIC_PROVIDER),
+            show(PHASED, TWO_PHASE_PROVIDER),
+            show(PHASED, PLAIN_PROVIDER)
+        );
+    }
+    group
+}
+
+/// Each round's `a / b`, for a `by round` line.
+fn show_by_round(group: &Group, a: usize, b: usize) -> String {
+    let ratios = group.ratio_by_round(a, b);
+    if ratios.is_empty() {
+        return "not run".to_owned();
+    }
+    ratios
+        .iter()
+        .map(|r| format!("{r:.2}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// Runs the selected scenarios of `all`, whose routes are
+/// `/{shape}/{scenario}`, interleaved `rounds` times: each scenario's best
+/// round, and every round's req/s for the ratios (a scenario not selected
+/// stays at zero).
+async fn rounds(
+    settings: &Settings,
+    server: &ServerProcess,
+    admin: &sqlx::PgPool,
+    all: &[&str],
+    shape: &str,
+    concurrency: usize,
+) -> Group {
+    let engine = server.engine;
+    let mut best: Vec<Outcome> = vec![Outcome::default(); all.len()];
+    let mut rounds = Vec::with_capacity(settings.rounds);
+    for round in 0..settings.rounds {
+        let mut rps = vec![0.0; all.len()];
+        for (i, scenario) in all.iter().enumerate() {
+            if !settings.selected(scenario) {
+                continue;
+            }
+            let replays = matches!(*scenario, "replay" | "read_floor");
+            let route = if *scenario == "replay" {
+                "idempotent"
+            } else {
+                scenario
+            };
+            let mut load = Load {
+                addr: server.addr,
+                path: format!("/{shape}/idempotent"),
+                concurrency,
+                warmup: settings.warmup,
+                measure: Duration::from_secs(settings.secs),
+                keys: if replays {
+                    Keys::Replay(REPLAY_KEYS)
+                } else {
+                    Keys::Fresh
+                },
+                prefix: format!("{scenario}-{shape}-{concurrency}-{round}"),
+                body: Bytes::from_static(load::CHARGE.as_bytes()),
+                server_pid: Some(server.pid),
+                backends: if engine == "postgres" {
+                    app::server_backends(admin).await
+                } else {
+                    Vec::new()
+                },
+            };
+            if replays {
+                load::prepare(&load, REPLAY_KEYS).await;
+            }
+            load.path = format!("/{shape}/{route}");
+            let outcome = load::run(&load).await;
+            if outcome.errors > 0 {
+                eprintln!(
+                    "{scenario}: {} errors, first: {}",
+                    outcome.errors,
+                    outcome.first_error.as_deref().unwrap_or("?")
+                );
+            }
+            rps[i] = outcome.rps;
+            if outcome.rps > best[i].rps {
+                best[i] = outcome;
+            }
+        }
+        rounds.push(rps);
+    }
+    Group { best, rounds }
 }
 
 fn json_path() -> PathBuf {

@@ -1,10 +1,14 @@
 //! What a run reports: one JSON object per engine and shape, and the
-//! issue's targets checked against them.
+//! issue's targets checked against them; one per engine and concurrency
+//! for the provider scenarios, and their summary.
 
 use serde_json::{Value, json};
 
-use crate::count;
-use crate::{DIAGNOSTICS, Group, OPTIMISTIC, SCENARIOS, TWO_PHASE_TX};
+use crate::count::{self, ProviderTrips};
+use crate::{
+    ATOMIC_PROVIDER, DIAGNOSTICS, Group, OPTIMISTIC, PHASED, PLAIN_PROVIDER, PROVIDER, SCENARIOS,
+    TWO_PHASE_PROVIDER, TWO_PHASE_TX,
+};
 
 /// One shape's JSON object: each scenario's best round, its req/s by
 /// round, and the ratios (median of the rounds', and by CPU per request).
@@ -153,5 +157,95 @@ pub fn targets(runs: &[Value], trips: &[count::RoundTrips]) {
                 two = get("diagnostic_ratio_optimistic_to_two_phase"),
             );
         }
+    }
+}
+
+/// The provider scenarios at one concurrency: each scenario's best round,
+/// its req/s by round and its round trips (PostgreSQL), and the phased
+/// mode's ratios to the others (median of the rounds', and by CPU per
+/// request).
+pub fn provider_json(
+    engine: &str,
+    concurrency: usize,
+    group: &Group,
+    trips: Option<&ProviderTrips>,
+) -> Value {
+    let results = &group.best[..];
+    let mut run = json!({
+        "engine": engine,
+        "concurrency": concurrency,
+    });
+    let fields = run.as_object_mut().unwrap();
+    for (i, (scenario, outcome)) in PROVIDER.iter().zip(results).enumerate() {
+        if outcome.requests == 0 {
+            continue;
+        }
+        fields.insert(format!("{scenario}_rps"), round2(outcome.rps));
+        let by_round: Vec<Value> = group.rounds.iter().map(|round| round2(round[i])).collect();
+        fields.insert(format!("{scenario}_rps_by_round"), by_round.into());
+        fields.insert(format!("{scenario}_p50_ms"), round2(outcome.p50_ms));
+        fields.insert(format!("{scenario}_p99_ms"), round2(outcome.p99_ms));
+        fields.insert(format!("{scenario}_requests"), json!(outcome.requests));
+        fields.insert(format!("{scenario}_errors"), json!(outcome.errors));
+        fields.insert(format!("{scenario}_cpu"), json!(outcome.cpu));
+        if let Some(trips) = trips {
+            fields.insert(format!("{scenario}_round_trips"), json!(trips.of(scenario)));
+        }
+    }
+    let pairs = [
+        ("phased", "atomic_provider", PHASED, ATOMIC_PROVIDER),
+        ("phased", "two_phase_provider", PHASED, TWO_PHASE_PROVIDER),
+        ("phased", "plain_provider", PHASED, PLAIN_PROVIDER),
+        (
+            "atomic_provider",
+            "plain_provider",
+            ATOMIC_PROVIDER,
+            PLAIN_PROVIDER,
+        ),
+        (
+            "two_phase_provider",
+            "plain_provider",
+            TWO_PHASE_PROVIDER,
+            PLAIN_PROVIDER,
+        ),
+    ];
+    for (a_name, b_name, a, b) in pairs {
+        if !(group.ran(a) && group.ran(b)) {
+            continue;
+        }
+        fields.insert(
+            format!("ratio_{a_name}_to_{b_name}"),
+            round2(group.ratio(a, b)),
+        );
+        let by_round: Vec<Value> = group.ratio_by_round(a, b).into_iter().map(round2).collect();
+        fields.insert(
+            format!("ratio_{a_name}_to_{b_name}_by_round"),
+            by_round.into(),
+        );
+        fields.insert(
+            format!("cpu_ratio_{a_name}_to_{b_name}"),
+            round2(results[b].cpu.total_us() / results[a].cpu.total_us()),
+        );
+    }
+    run
+}
+
+/// The phased mode against the others, per engine and concurrency.
+pub fn provider_summary(runs: &[Value]) {
+    for run in runs {
+        let get = |field: &str| run[field].as_f64().unwrap_or(f64::NAN);
+        println!(
+            "provider scenarios, {}, {} clients: phased/atomic_provider {:.2}, \
+             phased/two_phase_provider {:.2}, phased/plain_provider {:.2}; by CPU per request \
+             {:.2}, {:.2}, {:.2}",
+            run["engine"].as_str().unwrap_or("?"),
+            run["concurrency"],
+            get("ratio_phased_to_atomic_provider"),
+            get("ratio_phased_to_two_phase_provider"),
+            get("ratio_phased_to_plain_provider"),
+            get("cpu_ratio_phased_to_atomic_provider"),
+            get("cpu_ratio_phased_to_two_phase_provider"),
+            get("cpu_ratio_phased_to_plain_provider"),
+        );
     }
 }

@@ -49,6 +49,10 @@ pub async fn setup(path: &str) -> Result<(), Box<dyn std::error::Error>> {
             scope TEXT NOT NULL, key TEXT NOT NULL, fingerprint BLOB NOT NULL,
             status INTEGER, body BLOB, expires_at INTEGER NOT NULL,
             PRIMARY KEY (scope, key));
+         CREATE TABLE bench_payments (
+            id INTEGER PRIMARY KEY AUTOINCREMENT, account TEXT NOT NULL,
+            amount INTEGER NOT NULL, currency TEXT NOT NULL, status TEXT NOT NULL,
+            provider_id TEXT);
          WITH RECURSIVE i(n) AS (SELECT 0 UNION ALL SELECT n + 1 FROM i WHERE n < 255)
          INSERT INTO bench_accounts (account) SELECT 'c' || n FROM i;",
     )

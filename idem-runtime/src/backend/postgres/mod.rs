@@ -58,7 +58,9 @@ impl Backend for Postgres {
         // it, and the sweeper would scan the whole table. A long table name
         // gets a hashed one.
         // The phased mode's columns and its index of leases came later:
-        // a table from before gets them, once.
+        // a table from before gets them, once. No index names a column the
+        // atomic finish writes (`status`, `headers`, `body`), not even in
+        // its predicate: the finish's update then stays heap-only.
         let index_name = |suffix: &str| match format!(
             "{}_{suffix}",
             table.rsplit('.').next().unwrap_or(table)
@@ -92,7 +94,7 @@ impl Backend for Postgres {
                 ADD COLUMN IF NOT EXISTS attempts integer;
             CREATE INDEX IF NOT EXISTS {index} ON {table} (expires_at);
             CREATE INDEX IF NOT EXISTS {lease_index} ON {table} (lease_until)
-                WHERE status IS NULL AND lease_token IS NOT NULL;"
+                WHERE lease_until IS NOT NULL;"
         );
         // `CREATE INDEX IF NOT EXISTS` takes a SHARE lock on the table before
         // it looks for the index: on a live table it would wait for every

@@ -630,3 +630,29 @@ async fn the_lease_contract_holds_on_a_migrated_table() {
     crate::backend::test_support::lease_contract(&pool, &table).await;
     drop_table(&pool, &table).await;
 }
+
+/// The atomic finish writes `status`, `headers` and `body`: an index that
+/// named one of them, in its columns or its predicate, would make every
+/// finish's update a full one instead of heap-only (new index entries,
+/// more WAL) on every request.
+#[tokio::test]
+async fn no_index_names_what_the_finish_writes() {
+    let pool = test_pool(1, |options| options).await;
+    let table = table(&pool, "hot").await;
+    let definitions: Vec<String> =
+        sqlx::query_scalar("SELECT indexdef FROM pg_indexes WHERE tablename = $1")
+            .bind(&table)
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(definitions.len(), 3, "{definitions:?}");
+    for definition in &definitions {
+        let columns = definition
+            .split_once(" USING ")
+            .map_or("", |(_, rest)| rest);
+        for written in ["status", "headers", "body"] {
+            assert!(!columns.contains(written), "{definition}");
+        }
+    }
+    drop_table(&pool, &table).await;
+}

@@ -122,7 +122,7 @@ impl Backend for Sqlite {
         }
         alter.push_str(&format!(
             "CREATE INDEX IF NOT EXISTS {schema}{name}_lease_idx ON {name} (lease_until) \
-             WHERE status IS NULL AND lease_token IS NOT NULL"
+             WHERE lease_until IS NOT NULL"
         ));
         sqlx::raw_sql(AssertSqlSafe(alter)).execute(pool).await?;
         let mode: String =
