@@ -22,7 +22,8 @@ use tracing::Instrument;
 
 use crate::Idem;
 use crate::backend::{
-    Claim, ClaimOutcome, Holder, LeaseClaim, LeaseOutcome, Phased, Release, abandon, in_autocommit,
+    Claim, ClaimOutcome, FinishError, Holder, LeaseClaim, LeaseOutcome, Phased, Release, abandon,
+    in_autocommit,
 };
 use crate::key::IdempotencyKey;
 use crate::observe::{self, Outcome};
@@ -310,8 +311,13 @@ async fn store<DB: Phased>(
         },
     };
     let table = idem.table_name();
-    match DB::store(&mut conn, table, &state.holder, &stored).await {
-        Ok(true) => {}
+    match DB::store_and_commit(&mut conn, table, &state.holder, &stored).await {
+        Ok(true) => {
+            conn.release();
+            idem.finished_keys()
+                .remember(&state.holder.scope, &state.holder.key);
+            (Outcome::Claimed, stored.into_original(parts))
+        }
         Ok(false) => {
             abandon(conn).await;
             observe::fenced();
@@ -319,29 +325,23 @@ async fn store<DB: Phased>(
                 "another attempt took this idempotency key over; this attempt's last phase \
                  rolled back"
             );
-            return (Outcome::Fenced, Problem::KeyInUse.into_response());
+            (Outcome::Fenced, Problem::KeyInUse.into_response())
         }
-        Err(error) => {
-            tracing::warn!(%error, "storing the phased handler's response failed");
+        Err(FinishError::Ended(error)) => {
+            // A statement of the last phase had failed the transaction:
+            // nothing committed, and the failure rule applies.
+            tracing::error!(%error, "the last phase's transaction had failed; rolled back");
             abandon(conn).await;
             fail(state, backoff).await;
-            return (
-                Outcome::StoreUnavailable,
-                Problem::StoreUnavailable.into_response(),
-            );
+            (
+                Outcome::RolledBack,
+                Problem::TransactionFailed.into_response(),
+            )
         }
-    }
-    match DB::finish(&mut conn, table, None, None).await {
-        Ok(()) => {
-            conn.release();
-            idem.finished_keys()
-                .remember(&state.holder.scope, &state.holder.key);
-            (Outcome::Claimed, stored.into_original(parts))
-        }
-        Err(error) => {
+        Err(FinishError::Store(error)) => {
             // The commit may have landed: the key is left to its lease, and
             // the next attempt replays the response or resumes.
-            tracing::warn!(error = %error, "committing the last phase failed");
+            tracing::warn!(%error, "storing the response and committing the last phase failed");
             abandon(conn).await;
             (
                 Outcome::StoreUnavailable,

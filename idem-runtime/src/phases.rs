@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
 
 use crate::Idem;
-use crate::backend::{Holder, OpenTx, Phased, abandon, in_autocommit};
+use crate::backend::{FinishError, Holder, OpenTx, Phased, StoreError, abandon, in_autocommit};
 use crate::key::IdempotencyKey;
 use crate::problem::Problem;
 use crate::scope::Scope;
@@ -217,7 +217,7 @@ impl<DB: Phased> Phases<DB> {
         };
         let state = self.state();
         state.keep(name, &value)?;
-        let recorded = DB::record(
+        let recorded = DB::record_and_commit(
             &mut conn,
             state.idem.table_name(),
             &state.holder,
@@ -226,35 +226,25 @@ impl<DB: Phased> Phases<DB> {
         )
         .await;
         match recorded {
-            Ok(true) => {}
-            Ok(false) => {
-                abandon(conn).await;
-                return Err(state.fence(name).into());
-            }
-            Err(error) => {
-                abandon(conn).await;
-                state.recovery.steps.remove(name);
-                crate::observe::phase(name, "failed");
-                return Err(PhaseError::Store(error).into());
-            }
-        }
-        match DB::finish(&mut conn, state.idem.table_name(), None, None).await {
-            Ok(()) => {
+            Ok(true) => {
                 conn.release();
                 crate::observe::phase(name, "committed");
                 Ok(value)
+            }
+            Ok(false) => {
+                abandon(conn).await;
+                Err(state.fence(name).into())
             }
             Err(error) => {
                 // The commit may have landed: a later attempt then skips
                 // the phase, or runs it again if it did not.
                 abandon(conn).await;
+                state.recovery.steps.remove(name);
                 crate::observe::phase(name, "failed");
+                let (FinishError::Ended(error) | FinishError::Store(error)) = error;
                 let error = match error {
-                    crate::backend::FinishError::Ended(store)
-                    | crate::backend::FinishError::Store(store) => match store {
-                        crate::backend::StoreError::Database(error) => error,
-                        other => sqlx::Error::Protocol(other.to_string()),
-                    },
+                    StoreError::Database(error) => error,
+                    other => sqlx::Error::Protocol(other.to_string()),
                 };
                 Err(PhaseError::Store(error).into())
             }

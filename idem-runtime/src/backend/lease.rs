@@ -13,7 +13,7 @@ use std::time::Duration;
 use sqlx::Pool;
 
 use super::contract::decode_finished;
-use super::{Acquire, Backend, Claim, StoreError};
+use super::{Acquire, Backend, Claim, FinishError, OpenTx, StoreError};
 use crate::fingerprint::Fingerprint;
 use crate::response::StoredResponse;
 
@@ -127,6 +127,28 @@ pub trait Phased: Backend {
         lease: Duration,
     ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
 
+    /// [`record`](Self::record) as a phase's last write, then its commit:
+    /// one round trip where the engine allows. `false`: fenced, nothing
+    /// committed (the caller rolls back).
+    #[doc(hidden)]
+    fn record_and_commit(
+        conn: &mut OpenTx<Self>,
+        table: &str,
+        holder: &Holder,
+        recovery: &[u8],
+        lease: Duration,
+    ) -> impl Future<Output = Result<bool, FinishError>> + Send;
+
+    /// [`store`](Self::store) in the last phase, then its commit, as
+    /// `record_and_commit`.
+    #[doc(hidden)]
+    fn store_and_commit(
+        conn: &mut OpenTx<Self>,
+        table: &str,
+        holder: &Holder,
+        response: &StoredResponse,
+    ) -> impl Future<Output = Result<bool, FinishError>> + Send;
+
     /// Stores the response on the key, in the final phase's transaction, if
     /// `holder` still holds it; the recovery point and kept request go.
     /// `false`: fenced, nothing written.
@@ -208,4 +230,18 @@ impl Unclaimed {
 /// Whole milliseconds, as the engines bind them.
 pub(crate) fn ms(duration: Duration) -> i64 {
     i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// Commits after a guarded write that `written` says matched (engines that
+/// send the two apart); `false` commits nothing.
+pub(crate) async fn commit_if<DB: Backend>(
+    conn: &mut OpenTx<DB>,
+    table: &str,
+    written: Result<bool, sqlx::Error>,
+) -> Result<bool, FinishError> {
+    if !written? {
+        return Ok(false);
+    }
+    DB::finish(conn, table, None, None).await?;
+    Ok(true)
 }

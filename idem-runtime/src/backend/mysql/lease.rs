@@ -13,9 +13,9 @@ use sqlx::{AssertSqlSafe, MySql, MySqlConnection, Pool, Row};
 
 use super::MAX_SCOPE_BYTES;
 use crate::backend::lease::{
-    Abandoned, Holder, LeaseClaim, LeaseOutcome, Phased, Release, Unclaimed, ms,
+    Abandoned, Holder, LeaseClaim, LeaseOutcome, Phased, Release, Unclaimed, commit_if, ms,
 };
-use crate::backend::{Acquire, Backend, FinishError, StoreError, abandon};
+use crate::backend::{Acquire, Backend, FinishError, OpenTx, StoreError, abandon};
 use crate::response::StoredResponse;
 
 /// `UTC_TIMESTAMP(6)` plus a bound number of milliseconds.
@@ -78,6 +78,27 @@ impl Phased for MySql {
             .execute(conn)
             .await?;
         Ok(done.rows_affected() == 1)
+    }
+
+    async fn record_and_commit(
+        conn: &mut OpenTx<Self>,
+        table: &str,
+        holder: &Holder,
+        recovery: &[u8],
+        lease: Duration,
+    ) -> Result<bool, FinishError> {
+        let written = Self::record(&mut ***conn, table, holder, recovery, lease).await;
+        commit_if(conn, table, written).await
+    }
+
+    async fn store_and_commit(
+        conn: &mut OpenTx<Self>,
+        table: &str,
+        holder: &Holder,
+        response: &StoredResponse,
+    ) -> Result<bool, FinishError> {
+        let written = Self::store(&mut ***conn, table, holder, response).await;
+        commit_if(conn, table, written).await
     }
 
     async fn store(

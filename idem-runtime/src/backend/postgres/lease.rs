@@ -6,13 +6,14 @@
 
 use std::time::Duration;
 
-use sqlx::postgres::PgRow;
+use sqlx::postgres::{PgRow, PgTransactionManager};
 use sqlx::{AssertSqlSafe, PgConnection, Pool, Postgres, Row};
+use sqlx_core::transaction::TransactionManager;
 
 use crate::backend::lease::{
     Abandoned, Holder, LeaseClaim, LeaseOutcome, Phased, Release, Unclaimed, ms,
 };
-use crate::backend::{Acquire, StoreError, in_autocommit};
+use crate::backend::{Acquire, FinishError, OpenTx, StoreError, in_autocommit};
 use crate::response::StoredResponse;
 
 /// `clock_timestamp()` plus `$n` milliseconds.
@@ -125,6 +126,37 @@ impl Phased for Postgres {
         Ok(done.rows_affected() == 1)
     }
 
+    async fn record_and_commit(
+        conn: &mut OpenTx<Self>,
+        table: &str,
+        holder: &Holder,
+        recovery: &[u8],
+        lease: Duration,
+    ) -> Result<bool, FinishError> {
+        let set = format!(
+            "recovery = {}, lease_until = clock_timestamp() + {} * interval '1 millisecond'",
+            bytea(recovery),
+            ms(lease)
+        );
+        guarded_commit(conn, &guarded_write(table, holder, &set)).await
+    }
+
+    async fn store_and_commit(
+        conn: &mut OpenTx<Self>,
+        table: &str,
+        holder: &Holder,
+        response: &StoredResponse,
+    ) -> Result<bool, FinishError> {
+        let set = format!(
+            "status = {}, headers = {}, body = {}, recovery = NULL, request = NULL, \
+             lease_until = NULL",
+            response.status.as_u16(),
+            bytea(&response.encode_headers()),
+            bytea(&response.body)
+        );
+        guarded_commit(conn, &guarded_write(table, holder, &set)).await
+    }
+
     async fn store(
         conn: &mut PgConnection,
         table: &str,
@@ -223,4 +255,47 @@ fn abandoned(row: &PgRow) -> Result<Abandoned, sqlx::Error> {
         attempts: u32::try_from(attempts.unwrap_or(0)).unwrap_or(u32::MAX),
         request: row.try_get("request")?,
     })
+}
+
+/// `SQLSTATE` `division_by_zero`: how a guarded write that matched no row
+/// stops its round trip before the `COMMIT`.
+const FENCED: &str = "22012";
+
+/// A write of `set` on the holder's row, then its transaction's commit, in
+/// one round trip of the simple query protocol (values inlined as hex and
+/// integers we formatted: nothing a client sent reaches the text as such).
+/// The write counts the rows it matched and divides by that count: when
+/// another attempt holds the key, the division fails, which stops the text
+/// before its `COMMIT`, and the caller rolls the transaction back. As in
+/// the atomic finish, the text ends by opening the empty transaction whose
+/// rollback sqlx queues (see `Postgres::finish`).
+fn guarded_write(table: &str, holder: &Holder, set: &str) -> String {
+    format!(
+        "WITH written AS (UPDATE {table} SET {set} \
+             WHERE scope = {} AND key = {} AND lease_token = {} AND status IS NULL RETURNING 1) \
+         SELECT 1 / count(*) FROM written; COMMIT; BEGIN",
+        bytea(holder.scope.as_bytes()),
+        bytea(holder.key.as_bytes()),
+        holder.token
+    )
+}
+
+async fn guarded_commit(conn: &mut OpenTx<Postgres>, text: &str) -> Result<bool, FinishError> {
+    match sqlx::raw_sql(AssertSqlSafe(text.to_owned()))
+        .execute(&mut ***conn)
+        .await
+    {
+        Ok(_) => {
+            PgTransactionManager::start_rollback(conn);
+            Ok(true)
+        }
+        Err(error) if super::has_code(&error, &[FENCED]) => Ok(false),
+        Err(error) => Err(super::finish_error(error)),
+    }
+}
+
+fn bytea(bytes: &[u8]) -> String {
+    let mut out = String::with_capacity(bytes.len() * 2 + 6);
+    super::sql::push_bytea(&mut out, bytes);
+    out
 }

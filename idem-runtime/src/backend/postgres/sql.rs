@@ -359,7 +359,7 @@ impl<'c> ClaimRow<'c> {
 /// says, and, unlike `decode(..)`, costs the server no function call to
 /// resolve and fold per argument. Only `[0-9a-f]` comes from the value, so
 /// nothing can inject.
-fn push_bytea(out: &mut String, bytes: &[u8]) {
+pub(super) fn push_bytea(out: &mut String, bytes: &[u8]) {
     out.push_str("E'\\\\x");
     push_hex(out, bytes);
     out.push('\'');

@@ -9,9 +9,9 @@ use sqlx::{AssertSqlSafe, Pool, Row, Sqlite, SqliteConnection};
 
 use super::{now_ms, ttl_ms};
 use crate::backend::lease::{
-    Abandoned, Holder, LeaseClaim, LeaseOutcome, Phased, Release, Unclaimed, ms,
+    Abandoned, Holder, LeaseClaim, LeaseOutcome, Phased, Release, Unclaimed, commit_if, ms,
 };
-use crate::backend::{Acquire, StoreError, in_autocommit};
+use crate::backend::{Acquire, FinishError, OpenTx, StoreError, in_autocommit};
 use crate::response::StoredResponse;
 
 impl Phased for Sqlite {
@@ -116,6 +116,27 @@ impl Phased for Sqlite {
             .execute(conn)
             .await?;
         Ok(done.rows_affected() == 1)
+    }
+
+    async fn record_and_commit(
+        conn: &mut OpenTx<Self>,
+        table: &str,
+        holder: &Holder,
+        recovery: &[u8],
+        lease: Duration,
+    ) -> Result<bool, FinishError> {
+        let written = Self::record(&mut ***conn, table, holder, recovery, lease).await;
+        commit_if(conn, table, written).await
+    }
+
+    async fn store_and_commit(
+        conn: &mut OpenTx<Self>,
+        table: &str,
+        holder: &Holder,
+        response: &StoredResponse,
+    ) -> Result<bool, FinishError> {
+        let written = Self::store(&mut ***conn, table, holder, response).await;
+        commit_if(conn, table, written).await
     }
 
     async fn store(
