@@ -72,11 +72,17 @@ pub(crate) fn transport_retryable(error: &reqwest::Error) -> bool {
         && (error.is_connect() || error.is_timeout() || error.is_request() || error.is_body())
 }
 
-/// Whether the server says it replayed a stored answer.
+/// Whether the server says it replayed a stored answer: `Idempotent-Replayed:
+/// true` (Stripe's spelling, `idem`'s default) or `Idempotent-Replay: true`
+/// (as some contracts write it, and `idem` can be set to).
 pub(crate) fn replayed(headers: &HeaderMap) -> bool {
-    headers
-        .get(IDEMPOTENT_REPLAYED)
-        .is_some_and(|value| value.as_bytes().trim_ascii().eq_ignore_ascii_case(b"true"))
+    [
+        IDEMPOTENT_REPLAYED,
+        HeaderName::from_static("idempotent-replay"),
+    ]
+    .iter()
+    .filter_map(|name| headers.get(name))
+    .any(|value| value.as_bytes().trim_ascii().eq_ignore_ascii_case(b"true"))
 }
 
 /// The wait `Retry-After` asks for: delta-seconds, or an HTTP-date read
@@ -176,6 +182,11 @@ mod tests {
         assert!(!replayed(&headers));
         headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
         assert!(replayed(&headers));
+        let mut other = HeaderMap::new();
+        other.insert("idempotent-replay", HeaderValue::from_static("TRUE"));
+        assert!(replayed(&other));
+        other.insert("idempotent-replay", HeaderValue::from_static("false"));
+        assert!(!replayed(&other));
         headers.insert(
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/problem+json; charset=utf-8"),

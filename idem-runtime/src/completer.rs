@@ -6,7 +6,6 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::body::Body;
-use axum::response::IntoResponse;
 use http::{HeaderValue, header};
 use tower::ServiceExt;
 
@@ -224,7 +223,7 @@ impl<DB: Phased> Completer<DB> {
             token,
             ..holder.clone()
         };
-        let response = Problem::Abandoned.into_response();
+        let response = idem.problem(Problem::Abandoned);
         let Ok((stored, _)) =
             StoredResponse::capture(response, idem.replay_header_names(), usize::MAX).await
         else {

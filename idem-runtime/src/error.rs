@@ -21,4 +21,18 @@ pub enum Error {
     /// A header given to [`Idem::replay_headers`](crate::Idem::replay_headers) may never be replayed.
     #[error("header {0:?} may not be replayed (hop-by-hop, Set-Cookie or Content-Length)")]
     ForbiddenReplayHeader(String),
+    /// A header given to [`Idem::replay_header`](crate::Idem::replay_header)
+    /// cannot mark replays: hop-by-hop, `Set-Cookie`, `Content-Length`, or
+    /// one of the replayed headers.
+    #[error(
+        "header {0:?} cannot mark replays (hop-by-hop, Set-Cookie, Content-Length, or a replayed header)"
+    )]
+    InvalidReplayMarker(String),
+    /// The base given to
+    /// [`Idem::problem_type_base`](crate::Idem::problem_type_base) is not an
+    /// absolute URI.
+    #[error(
+        "problem type base {0:?} is not an absolute URI (e.g. https://docs.example.com/errors/)"
+    )]
+    InvalidProblemTypeBase(String),
 }

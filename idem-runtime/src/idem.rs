@@ -9,7 +9,7 @@ use sqlx::Pool;
 use crate::Error;
 use crate::backend::{Acquire, Backend};
 use crate::recent::FinishedKeys;
-use crate::response::{DEFAULT_REPLAY_HEADERS, is_forbidden};
+use crate::response::{DEFAULT_REPLAY_HEADERS, IDEMPOTENT_REPLAYED, is_forbidden};
 
 /// The default table name.
 pub const DEFAULT_TABLE: &str = "idem_keys";
@@ -67,6 +67,8 @@ struct Inner<DB: Backend> {
     body_timeout: Duration,
     acquire: Acquire,
     finished: FinishedKeys,
+    replay_marker: HeaderName,
+    problem_type_base: Option<Arc<str>>,
 }
 
 impl<DB: Backend> Clone for Idem<DB> {
@@ -85,6 +87,8 @@ impl<DB: Backend> std::fmt::Debug for Idem<DB> {
             .field("max_response_bytes", &self.inner.max_response_bytes)
             .field("body_timeout", &self.inner.body_timeout)
             .field("checked_acquire", &(self.inner.acquire == Acquire::Checked))
+            .field("replay_marker", &self.inner.replay_marker)
+            .field("problem_type_base", &self.inner.problem_type_base)
             .finish_non_exhaustive()
     }
 }
@@ -101,6 +105,8 @@ impl<DB: Backend> Idem<DB> {
                 body_timeout: DEFAULT_BODY_TIMEOUT,
                 acquire: Acquire::Idle,
                 finished: FinishedKeys::new(),
+                replay_marker: IDEMPOTENT_REPLAYED,
+                problem_type_base: None,
             }),
         }
     }
@@ -114,6 +120,8 @@ impl<DB: Backend> Idem<DB> {
             body_timeout: shared.body_timeout,
             acquire: shared.acquire,
             finished: FinishedKeys::new(),
+            replay_marker: shared.replay_marker.clone(),
+            problem_type_base: shared.problem_type_base.clone(),
         });
         let mut inner = inner;
         change(&mut inner);
@@ -152,6 +160,51 @@ impl<DB: Backend> Idem<DB> {
                 }
             }
         }))
+    }
+
+    /// Names the header that marks a replayed response (`<name>: true`):
+    /// [`IDEMPOTENT_REPLAYED`] (`Idempotent-Replayed`, as Stripe writes it)
+    /// by default; some contracts write `Idempotent-Replay`. A header on the
+    /// replay allow-list, hop-by-hop, `Set-Cookie` or `Content-Length` is
+    /// refused.
+    ///
+    /// ```
+    /// # use idem_runtime as idem;
+    /// # async fn demo(pool: sqlx::PgPool) -> Result<(), idem::Error> {
+    /// use axum::http::HeaderName;
+    ///
+    /// let idem = idem::Idem::new(pool)
+    ///     .replay_header(HeaderName::from_static("idempotent-replay"))?;
+    /// # Ok(()) }
+    /// ```
+    pub fn replay_header(self, name: HeaderName) -> Result<Self, Error> {
+        if is_forbidden(&name) || self.inner.replay_headers.contains(&name) {
+            return Err(Error::InvalidReplayMarker(name.to_string()));
+        }
+        Ok(self.with(|inner| inner.replay_marker = name))
+    }
+
+    /// Types `idem`'s problem responses: their `type` becomes `base`
+    /// followed by the problem's `code` (`https://docs.example.com/errors/`
+    /// gives `https://docs.example.com/errors/idempotency_key_reused`),
+    /// in place of `about:blank`, so clients can follow it to your docs.
+    /// `base` must be an absolute URI (`scheme:...`).
+    ///
+    /// ```
+    /// # use idem_runtime as idem;
+    /// # async fn demo(pool: sqlx::PgPool) -> Result<(), idem::Error> {
+    /// let idem = idem::Idem::new(pool).problem_type_base("https://docs.example.com/errors/")?;
+    /// # Ok(()) }
+    /// ```
+    pub fn problem_type_base(self, base: &str) -> Result<Self, Error> {
+        let absolute = base
+            .parse::<http::Uri>()
+            .is_ok_and(|uri| uri.scheme().is_some());
+        if !absolute {
+            return Err(Error::InvalidProblemTypeBase(base.to_owned()));
+        }
+        let base: Arc<str> = base.into();
+        Ok(self.with(|inner| inner.problem_type_base = Some(base)))
     }
 
     /// Caps the response kept for replay (default 1 MiB): its body and its
@@ -219,6 +272,28 @@ impl<DB: Backend> Idem<DB> {
 
     pub(crate) fn replay_header_names(&self) -> &[HeaderName] {
         &self.inner.replay_headers
+    }
+
+    /// The header that marks a replay.
+    pub(crate) fn replay_marker(&self) -> &HeaderName {
+        &self.inner.replay_marker
+    }
+
+    /// `problem` as this store's services answer it.
+    pub(crate) fn problem(&self, problem: crate::Problem) -> axum::response::Response {
+        problem.render(self.inner.problem_type_base.as_deref())
+    }
+
+    /// `response` on its way out: one of `idem`'s problems gets the
+    /// configured type (see [`problem_type_base`](Self::problem_type_base)).
+    pub(crate) fn typed(&self, response: axum::response::Response) -> axum::response::Response {
+        let Some(base) = self.inner.problem_type_base.as_deref() else {
+            return response;
+        };
+        match response.extensions().get::<crate::problem::Rendered>() {
+            Some(&crate::problem::Rendered(problem)) => problem.render(Some(base)),
+            None => response,
+        }
     }
 
     pub(crate) fn response_cap(&self) -> usize {
@@ -418,6 +493,46 @@ pub(crate) mod tests {
         assert_eq!(batches.lock().unwrap().1, [1000, 1000, 500]);
         assert!(!sweeper.is_finished(), "it keeps running");
         sweeper.abort();
+    }
+
+    /// A replay marker that would clobber a replayed or hop-by-hop header
+    /// is refused; a type base must be absolute. Problems then carry
+    /// `<base><code>`, replays the chosen marker.
+    #[tokio::test]
+    async fn the_replay_marker_and_problem_type_are_checked_and_applied() {
+        for refused in ["content-type", "location", "set-cookie", "connection"] {
+            let result = idem().replay_header(HeaderName::from_static(refused));
+            assert!(
+                matches!(&result, Err(Error::InvalidReplayMarker(name)) if name == refused),
+                "{refused}: {result:?}"
+            );
+        }
+        for refused in ["errors/", "", "/errors/"] {
+            assert!(matches!(
+                idem().problem_type_base(refused),
+                Err(Error::InvalidProblemTypeBase(_))
+            ));
+        }
+        let idem = idem()
+            .replay_header(HeaderName::from_static("idempotent-replay"))
+            .unwrap()
+            .problem_type_base("https://docs.example.com/errors/")
+            .unwrap();
+        assert_eq!(idem.replay_marker(), "idempotent-replay");
+        let typed = idem.typed(axum::response::IntoResponse::into_response(
+            crate::Problem::KeyReused,
+        ));
+        let body = http_body_util::BodyExt::collect(typed.into_body())
+            .await
+            .unwrap()
+            .to_bytes();
+        let json: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(
+            json["type"],
+            "https://docs.example.com/errors/idempotency_key_reused"
+        );
+        let untouched = idem.typed(axum::response::Response::new("plain".into()));
+        assert!(untouched.extensions().is_empty());
     }
 
     #[test]

@@ -72,7 +72,7 @@ async fn run_dyn<'f, DB: Phased>(
     let Some((key, fingerprint)) = prepared.key else {
         // The attribute refuses `key = "optional"` with phases.
         observe::finish(&span, Outcome::Rejected);
-        return Problem::KeyMissing.into_response();
+        return idem.problem(Problem::KeyMissing);
     };
     if !span.is_disabled() {
         span.record("scope", observe::redact(&[&scope]));
@@ -100,7 +100,7 @@ async fn run_dyn<'f, DB: Phased>(
         .instrument(span.clone())
         .await;
     observe::finish(&span, outcome);
-    response
+    idem.typed(response)
 }
 
 async fn run_keyed<'f, DB: Phased>(

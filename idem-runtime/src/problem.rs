@@ -188,10 +188,16 @@ impl Problem {
     }
 }
 
-impl IntoResponse for Problem {
-    fn into_response(self) -> Response {
+impl Problem {
+    /// The problem as a response whose `type` is `type_base` followed by
+    /// its `code` (`about:blank` without a base).
+    pub(crate) fn render(self, type_base: Option<&str>) -> Response {
+        let kind = match type_base {
+            Some(base) => format!("{base}{}", self.code()),
+            None => "about:blank".to_owned(),
+        };
         let body = serde_json::json!({
-            "type": "about:blank",
+            "type": kind,
             "title": self.title(),
             "status": self.status().as_u16(),
             "detail": self.detail(),
@@ -206,7 +212,23 @@ impl IntoResponse for Problem {
         if let Some(seconds) = self.retry_after() {
             headers.insert(header::RETRY_AFTER, HeaderValue::from(seconds));
         }
+        response.extensions_mut().insert(Rendered(self));
         response
+    }
+}
+
+/// Marks a response as `idem`'s problem, so that a service's problem type
+/// base can be applied to it on its way out, wherever it was made (a
+/// handler that returned a [`PhaseError`](crate::PhaseError) too).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Rendered(pub(crate) Problem);
+
+/// With `type: about:blank`; a service that configured
+/// [`Idem::problem_type_base`](crate::Idem::problem_type_base) has its
+/// requests' problems typed on their way out.
+impl IntoResponse for Problem {
+    fn into_response(self) -> Response {
+        self.render(None)
     }
 }
 

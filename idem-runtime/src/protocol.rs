@@ -113,7 +113,7 @@ pub async fn prepare<DB: Backend>(
     let span = observe::request_span();
     let rejected = |problem: Problem| {
         observe::finish(&span, Outcome::Rejected);
-        problem.into_response()
+        idem.problem(problem)
     };
     let key = match parse_key(&parts.headers) {
         Ok(Some(key)) => key,
@@ -304,7 +304,7 @@ async fn run_dyn<'f, DB: Backend>(
         }
     };
     observe::finish(&span, outcome);
-    response
+    idem.typed(response)
 }
 
 async fn run_keyed<'f, DB: Backend>(
@@ -431,7 +431,7 @@ pub(crate) fn answer_finished<DB: Backend>(
     if fingerprint == claim.fingerprint {
         (
             Outcome::Replayed,
-            response.replay(idem.replay_header_names()),
+            response.replay(idem.replay_header_names(), idem.replay_marker()),
         )
     } else {
         (Outcome::Reused, Problem::KeyReused.into_response())

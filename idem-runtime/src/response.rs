@@ -125,11 +125,12 @@ impl StoredResponse {
         Ok((stored, parts))
     }
 
-    /// The response for a retry: the stored one plus `Idempotent-Replayed:
-    /// true`. Only the stored headers still on `allow` go out: a header an
-    /// operator took off the allow-list stops being replayed at once, not
-    /// when the rows stored with it expire.
-    pub fn replay(self, allow: &[HeaderName]) -> Response {
+    /// The response for a retry: the stored one plus `<marker>: true`
+    /// ([`IDEMPOTENT_REPLAYED`] unless the service chose another name). Only
+    /// the stored headers still on `allow` go out: a header an operator took
+    /// off the allow-list stops being replayed at once, not when the rows
+    /// stored with it expire.
+    pub fn replay(self, allow: &[HeaderName], marker: &HeaderName) -> Response {
         let mut response = Response::new(Body::from(self.body));
         *response.status_mut() = self.status;
         let headers = response.headers_mut();
@@ -138,7 +139,7 @@ impl StoredResponse {
                 headers.append(name, value);
             }
         }
-        headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+        headers.insert(marker.clone(), HeaderValue::from_static("true"));
         response
     }
 
@@ -222,13 +223,15 @@ mod tests {
         let decoded =
             StoredResponse::decode(201, &stored.encode_headers(), stored.body.to_vec()).unwrap();
         assert_eq!(decoded, stored);
-        let replay = decoded.clone().replay(DEFAULT_REPLAY_HEADERS);
+        let replay = decoded
+            .clone()
+            .replay(DEFAULT_REPLAY_HEADERS, &IDEMPOTENT_REPLAYED);
         assert_eq!(replay.status(), StatusCode::CREATED);
         assert_eq!(replay.headers()[header::LOCATION], "/v1/charges/7");
         assert_eq!(replay.headers()[IDEMPOTENT_REPLAYED], "true");
         assert!(!replay.headers().contains_key(header::SET_COOKIE));
         // A header taken off the allow-list since is not replayed.
-        let narrowed = decoded.replay(&[header::ETAG]);
+        let narrowed = decoded.replay(&[header::ETAG], &IDEMPOTENT_REPLAYED);
         assert!(!narrowed.headers().contains_key(header::LOCATION));
         assert_eq!(narrowed.headers()[header::ETAG], "\"v1\"");
         let body = replay.into_body().collect().await.unwrap().to_bytes();

@@ -44,6 +44,7 @@ macro_rules! all_engines {
                 in_flight_duplicates_get_409_or_wait,
                 short_waits_are_honoured,
                 different_body_is_422,
+                replay_marker_and_problem_type_are_configurable,
                 every_instance_replays_the_same_answer,
                 other_path_or_method_is_422,
                 scopes_are_independent,

@@ -351,6 +351,50 @@ pub async fn different_body_is_422<DB: TestDb>() {
     assert_eq!(server.effects(&caller).await, 1);
 }
 
+/// A service that names its own replay marker and problem type: replays
+/// carry `Idempotent-Replay: true` and not the default header; every
+/// problem `idem` answers (here 422 and 400) carries `<base><code>`.
+pub async fn replay_marker_and_problem_type_are_configurable<DB: TestDb>() {
+    let base = "https://docs.example.com/errors/";
+    let server = crate::harness::start_configured(DB::connect().await, |idem| {
+        idem.replay_header(reqwest::header::HeaderName::from_static(
+            "idempotent-replay",
+        ))
+        .expect("a marker header")
+        .problem_type_base(base)
+        .expect("an absolute base")
+    })
+    .await;
+    let caller = unique("configured");
+    let client = server.client(&caller);
+    let first = send(client.post("/effects", "k", r#"{"note":"a"}"#)).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let replay = send(client.post("/effects", "k", r#"{"note":"a"}"#)).await;
+    assert_eq!(
+        replay.header("idempotent-replay"),
+        Some("true"),
+        "{replay:?}"
+    );
+    assert!(
+        !replay.replayed(),
+        "the default marker is not sent: {replay:?}"
+    );
+    assert_eq!(replay.body, first.body);
+    let reused = send(client.post("/effects", "k", r#"{"note":"b"}"#)).await;
+    assert_eq!(reused.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(
+        reused.json()["type"],
+        format!("{base}idempotency_key_reused")
+    );
+    let bad_key = send(client.post("/effects", "a b", r#"{"note":"a"}"#)).await;
+    assert_eq!(bad_key.status, StatusCode::BAD_REQUEST);
+    assert_eq!(
+        bad_key.json()["type"],
+        format!("{base}idempotency_key_invalid")
+    );
+    assert_eq!(server.effects(&caller).await, 1);
+}
+
 /// A retry that reaches another instance (which never saw the key finish)
 /// gets the same answer as one that comes back to the first, whichever
 /// instance answered before; a changed body is refused on both.
