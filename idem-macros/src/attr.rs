@@ -3,16 +3,29 @@
 use proc_macro2::{Span, TokenStream, TokenTree};
 use syn::ext::IdentExt;
 use syn::parse::{ParseStream, Parser};
-use syn::{Expr, ExprLit, Ident, Lit, LitStr, Token};
+use syn::punctuated::Punctuated;
+use syn::{Expr, ExprArray, ExprLit, Ident, Lit, LitStr, MetaNameValue, Token, token};
 
 use crate::duration::{
     MAX_LEASE_MS, MAX_TIMEOUT_MS, MAX_TTL_MS, MAX_WAIT_MS, MIN_LEASE_MS, parse_ms,
 };
 use crate::errors::Errors;
 
-const KEYS: &[&str] = &["scope", "ttl", "key", "wait", "timeout", "lease", "crate"];
-const VALID_KEYS: &str =
-    "valid arguments are `scope`, `ttl`, `key`, `wait`, `timeout`, `lease` and `crate`";
+const KEYS: &[&str] = &[
+    "scope",
+    "ttl",
+    "key",
+    "wait",
+    "timeout",
+    "lease",
+    "fingerprint",
+    "crate",
+];
+const VALID_KEYS: &str = "valid arguments are `scope`, `ttl`, `key`, `wait`, `timeout`, `lease`, \
+                          `fingerprint` and `crate`";
+
+/// How `fingerprint` is written.
+const FINGERPRINT: &str = "fingerprint(exclude = [\"/member\", ...])";
 
 /// The default `ttl`: 24 hours.
 pub const DEFAULT_TTL_MS: u64 = 24 * 60 * 60 * 1000;
@@ -45,6 +58,9 @@ pub struct Args {
     /// Where `key` was written, for errors about its combination with phases.
     pub key_span: Option<Span>,
     pub krate: Option<syn::Path>,
+    /// `fingerprint(exclude = [...])`'s JSON Pointers, checked; empty
+    /// without it.
+    pub exclude: Vec<LitStr>,
 }
 
 impl Args {
@@ -65,7 +81,22 @@ impl Args {
     }
 
     /// Fills the slot of a known `key` written once, from its value.
-    fn set(&mut self, key: &str, value: &Expr) -> syn::Result<()> {
+    fn set(&mut self, key: &str, value: Value) -> syn::Result<()> {
+        let value = match (key, value) {
+            ("fingerprint", Value::List(span, tokens)) => {
+                self.exclude = fingerprint(span, tokens)?;
+                return Ok(());
+            }
+            ("fingerprint", Value::Expr(value)) => {
+                return Err(syn::Error::new(
+                    value_span(&value),
+                    format!("`fingerprint` takes a list: write `{FINGERPRINT}`"),
+                ));
+            }
+            (_, Value::Expr(value)) => value,
+            (_, Value::List(span, _)) => unreachable!("only `fingerprint` at {span:?} is a list"),
+        };
+        let value = &value;
         match key {
             "scope" => self.scope = Some(scope(value)?),
             "ttl" => self.ttl = Some((duration(key, value)?, value_span(value))),
@@ -88,13 +119,21 @@ struct Piece {
     name: Option<Ident>,
     /// A bare string literal, which can only have meant the `scope`.
     positional: bool,
-    value: syn::Result<Expr>,
+    value: syn::Result<Value>,
+}
+
+/// What follows an argument's name.
+enum Value {
+    /// `name = value`.
+    Expr(Expr),
+    /// `fingerprint(...)`: where the parentheses are, and what is in them.
+    List(Span, TokenStream),
 }
 
 impl Piece {
     fn parse(chunk: TokenStream) -> Self {
         let (mut name, mut positional) = (None, false);
-        let parser = |input: ParseStream<'_>| -> syn::Result<Expr> {
+        let parser = |input: ParseStream<'_>| -> syn::Result<Value> {
             if input.peek(LitStr) {
                 positional = true;
                 let lit: LitStr = input.parse()?;
@@ -108,6 +147,18 @@ impl Piece {
             }
             let ident = Ident::parse_any(input)?;
             name = Some(ident.clone());
+            let list = ident.unraw() == "fingerprint";
+            if list && input.peek(token::Paren) {
+                let content;
+                let paren = syn::parenthesized!(content in input);
+                return Ok(Value::List(paren.span.join(), content.parse()?));
+            }
+            if list && !input.peek(Token![=]) {
+                return Err(syn::Error::new(
+                    ident.span(),
+                    format!("expected `{FINGERPRINT}`"),
+                ));
+            }
             if !input.peek(Token![=]) {
                 return Err(syn::Error::new(
                     ident.span(),
@@ -115,7 +166,7 @@ impl Piece {
                 ));
             }
             input.parse::<Token![=]>()?;
-            input.parse()
+            input.parse().map(Value::Expr)
         };
         let value = parser.parse2(chunk);
         Self {
@@ -163,7 +214,7 @@ pub fn parse(tokens: TokenStream, errors: &mut Errors) -> Args {
             continue;
         }
         args.scope_written |= key == "scope";
-        if let Err(error) = value.and_then(|value| args.set(&key, &value)) {
+        if let Err(error) = value.and_then(|value| args.set(&key, value)) {
             errors.push(error);
         }
         seen.push(key);
@@ -271,6 +322,125 @@ fn krate(value: &Expr) -> syn::Result<syn::Path> {
     })
 }
 
+/// `fingerprint(exclude = [...])`'s pointers, from what is between its
+/// parentheses (at `span`). Every error at once, each on its own token.
+fn fingerprint(span: Span, tokens: TokenStream) -> syn::Result<Vec<LitStr>> {
+    let arguments = Punctuated::<MetaNameValue, Token![,]>::parse_terminated.parse2(tokens)?;
+    let mut errors: Option<syn::Error> = None;
+    let mut push = |error: syn::Error| match &mut errors {
+        Some(all) => all.combine(error),
+        None => errors = Some(error),
+    };
+    let mut exclude: Option<Vec<LitStr>> = None;
+    for argument in &arguments {
+        let path = &argument.path;
+        if !path.is_ident("exclude") {
+            let name = quote::ToTokens::to_token_stream(path).to_string();
+            push(syn::Error::new_spanned(
+                path,
+                format!(
+                    "unknown `fingerprint` argument `{name}`; the only one is \
+                     `exclude = [\"/member\", ...]`"
+                ),
+            ));
+        } else if exclude.is_some() {
+            push(syn::Error::new_spanned(
+                path,
+                "`exclude` set multiple times",
+            ));
+        } else {
+            exclude = Some(pointers(&argument.value, &mut push));
+        }
+    }
+    if let Some(errors) = errors {
+        return Err(errors);
+    }
+    exclude.ok_or_else(|| {
+        syn::Error::new(
+            span,
+            "`fingerprint(...)` needs `exclude = [\"/member\", ...]`: the JSON Pointers of \
+             the members to leave out of the fingerprint",
+        )
+    })
+}
+
+/// `exclude`'s list: RFC 6901 JSON Pointers, each to a member (or an array
+/// element), none twice.
+fn pointers(value: &Expr, push: &mut impl FnMut(syn::Error)) -> Vec<LitStr> {
+    let Expr::Array(ExprArray {
+        elems,
+        bracket_token,
+        ..
+    }) = value
+    else {
+        push(syn::Error::new(
+            value_span(value),
+            "`exclude` takes a list of JSON Pointers: `exclude = [\"/client_ts\"]`",
+        ));
+        return Vec::new();
+    };
+    if elems.is_empty() {
+        push(syn::Error::new(
+            bracket_token.span.join(),
+            "`exclude` lists no member: list the JSON Pointers of the members to leave out \
+             of the fingerprint, such as `exclude = [\"/client_ts\"]`, or remove \
+             `fingerprint(...)`",
+        ));
+    }
+    let mut found: Vec<LitStr> = Vec::new();
+    for elem in elems {
+        let Expr::Lit(ExprLit {
+            lit: Lit::Str(lit), ..
+        }) = elem
+        else {
+            push(syn::Error::new(
+                value_span(elem),
+                "a JSON Pointer is a string literal, such as \"/client_ts\"",
+            ));
+            continue;
+        };
+        let pointer = lit.value();
+        let problem = if pointer.is_empty() {
+            Some(
+                "`\"\"` is the whole body: a fingerprint without the body would replay any \
+                 other request with the key; name the members to leave out, such as \
+                 \"/client_ts\""
+                    .to_owned(),
+            )
+        } else if !pointer.starts_with('/') {
+            Some(format!(
+                "`{pointer}` is not a JSON Pointer: one starts with `/`, as in \"/{pointer}\""
+            ))
+        } else if bad_escape(&pointer) {
+            Some(format!(
+                "`{pointer}` is not a JSON Pointer: `~` is written `~0`, and `/` in a name \
+                 `~1` (RFC 6901)"
+            ))
+        } else if found.iter().any(|seen| seen.value() == pointer) {
+            Some(format!("`{pointer}` is listed twice"))
+        } else {
+            None
+        };
+        match problem {
+            Some(message) => push(syn::Error::new(lit.span(), message)),
+            None => found.push(lit.clone()),
+        }
+    }
+    found
+}
+
+/// Whether a `~` is followed by anything but `0` or `1`.
+fn bad_escape(pointer: &str) -> bool {
+    let mut rest = pointer;
+    while let Some(at) = rest.find('~') {
+        rest = &rest[at + 1..];
+        if !rest.starts_with(['0', '1']) {
+            return true;
+        }
+    }
+    false
+}
+
 fn duration(key: &str, value: &Expr) -> syn::Result<u64> {
     let example = match key {
         "ttl" => "24h",
@@ -367,8 +537,11 @@ mod tests {
             wait = "2s",
             timeout = "5s",
             lease = "10s",
+            fingerprint(exclude = ["/a", "/b~1c/0"]),
             crate = "::my_idem"
         ));
+        let exclude: Vec<String> = args.exclude.iter().map(LitStr::value).collect();
+        assert_eq!(exclude, ["/a", "/b~1c/0"]);
         assert_eq!(args.scope.as_ref().unwrap().value(), "account");
         assert_eq!(args.ttl_ms(), 3_600_000);
         assert_eq!(args.wait_ms(), 2_000);
@@ -406,7 +579,11 @@ mod tests {
                 _ => "a",
             };
             let name: TokenStream = key.parse().unwrap();
-            let found = messages(quote!(#name = #value, #name = #value));
+            let argument = match *key {
+                "fingerprint" => quote!(fingerprint(exclude = ["/a"])),
+                _ => quote!(#name = #value),
+            };
+            let found = messages(quote!(#argument, #argument));
             assert_eq!(found, vec![format!("`{key}` set multiple times")], "{key}");
         }
     }
@@ -419,7 +596,7 @@ mod tests {
 
     #[test]
     fn a_duplicate_is_reported_even_when_the_first_value_is_wrong() {
-        for key in KEYS {
+        for key in KEYS.iter().filter(|&&key| key != "fingerprint") {
             let name: TokenStream = key.parse().unwrap();
             let found = messages(quote!(#name = 5, #name = "1s"));
             assert_eq!(found.len(), 2, "{key}: {found:?}");
@@ -459,7 +636,7 @@ mod tests {
         assert_eq!(
             message,
             "unknown argument `colour`; valid arguments are `scope`, `ttl`, `key`, `wait`, \
-             `timeout`, `lease` and `crate`"
+             `timeout`, `lease`, `fingerprint` and `crate`"
         );
         assert!(one_message(quote!(scope)).contains("expected `scope = \"...\"`"));
         assert!(one_message(quote!("account")).contains("write `scope = \"account\"`"));
@@ -600,5 +777,64 @@ mod tests {
         assert!(found[0].contains("at least 1s"));
         assert!(found[1].starts_with("`ttl` takes a string literal"));
         assert_eq!(found[2], "`lease` set multiple times");
+    }
+
+    #[test]
+    fn fingerprint_pointers_are_checked() {
+        let exclude = |tokens: TokenStream| -> Vec<String> {
+            parse_ok(tokens).exclude.iter().map(LitStr::value).collect()
+        };
+        assert_eq!(
+            exclude(quote!(
+                scope = "a",
+                fingerprint(exclude = ["/ts", "/a~0b/~1", "/items/0/ts",],)
+            )),
+            ["/ts", "/a~0b/~1", "/items/0/ts"]
+        );
+        assert!(exclude(quote!(scope = "a")).is_empty());
+        let one = |pointers: TokenStream| {
+            one_message(quote!(scope = "a", fingerprint(exclude = #pointers)))
+        };
+        assert!(one(quote!([""])).starts_with("`\"\"` is the whole body"));
+        assert_eq!(
+            one(quote!(["ts"])),
+            "`ts` is not a JSON Pointer: one starts with `/`, as in \"/ts\""
+        );
+        for bad in ["/a~", "/a~2", "/~/b", "/a~01~"] {
+            assert!(one(quote!([#bad])).contains("`~` is written `~0`"), "{bad}");
+        }
+        assert_eq!(one(quote!(["/a", "/b", "/a"])), "`/a` is listed twice");
+        assert!(one(quote!([])).starts_with("`exclude` lists no member"));
+        assert!(one(quote!(["/a", ts])).starts_with("a JSON Pointer is a string literal"));
+        assert!(one(quote!("/a")).starts_with("`exclude` takes a list"));
+        // Every bad pointer at once.
+        let found = messages(quote!(
+            scope = "a",
+            fingerprint(exclude = ["", "x", "/~", "/a", "/a"])
+        ));
+        assert_eq!(found.len(), 4, "{found:?}");
+    }
+
+    #[test]
+    fn fingerprint_is_written_as_a_list() {
+        let written = |tokens: TokenStream| one_message(quote!(scope = "a", #tokens));
+        assert_eq!(
+            written(quote!(fingerprint = "/ts")),
+            "`fingerprint` takes a list: write `fingerprint(exclude = [\"/member\", ...])`"
+        );
+        assert_eq!(
+            written(quote!(fingerprint)),
+            "expected `fingerprint(exclude = [\"/member\", ...])`"
+        );
+        assert!(written(quote!(fingerprint())).starts_with("`fingerprint(...)` needs `exclude"));
+        assert!(
+            written(quote!(fingerprint(include = ["/a"])))
+                .starts_with("unknown `fingerprint` argument `include`")
+        );
+        assert_eq!(
+            written(quote!(fingerprint(exclude = ["/a"], exclude = ["/b"]))),
+            "`exclude` set multiple times"
+        );
+        assert!(written(quote!(fingerprint(exclude))).contains("expected `=`"));
     }
 }

@@ -171,9 +171,16 @@ fn config(args: &Args, handler: &Handler, private: &TokenStream) -> TokenStream 
     } else {
         quote!()
     };
+    let excluding = if args.exclude.is_empty() {
+        quote!()
+    } else {
+        let pointers = &args.exclude;
+        quote!(.excluding(&[#(#pointers),*]))
+    };
     quote! {
         const __IDEM_CONFIG: #private::Config =
-            #private::Config::new(#ttl, #wait, #timeout, #private::KeyMode::#mode) #phased;
+            #private::Config::new(#ttl, #wait, #timeout, #private::KeyMode::#mode)
+                #phased #excluding;
     }
 }
 
@@ -482,5 +489,24 @@ mod tests {
         for phased_only in ["phased", "Phased", "FromScope", "Resumed"] {
             assert!(!atomic.contains(phased_only), "{phased_only}: {atomic}");
         }
+    }
+
+    #[test]
+    fn exclusions_reach_the_config() {
+        let handler = quote! {
+            async fn create(account: Account, tx: Tx<Postgres>, Json(n): Json<i64>) {}
+        };
+        let excluding = expansion(
+            quote!(
+                scope = "account",
+                fingerprint(exclude = ["/client_ts", "/trace/id"])
+            ),
+            handler.clone(),
+        );
+        assert!(
+            excluding.contains(r#". excluding (& ["/client_ts" , "/trace/id"])"#),
+            "{excluding}"
+        );
+        assert!(!expansion(quote!(scope = "account"), handler).contains("excluding"));
     }
 }

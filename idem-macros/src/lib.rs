@@ -220,6 +220,29 @@ use proc_macro::TokenStream;
 /// #[idempotent(scope = "account", lease = "2m")]
 /// ```
 ///
+/// ## `fingerprint`
+///
+/// `fingerprint(exclude = ["<pointer>", ...])`: members of a JSON body that
+/// do not take part in the request's fingerprint, named by RFC 6901 JSON
+/// Pointers (`"/client_ts"` is a top-level member, `"/trace/id"` the `id`
+/// of `trace`, `~1` a `/` in a name and `~0` a `~`). A retry whose body
+/// differs from the first attempt's only in those members (changed,
+/// added or missing) is a replay; any other difference, in the rest of
+/// the body, the method, the path or the query, is still 422. Default: the
+/// whole body counts. A token that is an array index names an element
+/// (`"/items/0/ts"` is the `ts` of the first item; `"/items/0"` leaves that
+/// element out of its array, and the ones after it move up). The members
+/// left out are still read (a broken one is a broken body), never hashed:
+/// the rest is hashed in the same canonical form, no tree built. A body
+/// that is not JSON (by its content type) is unaffected: it is hashed byte
+/// for byte, whole. Each pointer must start with `/` (the root `""` would
+/// leave out the whole body), use no `~` but `~0` and `~1`, and appear
+/// once; the list may not be empty.
+///
+/// ```ignore
+/// #[idempotent(scope = "account", fingerprint(exclude = ["/client_ts", "/trace/id"]))]
+/// ```
+///
 /// ## `crate`
 ///
 /// `crate = "<path>"`: the path of the `idem` crate, for a service that

@@ -8,7 +8,9 @@
 //! per object, nothing for members already in order (a serializer's field
 //! order, or sorted), nothing for numbers however long they are written
 //! (`1e20` is 21 digits), plus 4 bytes per member of the objects open at
-//! once while the first pass reads them.
+//! once while the first pass reads them. Members a handler's
+//! `fingerprint(exclude = [...])` names ([`Exclusions`]) are read and
+//! checked by both passes but written by neither.
 
 use std::cmp::Ordering;
 
@@ -67,7 +69,16 @@ impl Numbers {
 }
 
 pub(crate) fn canonicalize_numbers(body: &[u8], numbers: Numbers) -> Option<Vec<u8>> {
-    let canonical = Canonical::read(body, numbers)?;
+    canonicalize_excluding(body, numbers, Exclusions::NONE)
+}
+
+/// The canonical form without the members `exclude` names.
+pub(crate) fn canonicalize_excluding(
+    body: &[u8],
+    numbers: Numbers,
+    exclude: &Exclusions,
+) -> Option<Vec<u8>> {
+    let canonical = Canonical::read_excluding(body, numbers, exclude)?;
     let mut out = Vec::with_capacity(canonical.len());
     canonical.write(&mut out)?;
     debug_assert_eq!(out.len(), canonical.len());
@@ -93,6 +104,89 @@ impl Sink for Vec<u8> {
     }
 }
 
+/// The walk's sink: passes on what it is given unless it is muted, as it
+/// is over the members a pointer excludes (still read, and so checked).
+struct Out<'w, S: Sink> {
+    sink: &'w mut S,
+    muted: bool,
+}
+
+impl<S: Sink> Sink for Out<'_, S> {
+    fn put(&mut self, bytes: &[u8]) {
+        if !self.muted {
+            self.sink.put(bytes);
+        }
+    }
+
+    fn byte(&mut self, byte: u8) {
+        if !self.muted {
+            self.sink.byte(byte);
+        }
+    }
+}
+
+/// Members left out of the canonical form: RFC 6901 JSON Pointers, each
+/// as its reference tokens.
+#[derive(Default)]
+pub(crate) struct Exclusions {
+    pointers: Vec<Vec<Token>>,
+}
+
+static NO_EXCLUSIONS: Exclusions = Exclusions {
+    pointers: Vec::new(),
+};
+
+/// One reference token of a pointer: the member name it matches, as
+/// [`Walk::string`] writes a name (so `"\u0061"` in a body is `a`), and
+/// the array index it matches, if it spells one.
+struct Token {
+    name: Vec<u8>,
+    index: Option<usize>,
+}
+
+impl Exclusions {
+    /// No member left out.
+    pub(crate) const NONE: &'static Self = &NO_EXCLUSIONS;
+
+    /// The pointers, as `#[idempotent]` has checked them. One that is not
+    /// a pointer to a member or element (not starting with `/`: the root
+    /// `""` would exclude the whole body) is ignored; a `~` that is not
+    /// `~0` or `~1` is taken as it is.
+    pub(crate) fn new(pointers: &[&str]) -> Self {
+        let pointers = pointers
+            .iter()
+            .filter_map(|pointer| pointer.strip_prefix('/'))
+            .map(|pointer| pointer.split('/').map(Token::new).collect())
+            .collect();
+        Self { pointers }
+    }
+}
+
+impl Token {
+    fn new(escaped: &str) -> Self {
+        let text = escaped.replace("~1", "/").replace("~0", "~");
+        let mut name = vec![b'"'];
+        for char in text.chars() {
+            write_char(char, &mut name);
+        }
+        name.push(b'"');
+        // RFC 6901's array-index: `0`, or digits without a leading zero.
+        let digits = !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit());
+        let index = (digits && (text == "0" || !text.starts_with('0')))
+            .then(|| text.parse().ok())
+            .flatten();
+        Self { name, index }
+    }
+}
+
+/// Where a member or an element is in its container.
+#[derive(Clone, Copy)]
+enum Step {
+    /// A member, by the offset of its name's opening quote.
+    Name(usize),
+    Index(usize),
+}
+
 /// The first pass's sink: the length of what it was given.
 struct Count(usize);
 
@@ -112,6 +206,7 @@ impl Sink for Count {
 pub(crate) struct Canonical<'a> {
     text: &'a [u8],
     numbers: Numbers,
+    exclude: &'a Exclusions,
     len: usize,
     order: Order,
 }
@@ -119,7 +214,17 @@ pub(crate) struct Canonical<'a> {
 impl<'a> Canonical<'a> {
     /// The first pass. `None` if the text is not JSON that RFC 8785 can
     /// write (see [`canonicalize`]).
+    #[cfg(test)]
     pub(crate) fn read(text: &'a [u8], numbers: Numbers) -> Option<Self> {
+        Self::read_excluding(text, numbers, Exclusions::NONE)
+    }
+
+    /// The first pass, leaving out the members `exclude` names.
+    pub(crate) fn read_excluding(
+        text: &'a [u8],
+        numbers: Numbers,
+        exclude: &'a Exclusions,
+    ) -> Option<Self> {
         if text.len() > MAX_BODY {
             return None;
         }
@@ -128,8 +233,12 @@ impl<'a> Canonical<'a> {
             text,
             at: 0,
             numbers,
-            sink: &mut count,
+            sink: Out {
+                sink: &mut count,
+                muted: false,
+            },
             objects: Objects::Find(Finder::default()),
+            live: exclude.pointers.iter().map(Vec::as_slice).collect(),
         };
         walk.value(0)?;
         walk.skip_whitespace();
@@ -141,6 +250,7 @@ impl<'a> Canonical<'a> {
         Some(Self {
             text,
             numbers,
+            exclude,
             len: count.0,
             order,
         })
@@ -161,8 +271,9 @@ impl<'a> Canonical<'a> {
             text: self.text,
             at: 0,
             numbers: self.numbers,
-            sink,
+            sink: Out { sink, muted: false },
             objects: Objects::Follow(&self.order, 0),
+            live: self.exclude.pointers.iter().map(Vec::as_slice).collect(),
         };
         walk.value(0)
     }
@@ -208,6 +319,12 @@ struct Order {
     /// opening quotes.
     names: Vec<u32>,
 }
+
+/// What [`Walk::name_at`] follows: it reads no object.
+static NO_ORDER: Order = Order {
+    objects: Vec::new(),
+    names: Vec::new(),
+};
 
 impl Order {
     /// Where the object at `open` is in `objects`, or where it would be:
@@ -275,11 +392,14 @@ struct Walk<'a, 'w, S: Sink> {
     text: &'a [u8],
     at: usize,
     numbers: Numbers,
-    sink: &'w mut S,
+    sink: Out<'w, S>,
     objects: Objects<'w>,
+    /// What is left of the pointers that lead into the value being read:
+    /// each one's tokens past the containers it is in.
+    live: Vec<&'a [Token]>,
 }
 
-impl<S: Sink> Walk<'_, '_, S> {
+impl<'a, S: Sink> Walk<'a, '_, S> {
     fn skip_whitespace(&mut self) {
         while let Some(b' ' | b'\n' | b'\t' | b'\r') = self.text.get(self.at) {
             self.at += 1;
@@ -329,11 +449,13 @@ impl<S: Sink> Walk<'_, '_, S> {
         if self.peek()? == b']' {
             self.at += 1;
         } else {
-            loop {
-                self.value(depth)?;
+            let mut written = false;
+            for index in 0.. {
+                self.skip_whitespace();
+                self.followed(Step::Index(index), &mut written, |walk| walk.value(depth))?;
                 self.skip_whitespace();
                 match self.next()? {
-                    b',' => self.sink.byte(b','),
+                    b',' => {}
                     b']' => break,
                     _ => return None,
                 }
@@ -366,16 +488,17 @@ impl<S: Sink> Walk<'_, '_, S> {
         if self.peek()? == b'}' {
             self.at += 1;
         } else {
+            let mut written = false;
             loop {
                 self.skip_whitespace();
                 let name = self.at;
-                self.member(depth)?;
+                self.followed(Step::Name(name), &mut written, |walk| walk.member(depth))?;
                 if let Objects::Find(finder) = &mut self.objects {
                     finder.open.push(name as u32);
                 }
                 self.skip_whitespace();
                 match self.next()? {
-                    b',' => self.sink.byte(b','),
+                    b',' => {}
                     b'}' => break,
                     _ => return None,
                 }
@@ -393,15 +516,13 @@ impl<S: Sink> Walk<'_, '_, S> {
     fn reordered(&mut self, order: &Order, start: usize, depth: usize) -> Option<()> {
         // Past the member that came last in the text is the `}`.
         let mut end = self.at;
+        let mut written = false;
         for (index, &name) in order.names[start..].iter().enumerate() {
-            if index > 0 {
-                if name & FIRST != 0 {
-                    break;
-                }
-                self.sink.byte(b',');
+            if index > 0 && name & FIRST != 0 {
+                break;
             }
             self.at = (name & !FIRST) as usize;
-            self.member(depth)?;
+            self.followed(Step::Name(self.at), &mut written, |walk| walk.member(depth))?;
             end = end.max(self.at);
         }
         self.at = end;
@@ -409,6 +530,79 @@ impl<S: Sink> Walk<'_, '_, S> {
         (self.next()? == b'}').then_some(())?;
         self.sink.byte(b'}');
         Some(())
+    }
+
+    /// Reads a member or element with `read`, written after a comma if
+    /// one was `written` before it, or muted if a pointer excludes it; the
+    /// pointers that go on into it followed while it is read.
+    fn followed(
+        &mut self,
+        step: Step,
+        written: &mut bool,
+        read: impl FnOnce(&mut Self) -> Option<()>,
+    ) -> Option<()> {
+        let (excluded, inner) = self.follow(step)?;
+        let outer = std::mem::replace(&mut self.live, inner);
+        let muted = self.sink.muted;
+        if excluded {
+            self.sink.muted = true;
+        } else if *written {
+            self.sink.byte(b',');
+        }
+        let read = read(self);
+        self.sink.muted = muted;
+        self.live = outer;
+        *written |= !excluded;
+        read
+    }
+
+    /// Whether a live pointer ends at `step`, and the ones that go on
+    /// past it. Free when no pointer leads here.
+    fn follow(&self, step: Step) -> Option<(bool, Vec<&'a [Token]>)> {
+        if self.live.is_empty() {
+            return Some((false, Vec::new()));
+        }
+        let name = match step {
+            Step::Name(at) => Some(self.name_at(at)?),
+            Step::Index(_) => None,
+        };
+        let matches = |token: &Token| match (step, &name) {
+            (Step::Name(_), Some(name)) => token.name == *name,
+            (Step::Index(index), _) => token.index == Some(index),
+            _ => false,
+        };
+        let mut inner = Vec::new();
+        for tokens in &self.live {
+            let Some((first, rest)) = tokens.split_first() else {
+                continue;
+            };
+            if matches(first) {
+                if rest.is_empty() {
+                    return Some((true, Vec::new()));
+                }
+                inner.push(rest);
+            }
+        }
+        Some((false, inner))
+    }
+
+    /// The name at `at` as [`string`](Self::string) writes it.
+    fn name_at(&self, at: usize) -> Option<Vec<u8>> {
+        let mut name = Vec::new();
+        let mut walk = Walk {
+            text: self.text,
+            at,
+            numbers: self.numbers,
+            sink: Out {
+                sink: &mut name,
+                muted: false,
+            },
+            objects: Objects::Follow(&NO_ORDER, 0),
+            live: Vec::new(),
+        };
+        (walk.peek()? == b'"').then_some(())?;
+        walk.string()?;
+        Some(name)
     }
 
     /// `"name":value`, from the name's opening quote.
@@ -458,7 +652,7 @@ impl<S: Sink> Walk<'_, '_, S> {
                         b'u' => self.escaped_char()?,
                         _ => return None,
                     };
-                    write_char(char, self.sink);
+                    write_char(char, &mut self.sink);
                 }
                 _ => return None,
             }
@@ -565,9 +759,9 @@ impl<S: Sink> Walk<'_, '_, S> {
                 _ => self.sink.put(number),
             }
         } else if self.numbers == Numbers::Exact {
-            write_decimal(negative, int, fraction, exponent, self.sink)?;
+            write_decimal(negative, int, fraction, exponent, &mut self.sink)?;
         } else {
-            write_double(double, self.sink);
+            write_double(double, &mut self.sink);
         }
         Some(())
     }

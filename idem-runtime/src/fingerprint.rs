@@ -4,7 +4,7 @@ use http::{HeaderMap, Method, header::CONTENT_TYPE};
 use sha2::{Digest, Sha256};
 
 pub use crate::canonical::canonicalize;
-use crate::canonical::{Canonical, Numbers, Sink};
+use crate::canonical::{Canonical, Exclusions, Numbers, Sink};
 
 /// SHA-256 over the method, path, query and body of a request.
 ///
@@ -19,6 +19,9 @@ use crate::canonical::{Canonical, Numbers, Sink};
 /// cannot all tell apart, are compared by their digits instead, so two
 /// account numbers or `u128` amounts never share a fingerprint. A body
 /// naming one member twice is hashed byte for byte (see [`canonicalize`]).
+///
+/// A handler's `fingerprint(exclude = [...])` leaves members of a JSON body
+/// out ([`of_excluding`](Self::of_excluding)).
 ///
 /// ```
 /// # use idem_runtime::__private as idem;
@@ -43,6 +46,45 @@ impl Fingerprint {
         headers: &HeaderMap,
         body: &[u8],
     ) -> Self {
+        Self::of_excluding(method, path, query, headers, body, &[])
+    }
+
+    /// The fingerprint of one request to a handler whose fingerprint
+    /// leaves out the members of a JSON body that `exclude`'s RFC 6901
+    /// JSON Pointers name (`/client_ts`, `/trace/id`, `/items/0/ts`).
+    ///
+    /// The rest of the body is hashed in its canonical form as ever: a
+    /// body holding none of those members has the fingerprint
+    /// [`of`](Self::of) gives it. The excluded members are read and
+    /// checked, never hashed; an element an index names is left out of
+    /// its array, so the elements after it move up one. A body that is
+    /// not JSON (by its content type, or as it reads) is hashed byte for
+    /// byte, whole.
+    ///
+    /// ```
+    /// # use idem_runtime::__private as idem;
+    /// use http::{HeaderMap, Method, header::CONTENT_TYPE};
+    /// use idem::Fingerprint;
+    ///
+    /// let mut json = HeaderMap::new();
+    /// json.insert(CONTENT_TYPE, "application/json".parse().unwrap());
+    /// let exclude = ["/sent_at"];
+    /// let of = |body: &str| {
+    ///     let body = body.as_bytes();
+    ///     Fingerprint::of_excluding(&Method::POST, "/v1/charges", None, &json, body, &exclude)
+    /// };
+    /// let first = of(r#"{"amount":1,"sent_at":"09:00"}"#);
+    /// assert_eq!(first, of(r#"{"amount":1,"sent_at":"09:01"}"#));
+    /// assert_ne!(first, of(r#"{"amount":2,"sent_at":"09:00"}"#));
+    /// ```
+    pub fn of_excluding(
+        method: &Method,
+        path: &str,
+        query: Option<&str>,
+        headers: &HeaderMap,
+        body: &[u8],
+        exclude: &[&str],
+    ) -> Self {
         let mut hasher = Sha256::new();
         hasher.update(b"idem-fingerprint-v1");
         frame(&mut hasher, method.as_str().as_bytes());
@@ -54,8 +96,13 @@ impl Fingerprint {
             }
             None => hasher.update([0]),
         }
-        let canonical = is_json(headers)
-            .then(|| Canonical::read(body, Numbers::of_this_build()))
+        let json = is_json(headers);
+        let exclusions = match exclude {
+            [_, ..] if json => Exclusions::new(exclude),
+            _ => Exclusions::default(),
+        };
+        let canonical = json
+            .then(|| Canonical::read_excluding(body, Numbers::of_this_build(), &exclusions))
             .flatten();
         if let Some(canonical) = canonical {
             // The form is hashed as it is written, never built whole.
@@ -373,6 +420,123 @@ mod tests {
         // back).
         let deep = format!("{}20000000000000000001{}", "[".repeat(127), "]".repeat(127));
         assert_eq!(canonical(deep.as_bytes()), deep);
+    }
+
+    fn excluding(exclude: &[&str], body: &str) -> Fingerprint {
+        Fingerprint::of_excluding(&Method::POST, "/c", None, &json(), body.as_bytes(), exclude)
+    }
+
+    #[test]
+    fn excluded_members_do_not_count() {
+        let exclude = ["/client_ts", "/trace/id"];
+        let base = excluding(
+            &exclude,
+            r#"{"amount":1,"client_ts":"09:00","trace":{"id":"a","hop":1}}"#,
+        );
+        // The excluded members changed, or gone, or reordered.
+        for same in [
+            r#"{"amount":1,"client_ts":"09:01","trace":{"id":"b","hop":1}}"#,
+            r#"{"trace":{"hop":1,"id":{"x":[1]}},"amount":1.0,"client_ts":null}"#,
+            r#"{"amount":1,"trace":{"hop":1}}"#,
+        ] {
+            assert_eq!(base, excluding(&exclude, same), "{same}");
+        }
+        // Any other member changed, or the parent of an excluded one.
+        for other in [
+            r#"{"amount":2,"client_ts":"09:00","trace":{"id":"a","hop":1}}"#,
+            r#"{"amount":1,"client_ts":"09:00","trace":{"id":"a","hop":2}}"#,
+            r#"{"amount":1,"client_ts":"09:00","trace":{"id":"a"}}"#,
+            r#"{"amount":1,"client_ts":"09:00","trace":null}"#,
+            r#"{"amount":1,"client_ts":"09:00","trace":{"id":"a","hop":1},"x":0}"#,
+        ] {
+            assert_ne!(base, excluding(&exclude, other), "{other}");
+        }
+        // What is left is hashed as a body without the members would be.
+        assert_eq!(
+            base,
+            post("/c", None, &json(), br#"{"amount":1,"trace":{"hop":1}}"#)
+        );
+        assert_eq!(
+            excluding(&exclude, r#"{"b":[1,{"z":1,"a":2}],"a":"x"}"#),
+            post("/c", None, &json(), br#"{"a":"x","b":[1,{"a":2,"z":1}]}"#)
+        );
+        // The excluded member first, last, alone: no stray comma.
+        for (body, rest) in [
+            (r#"{"client_ts":1,"a":1,"b":2}"#, r#"{"a":1,"b":2}"#),
+            (r#"{"a":1,"b":2,"client_ts":1}"#, r#"{"a":1,"b":2}"#),
+            (r#"{"client_ts":1}"#, "{}"),
+            (r#"{"b":2,"client_ts":1,"a":1}"#, r#"{"a":1,"b":2}"#),
+        ] {
+            assert_eq!(canonicalized(&exclude, body), rest, "{body}");
+        }
+    }
+
+    fn canonicalized(exclude: &[&str], body: &str) -> String {
+        let exclusions = crate::canonical::Exclusions::new(exclude);
+        let form = crate::canonical::canonicalize_excluding(
+            body.as_bytes(),
+            Numbers::of_this_build(),
+            &exclusions,
+        );
+        String::from_utf8(form.expect("canonical")).unwrap()
+    }
+
+    #[test]
+    fn pointers_are_rfc_6901() {
+        // `~1` is `/`, `~0` is `~`, and a name is matched however the body
+        // escapes it.
+        let exclude = ["/a~1b", "/m~0n", "/ê"];
+        assert_eq!(
+            canonicalized(&exclude, r#"{"a/b":1,"m~n":2,"\u00ea":3,"a":4,"m~0n":5}"#),
+            r#"{"a":4,"m~0n":5}"#
+        );
+        assert_eq!(
+            canonicalized(&["/a\"b"], r#"{"a\"b":1,"c":2}"#),
+            r#"{"c":2}"#
+        );
+        // Deeper, through arrays: an index names an element, or a member
+        // named by its digits.
+        let exclude = ["/items/0/ts", "/items/2", "/by/0"];
+        assert_eq!(
+            canonicalized(
+                &exclude,
+                r#"{"items":[{"ts":1,"n":1},{"ts":2,"n":2},3,4],"by":{"0":1,"1":2}}"#
+            ),
+            r#"{"by":{"1":2},"items":[{"n":1},{"n":2,"ts":2},4]}"#
+        );
+        // Not an index: leading zeros, `-`.
+        assert_eq!(canonicalized(&["/01", "/-"], r#"[1,2]"#), "[1,2]");
+        assert_eq!(canonicalized(&["/0"], r#"[1,[2]]"#), "[[2]]");
+        assert_eq!(canonicalized(&["/1/0"], r#"[1,[2,3]]"#), "[1,[3]]");
+        // A pointer that names nothing here, or leads into a scalar.
+        assert_eq!(
+            canonicalized(&["/x/y", "/a/b"], r#"{"a":1,"b":{"x":2}}"#),
+            r#"{"a":1,"b":{"x":2}}"#
+        );
+        // Excluded members are still read: a broken one is a broken body.
+        assert!(
+            crate::canonical::canonicalize_excluding(
+                br#"{"a":tru,"b":1}"#,
+                Numbers::Doubles,
+                &crate::canonical::Exclusions::new(&["/a"])
+            )
+            .is_none()
+        );
+        assert_ne!(
+            excluding(&["/a"], r#"{"a":1,"a":2}"#),
+            excluding(&["/a"], r#"{"a":2}"#)
+        );
+    }
+
+    /// Only a JSON body has members: any other is hashed whole.
+    #[test]
+    fn exclusions_leave_other_bodies_whole() {
+        let text = HeaderMap::from_iter([(CONTENT_TYPE, "text/plain".parse().unwrap())]);
+        let of = |body: &[u8]| {
+            Fingerprint::of_excluding(&Method::POST, "/c", None, &text, body, &["/ts"])
+        };
+        assert_ne!(of(br#"{"ts":1}"#), of(br#"{"ts":2}"#));
+        assert_eq!(of(b"abc"), post("/c", None, &text, b"abc"));
     }
 
     #[test]

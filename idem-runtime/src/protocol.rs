@@ -52,6 +52,8 @@ pub struct Config {
     key: KeyMode,
     /// The lease of a phased handler; `None` in the atomic mode.
     pub(crate) lease: Option<Duration>,
+    /// JSON Pointers to the members the fingerprint leaves out.
+    exclude: &'static [&'static str],
 }
 
 impl Config {
@@ -63,7 +65,16 @@ impl Config {
             timeout: Duration::from_millis(timeout_ms),
             key,
             lease: None,
+            exclude: &[],
         }
+    }
+
+    /// The same arguments for a handler whose fingerprint leaves out the
+    /// members of a JSON body these RFC 6901 JSON Pointers name (see
+    /// [`Fingerprint::of_excluding`]).
+    pub const fn excluding(mut self, pointers: &'static [&'static str]) -> Self {
+        self.exclude = pointers;
+        self
     }
 
     /// The same arguments for a phased handler with a lease of `lease_ms`.
@@ -140,7 +151,7 @@ pub async fn prepare<DB: Backend>(
         Some(OriginalUri(uri)) => uri.path(),
         None => parts.uri.path(),
     };
-    let fingerprint = fingerprint(&parts, path, &bytes).await;
+    let fingerprint = fingerprint(&parts, path, &bytes, config.exclude).await;
     let request = config.lease.map(|_| {
         let uri = match parts.extensions.get::<OriginalUri>() {
             Some(OriginalUri(uri)) => uri,
@@ -166,17 +177,30 @@ pub async fn prepare<DB: Backend>(
 /// malloc arenas (measured: docs/benchmarks-memory.md).
 const BLOCKING_FINGERPRINT: usize = 1024 * 1024;
 
-async fn fingerprint(parts: &Parts, path: &str, body: &Bytes) -> Fingerprint {
+async fn fingerprint(
+    parts: &Parts,
+    path: &str,
+    body: &Bytes,
+    exclude: &'static [&'static str],
+) -> Fingerprint {
+    let query = parts.uri.query();
     if body.len() < BLOCKING_FINGERPRINT {
-        return Fingerprint::of(&parts.method, path, parts.uri.query(), &parts.headers, body);
+        return Fingerprint::of_excluding(
+            &parts.method,
+            path,
+            query,
+            &parts.headers,
+            body,
+            exclude,
+        );
     }
     let method = parts.method.clone();
     let path = path.to_owned();
-    let query = parts.uri.query().map(str::to_owned);
+    let query = query.map(str::to_owned);
     let headers = parts.headers.clone();
     let body = body.clone();
     let hashed = tokio::task::spawn_blocking(move || {
-        Fingerprint::of(&method, &path, query.as_deref(), &headers, &body)
+        Fingerprint::of_excluding(&method, &path, query.as_deref(), &headers, &body, exclude)
     });
     match hashed.await {
         Ok(fingerprint) => fingerprint,

@@ -145,7 +145,7 @@ fn responses(c: &mut Criterion) {
         b.iter(|| StoredResponse::decode(201, black_box(&encoded), CHARGE.to_vec()).unwrap())
     });
     group.bench_function("replay", |b| {
-        b.iter(|| black_box(stored.clone()).replay(&allow))
+        b.iter(|| black_box(stored.clone()).replay(&allow, &idem::IDEMPOTENT_REPLAYED))
     });
     group.finish();
 }

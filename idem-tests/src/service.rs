@@ -826,6 +826,12 @@ macro_rules! define_app {
             $crate::handler!($db, create_optional, scope = "caller", key = "optional");
             $crate::handler!($db, create_deadline, scope = "caller", timeout = "500ms");
             $crate::handler!($db, create_bounded, scope = "caller", timeout = "2s");
+            $crate::handler!(
+                $db,
+                create_excluding,
+                scope = "caller",
+                fingerprint(exclude = ["/client_ts", "/trace/id"])
+            );
 
             pub fn router(state: app::AppState<$db>) -> axum::Router {
                 use axum::routing::post;
@@ -839,6 +845,11 @@ macro_rules! define_app {
                     .route("/effects/optional", post(create_optional))
                     .route("/effects/deadline", post(create_deadline))
                     .route("/effects/bounded", post(create_bounded))
+                    .route(
+                        "/effects/excluding",
+                        post(create_excluding).put(create_excluding),
+                    )
+                    .route("/other/excluding", post(create_excluding))
                     .layer(axum::extract::DefaultBodyLimit::max(app::BODY_LIMIT))
                     .with_state(state)
             }

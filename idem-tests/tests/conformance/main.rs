@@ -47,6 +47,7 @@ macro_rules! all_engines {
                 replay_marker_and_problem_type_are_configurable,
                 every_instance_replays_the_same_answer,
                 other_path_or_method_is_422,
+                excluded_members_are_replays,
                 scopes_are_independent,
                 long_scopes_are_kept_or_refused_whole,
                 transient_answers_roll_back,

@@ -448,6 +448,48 @@ pub async fn other_path_or_method_is_422<DB: TestDb>() {
     assert_eq!(server.effects(&caller).await, 1);
 }
 
+/// A handler with `fingerprint(exclude = ["/client_ts", "/trace/id"])`:
+/// a retry that differs only in those members (changed, dropped, or the
+/// body respelled) is a replay; any other change, to a member, the method,
+/// the path or the query, is still 422.
+pub async fn excluded_members_are_replays<DB: TestDb>() {
+    let server = start::<DB>().await;
+    let caller = unique("excluding");
+    let client = server.client(&caller);
+    let path = "/effects/excluding";
+    let body = r#"{"note":"a","client_ts":"09:00","trace":{"id":"t1","hop":1}}"#;
+    let first = send(client.post(path, "k", body)).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    assert!(!first.replayed());
+    for same in [
+        r#"{"note":"a","client_ts":"09:01","trace":{"id":"t2","hop":1}}"#,
+        r#"{ "trace": { "hop": 1 }, "note": "a" }"#,
+    ] {
+        let retry = send(client.post(path, "k", same)).await;
+        assert!(retry.replayed(), "{same}: {retry:?}");
+        assert_eq!(retry.body, first.body);
+    }
+    for other in [
+        r#"{"note":"b","client_ts":"09:00","trace":{"id":"t1","hop":1}}"#,
+        r#"{"note":"a","client_ts":"09:00","trace":{"id":"t1","hop":2}}"#,
+    ] {
+        let reused = send(client.post(path, "k", other)).await;
+        assert_eq!(reused.status, StatusCode::UNPROCESSABLE_ENTITY, "{other}");
+        assert_eq!(reused.problem_code(), "idempotency_key_reused");
+    }
+    let put = client
+        .request(Method::PUT, path)
+        .header("idempotency-key", "k")
+        .header("content-type", "application/json")
+        .body(body);
+    assert_eq!(send(put).await.status, StatusCode::UNPROCESSABLE_ENTITY);
+    let moved = send(client.post("/other/excluding", "k", body)).await;
+    assert_eq!(moved.status, StatusCode::UNPROCESSABLE_ENTITY);
+    let query = send(client.post(&format!("{path}?x=1"), "k", body)).await;
+    assert_eq!(query.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(server.effects(&caller).await, 1);
+}
+
 /// 5. Same key from two scopes: two effects, never the other's response.
 pub async fn scopes_are_independent<DB: TestDb>() {
     let server = start::<DB>().await;
