@@ -19,6 +19,13 @@
 //!   `cargo run --example provider`, then `PROVIDER_URL=http://127.0.0.1:3001`);
 //!   unset, a fake provider runs inside this process (`PROVIDER_DELAY_MS` and
 //!   `PROVIDER_FAIL_FIRST` set its behaviour, as for the standalone one).
+//! - `ADMIN_TOKEN`: set, the operators' routes answer requests with
+//!   `Authorization: Bearer <ADMIN_TOKEN>` (401 otherwise):
+//!   `GET /admin/idempotency/{scope}` lists the account's recent keys
+//!   (`?limit=`, default 50), `GET /admin/idempotency/{scope}/{key}` shows
+//!   one (404 if absent) and `DELETE` forgets a finished or expired key
+//!   (204; 404 absent, 409 in flight), so that its next request runs
+//!   afresh. Unset, those routes do not exist.
 //!
 //! `POST /v1/payments` (same authorization and body as `/v1/charges`) is a
 //! phased handler: a local phase writes a pending payment, the provider is
@@ -34,6 +41,8 @@
 use std::future::Future;
 use std::time::Duration;
 
+#[path = "shared/admin.rs"]
+mod admin;
 #[path = "shared/fake_provider.rs"]
 mod fake_provider;
 
@@ -576,6 +585,11 @@ macro_rules! charges_api {
                 idem.completer(app.clone())
                     .every(Duration::from_secs(2))
                     .spawn();
+                // The operators' routes exist only with a token to guard them.
+                let app = match std::env::var("ADMIN_TOKEN") {
+                    Ok(token) if !token.is_empty() => app.merge(crate::admin::router(idem, &token)),
+                    _ => app,
+                };
                 tracing::info!("charges API listening on http://{}", listener.local_addr()?);
                 axum::serve(listener, app).await?;
                 Ok(())

@@ -12,6 +12,7 @@
     allow(dead_code)
 )]
 
+mod admin;
 mod backend;
 mod canonical;
 mod completer;
@@ -30,7 +31,7 @@ mod response;
 mod scope;
 mod tx;
 
-pub use backend::{Backend, Phased};
+pub use backend::{Admin, Backend, Forgotten, KeyInfo, KeyState, Phased};
 pub use completer::{Completer, CompleterRun};
 pub use error::Error;
 pub use idem::{DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_TABLE, Idem};

@@ -7,6 +7,7 @@
 //! inside a new transaction, store a response in the same commit, and end a
 //! transaction.
 
+mod admin;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 mod claim;
 mod connection;
@@ -24,6 +25,7 @@ mod sqlite;
 #[cfg(test)]
 mod test_support;
 
+pub use admin::{Admin, Forgotten, KeyInfo, KeyState, MAX_RECENT};
 pub use connection::{Acquire, OpenTx};
 pub(crate) use connection::{abandon, in_autocommit, transaction_depth};
 pub(crate) use contract::ConnectOptions;

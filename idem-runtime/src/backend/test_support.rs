@@ -268,3 +268,191 @@ pub(crate) async fn lease_contract<DB: super::Phased>(pool: &Pool<DB>, table: &s
 async fn one<DB: Backend>(pool: &Pool<DB>) -> sqlx::pool::PoolConnection<DB> {
     pool.acquire().await.unwrap()
 }
+
+/// The operators' key operations on `table` (`Idem::lookup`, `recent`,
+/// `forget`), as every engine keeps them: a finished key read back and
+/// forgotten, after which it is claimed afresh; keys in flight (an open
+/// atomic claim, a phased lease) refused; expired keys forgotten; a
+/// scope's recent keys newest first, within the limit.
+pub(crate) async fn admin_contract<DB: super::Phased + super::Admin>(pool: &Pool<DB>, table: &str) {
+    use std::time::SystemTime;
+
+    use super::{Forgotten, KeyState, LeaseClaim, LeaseOutcome};
+    use crate::Idem;
+    use crate::phased::StoredRequest;
+
+    let idem = Idem::new(pool.clone()).table(table).unwrap();
+    let response = |status| StoredResponse {
+        status,
+        headers: Vec::new(),
+        body: "{}".into(),
+    };
+    let finish =
+        async |claim: &Claim<'_>, status| match DB::claim(pool, Acquire::default(), table, claim)
+            .await
+            .expect("claim")
+        {
+            ClaimOutcome::Claimed(mut conn) => {
+                DB::finish(&mut conn, table, Some(claim), Some(&response(status)))
+                    .await
+                    .expect("finish");
+                conn.release();
+            }
+            other => panic!("{} was not claimed: {other:?}", claim.key),
+        };
+
+    // A finished key: read back, forgotten once, then claimed afresh.
+    let done = claim_of("admin", "done", 3, Duration::ZERO);
+    finish(&done, http::StatusCode::CREATED).await;
+    let info = idem.lookup("admin", "done").await.unwrap().expect("found");
+    assert_eq!(info.state, KeyState::Finished);
+    assert_eq!(info.status, Some(201));
+    assert_eq!(info.fingerprint, "03".repeat(32));
+    assert_eq!((info.method, info.path, info.leased), (None, None, false));
+    assert!(info.phases.is_empty());
+    assert!(info.created <= SystemTime::now() + Duration::from_secs(60));
+    assert!(info.expires > info.created);
+    assert_eq!(
+        idem.forget("admin", "done").await.unwrap(),
+        Forgotten::Deleted
+    );
+    assert!(idem.lookup("admin", "done").await.unwrap().is_none());
+    assert_eq!(
+        idem.forget("admin", "done").await.unwrap(),
+        Forgotten::Absent
+    );
+    finish(&done, http::StatusCode::OK).await;
+
+    // An atomic claim in progress is refused, and keeps its key.
+    let open = claim_of("admin", "open", 4, Duration::ZERO);
+    let ClaimOutcome::Claimed(mut conn) = DB::claim(pool, Acquire::default(), table, &open)
+        .await
+        .expect("claim")
+    else {
+        panic!("a new key was not claimed");
+    };
+    assert_eq!(
+        idem.forget("admin", "open").await.unwrap(),
+        Forgotten::InFlight
+    );
+    DB::finish(
+        &mut conn,
+        table,
+        Some(&open),
+        Some(&response(http::StatusCode::ACCEPTED)),
+    )
+    .await
+    .expect("the claim finishes after the refused forget");
+    conn.release();
+    let info = idem.lookup("admin", "open").await.unwrap().expect("found");
+    assert_eq!((info.state, info.status), (KeyState::Finished, Some(202)));
+
+    // A phased key under its lease: in flight, with its request and the
+    // names (not the values) of what it recorded; refused.
+    let uri = "/v1/payments?x=1".parse().unwrap();
+    let request = StoredRequest::encode(
+        &http::Method::POST,
+        &uri,
+        &http::HeaderMap::new(),
+        b"{\"amount\":1}",
+    );
+    let phased = claim_of("admin", "phased", 5, Duration::ZERO);
+    let lease = |claim| LeaseClaim {
+        claim,
+        lease: Duration::from_secs(30),
+        request: &request,
+        reserved: None,
+    };
+    let LeaseOutcome::Owned { token, .. } =
+        DB::lease(pool, Acquire::default(), table, &lease(phased))
+            .await
+            .unwrap()
+    else {
+        panic!("a new phased key was not owned");
+    };
+    let holder = super::Holder {
+        scope: "admin".into(),
+        key: "phased".into(),
+        token,
+    };
+    let recovery = br#"{"steps":{"reserve":{"id":"secret"},"charge":1},"external":true}"#;
+    assert!(
+        DB::record(
+            &mut *one(pool).await,
+            table,
+            &holder,
+            recovery,
+            Duration::from_secs(30)
+        )
+        .await
+        .unwrap()
+    );
+    let info = idem
+        .lookup("admin", "phased")
+        .await
+        .unwrap()
+        .expect("found");
+    assert_eq!(info.state, KeyState::InFlight);
+    assert!(info.leased);
+    assert!(
+        info.lease_until
+            .is_some_and(|until| until > SystemTime::now())
+    );
+    assert_eq!(info.phases, ["charge", "reserve"]);
+    assert!(info.external);
+    assert_eq!(info.method.as_deref(), Some("POST"));
+    assert_eq!(info.path.as_deref(), Some("/v1/payments?x=1"));
+    assert_eq!(info.status, None);
+    assert_eq!(
+        idem.forget("admin", "phased").await.unwrap(),
+        Forgotten::InFlight
+    );
+    assert!(idem.lookup("admin", "phased").await.unwrap().is_some());
+
+    // Expired keys, finished or not, can be forgotten.
+    let short = |key| Claim {
+        ttl: Duration::from_millis(1),
+        ..claim_of("admin", key, 6, Duration::ZERO)
+    };
+    finish(&short("expired"), http::StatusCode::CREATED).await;
+    let LeaseOutcome::Owned { .. } =
+        DB::lease(pool, Acquire::default(), table, &lease(short("abandoned")))
+            .await
+            .unwrap()
+    else {
+        panic!("a new phased key was not owned");
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    for key in ["expired", "abandoned"] {
+        let info = idem.lookup("admin", key).await.unwrap().expect("found");
+        assert_eq!(info.state, KeyState::Expired, "{key}");
+        assert!(!info.leased, "{key}");
+        assert_eq!(
+            idem.forget("admin", key).await.unwrap(),
+            Forgotten::Deleted,
+            "{key}"
+        );
+    }
+
+    // A scope's recent keys: newest first, within the limit, no other
+    // scope's.
+    for key in ["r0", "r1", "r2", "r3", "r4"] {
+        finish(
+            &claim_of("recent", key, 7, Duration::ZERO),
+            http::StatusCode::CREATED,
+        )
+        .await;
+    }
+    let keys = |infos: Vec<crate::KeyInfo>| -> Vec<String> {
+        infos.into_iter().map(|info| info.key).collect()
+    };
+    assert_eq!(
+        keys(idem.recent("recent", 3).await.unwrap()),
+        ["r4", "r3", "r2"]
+    );
+    assert_eq!(
+        keys(idem.recent("recent", u32::MAX).await.unwrap()),
+        ["r4", "r3", "r2", "r1", "r0"]
+    );
+    assert!(idem.recent("nobody", 10).await.unwrap().is_empty());
+}

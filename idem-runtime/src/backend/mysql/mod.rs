@@ -59,6 +59,7 @@ use super::{Acquire, Backend, Claim, ClaimOutcome, FinishError, OpenTx, StoreErr
 use crate::Error;
 use crate::response::StoredResponse;
 
+mod admin;
 mod lease;
 mod sql;
 

@@ -446,3 +446,54 @@ async fn the_lease_contract_holds() {
     crate::backend::test_support::lease_contract(&pool, &old).await;
     drop_table(&pool, &old).await;
 }
+
+/// The operators' key operations (`test_support::admin_contract`).
+#[tokio::test]
+async fn the_admin_contract_holds() {
+    let pool = test_pool(4).await;
+    let table = key_table(&pool, "admin").await;
+    crate::backend::test_support::admin_contract(&pool, &table).await;
+    drop_table(&pool, &table).await;
+}
+
+/// A claim in progress in another session (its row uncommitted, so no
+/// flight of this process knows it) makes the forget's delete wait on
+/// the row's lock: refused as in flight after a second, the row intact.
+#[tokio::test]
+async fn a_claim_in_another_session_is_not_forgotten() {
+    let pool = test_pool(2).await;
+    let table = key_table(&pool, "admin_other").await;
+    let mut other = pool.acquire().await.unwrap();
+    run(
+        &mut other,
+        &format!(
+            "START TRANSACTION; INSERT INTO {table} (scope, `key`, fingerprint, created_at, \
+             expires_at) VALUES ('admin', 'other', REPEAT('x', 32), UTC_TIMESTAMP(6), \
+             UTC_TIMESTAMP(6) + INTERVAL 1 HOUR)"
+        ),
+    )
+    .await
+    .unwrap();
+    let idem = crate::Idem::new(pool.clone()).table(&table).unwrap();
+    let started = Instant::now();
+    assert_eq!(
+        idem.forget("admin", "other").await.unwrap(),
+        crate::Forgotten::InFlight
+    );
+    assert!(started.elapsed() < Duration::from_secs(5));
+    run(&mut other, "COMMIT").await.unwrap();
+    drop(other);
+    let info = idem.lookup("admin", "other").await.unwrap().expect("kept");
+    assert_eq!(info.state, crate::KeyState::InFlight);
+    // Each session's own lock wait is back (both of the pool's).
+    let mut sessions = [pool.acquire().await.unwrap(), pool.acquire().await.unwrap()];
+    for session in &mut sessions {
+        let wait: u64 = sqlx::query_scalar("SELECT @@SESSION.innodb_lock_wait_timeout")
+            .fetch_one(&mut **session)
+            .await
+            .unwrap();
+        assert!(wait > 1, "{wait}");
+    }
+    drop(sessions);
+    drop_table(&pool, &table).await;
+}

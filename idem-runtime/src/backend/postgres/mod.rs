@@ -28,6 +28,7 @@ use crate::Error;
 use crate::fingerprint::Fingerprint;
 use crate::response::StoredResponse;
 
+mod admin;
 mod lease;
 mod sql;
 

@@ -656,3 +656,12 @@ async fn no_index_names_what_the_finish_writes() {
     }
     drop_table(&pool, &table).await;
 }
+
+/// The operators' key operations (`test_support::admin_contract`).
+#[tokio::test]
+async fn the_admin_contract_holds() {
+    let pool = test_pool(4, |options| options).await;
+    let table = table(&pool, "admin").await;
+    crate::backend::test_support::admin_contract(&pool, &table).await;
+    drop_table(&pool, &table).await;
+}

@@ -62,6 +62,7 @@ use super::{Acquire, Backend, Claim, ClaimOutcome, FinishError, OpenTx, StoreErr
 use crate::Error;
 use crate::response::StoredResponse;
 
+mod admin;
 mod lease;
 mod sql;
 #[cfg(test)]

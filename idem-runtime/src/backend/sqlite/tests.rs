@@ -139,3 +139,10 @@ async fn a_table_from_before_phases_is_migrated() {
     assert_eq!(rows, 1);
     crate::backend::test_support::lease_contract(&pool, "old_keys").await;
 }
+
+/// The operators' key operations (`test_support::admin_contract`).
+#[tokio::test]
+async fn the_admin_contract_holds() {
+    let pool = key_table().await;
+    crate::backend::test_support::admin_contract(&pool, "keys").await;
+}

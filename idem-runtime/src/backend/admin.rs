@@ -1,0 +1,197 @@
+//! Key operations for support and operators: what a key's row says
+//! ([`KeyInfo`]), a scope's recent keys, and deleting a key that is done
+//! ([`Forgotten`]), as every engine reads and deletes them.
+
+use std::future::Future;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use sqlx::Pool;
+
+use super::Backend;
+use crate::phased::StoredRequest;
+
+/// The most keys [`Idem::recent`](crate::Idem::recent) lists at once.
+pub const MAX_RECENT: u32 = 1000;
+
+/// Where a key stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyState {
+    /// Unfinished and unexpired: an attempt holds it (a phased key, or an
+    /// atomic claim that committed early). See [`KeyInfo::leased`].
+    InFlight,
+    /// An attempt finished it: its response is replayed until it expires.
+    Finished,
+    /// Past its expiry: the next claim takes it over, as if it were absent.
+    Expired,
+}
+
+/// What a key's row says, for support and operators: never a stored
+/// response's headers or body, nor a recovery point's values.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct KeyInfo {
+    /// The caller the key belongs to.
+    pub scope: String,
+    /// The key.
+    pub key: String,
+    /// Where it stands.
+    pub state: KeyState,
+    /// The request's fingerprint, in hex.
+    pub fingerprint: String,
+    /// The stored response's status, once finished.
+    pub status: Option<u16>,
+    /// The request's method: kept for phased keys only (`None` for atomic
+    /// ones, which keep no request).
+    pub method: Option<String>,
+    /// The request's path and query, as [`method`](Self::method).
+    pub path: Option<String>,
+    /// When the key was claimed (taken over, for a takeover).
+    pub created: SystemTime,
+    /// When it expires.
+    pub expires: SystemTime,
+    /// Whether a phased attempt's lease on the key is live now.
+    pub leased: bool,
+    /// When the phased lease ends (or ended); `None` for an atomic key or a
+    /// finished one.
+    pub lease_until: Option<SystemTime>,
+    /// The names of the phases and steps a phased key recorded, sorted;
+    /// their values are never read.
+    pub phases: Vec<String>,
+    /// Whether a phased attempt may have run an external step.
+    pub external: bool,
+}
+
+/// What [`Idem::forget`](crate::Idem::forget) did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Forgotten {
+    /// The key was finished or expired, and is gone: its next request is a
+    /// first attempt.
+    Deleted,
+    /// No such key (or only one whose claim has not committed yet in
+    /// another session: see [`Idem::forget`](crate::Idem::forget)).
+    Absent,
+    /// The key is in flight (unfinished and unexpired): refused, nothing
+    /// deleted.
+    InFlight,
+}
+
+/// A key's row as the engines read it, times in milliseconds since the
+/// Unix epoch and judged by the database's clock.
+#[derive(Debug)]
+pub struct KeyRow {
+    /// The scope's bytes.
+    pub scope: Vec<u8>,
+    /// The key's bytes.
+    pub key: Vec<u8>,
+    /// The fingerprint's bytes.
+    pub fingerprint: Vec<u8>,
+    /// The stored status.
+    pub status: Option<i64>,
+    /// `created_at`.
+    pub created_ms: i64,
+    /// `expires_at`.
+    pub expires_ms: i64,
+    /// `lease_until`.
+    pub lease_until_ms: Option<i64>,
+    /// The database's now.
+    pub now_ms: i64,
+    /// The recovery point.
+    pub recovery: Option<Vec<u8>>,
+    /// The kept request (`phased::StoredRequest`).
+    pub request: Option<Vec<u8>>,
+}
+
+/// The recovery point's names, read without its values.
+#[derive(serde::Deserialize)]
+struct Recovery {
+    #[serde(default)]
+    steps: std::collections::BTreeMap<String, serde::de::IgnoredAny>,
+    #[serde(default)]
+    external: bool,
+}
+
+fn time(ms: i64) -> SystemTime {
+    match u64::try_from(ms) {
+        Ok(ms) => UNIX_EPOCH + Duration::from_millis(ms),
+        Err(_) => UNIX_EPOCH - Duration::from_millis(ms.unsigned_abs()),
+    }
+}
+
+impl KeyRow {
+    /// What the row says.
+    pub(crate) fn into_info(self) -> KeyInfo {
+        let state = if self.expires_ms <= self.now_ms {
+            KeyState::Expired
+        } else if self.status.is_some() {
+            KeyState::Finished
+        } else {
+            KeyState::InFlight
+        };
+        let recovery = self
+            .recovery
+            .as_deref()
+            .and_then(|bytes| serde_json::from_slice::<Recovery>(bytes).ok());
+        let request = self.request.as_deref().and_then(StoredRequest::decode);
+        KeyInfo {
+            scope: String::from_utf8_lossy(&self.scope).into_owned(),
+            key: String::from_utf8_lossy(&self.key).into_owned(),
+            state,
+            fingerprint: hex::encode(&self.fingerprint),
+            status: self.status.and_then(|status| u16::try_from(status).ok()),
+            method: request.as_ref().map(|request| request.method.to_string()),
+            path: request.as_ref().map(|request| {
+                request
+                    .uri
+                    .path_and_query()
+                    .map_or_else(|| request.uri.to_string(), ToString::to_string)
+            }),
+            created: time(self.created_ms),
+            expires: time(self.expires_ms),
+            leased: state == KeyState::InFlight
+                && self.lease_until_ms.is_some_and(|until| until > self.now_ms),
+            lease_until: self.lease_until_ms.map(time),
+            phases: recovery
+                .as_ref()
+                .map(|recovery| recovery.steps.keys().cloned().collect())
+                .unwrap_or_default(),
+            external: recovery.is_some_and(|recovery| recovery.external),
+        }
+    }
+}
+
+/// An engine's reads and delete of single keys, for
+/// [`Idem::lookup`](crate::Idem::lookup), [`Idem::recent`](crate::Idem::recent)
+/// and [`Idem::forget`](crate::Idem::forget). Implemented by every engine
+/// `idem` keeps keys in.
+pub trait Admin: Backend {
+    /// The key's row, if any (expired or not).
+    #[doc(hidden)]
+    fn lookup(
+        pool: &Pool<Self>,
+        table: &str,
+        scope: &str,
+        key: &str,
+    ) -> impl Future<Output = Result<Option<KeyRow>, sqlx::Error>> + Send;
+
+    /// Up to `limit` rows of `scope`, the latest created first.
+    #[doc(hidden)]
+    fn recent(
+        pool: &Pool<Self>,
+        table: &str,
+        scope: &str,
+        limit: u32,
+    ) -> impl Future<Output = Result<Vec<KeyRow>, sqlx::Error>> + Send;
+
+    /// Deletes the key's row if it is finished or expired, checked and
+    /// deleted in one statement: `Deleted`; `InFlight` when another
+    /// transaction holds the row (a claim in progress the engine makes
+    /// the delete wait for); `Absent` when nothing was deleted, and the
+    /// caller reads the row to tell an absent key from one in flight.
+    #[doc(hidden)]
+    fn forget(
+        pool: &Pool<Self>,
+        table: &str,
+        scope: &str,
+        key: &str,
+    ) -> impl Future<Output = Result<Forgotten, sqlx::Error>> + Send;
+}

@@ -1,0 +1,122 @@
+//! MySQL/MariaDB's key operations for operators: plain bound statements,
+//! the times (kept in UTC) read as milliseconds since the epoch.
+
+use sqlx::mysql::MySqlRow;
+use sqlx::{AssertSqlSafe, Executor};
+use sqlx::{MySql, Pool, Row};
+
+use super::{ER_LOCK_DEADLOCK, ER_LOCK_WAIT_TIMEOUT, number};
+use crate::backend::admin::{Admin, Forgotten, KeyRow};
+
+/// The columns every read selects, times as epoch milliseconds.
+const COLUMNS: &str = "scope, `key`, fingerprint, status, recovery, request, \
+     TIMESTAMPDIFF(MICROSECOND, '1970-01-01', created_at) DIV 1000 AS created_ms, \
+     TIMESTAMPDIFF(MICROSECOND, '1970-01-01', expires_at) DIV 1000 AS expires_ms, \
+     TIMESTAMPDIFF(MICROSECOND, '1970-01-01', lease_until) DIV 1000 AS lease_until_ms, \
+     TIMESTAMPDIFF(MICROSECOND, '1970-01-01', UTC_TIMESTAMP(6)) DIV 1000 AS now_ms";
+
+fn key_row(row: &MySqlRow) -> Result<KeyRow, sqlx::Error> {
+    Ok(KeyRow {
+        scope: row.try_get("scope")?,
+        key: row.try_get("key")?,
+        fingerprint: row.try_get("fingerprint")?,
+        status: row.try_get::<Option<i16>, _>("status")?.map(i64::from),
+        created_ms: row.try_get("created_ms")?,
+        expires_ms: row.try_get("expires_ms")?,
+        lease_until_ms: row.try_get("lease_until_ms")?,
+        now_ms: row.try_get("now_ms")?,
+        recovery: row.try_get("recovery")?,
+        request: row.try_get("request")?,
+    })
+}
+
+/// The session's lock wait, kept while the forget's delete waits at most
+/// a second for a claim in progress.
+const SAVED_LOCK_WAIT: &str = "@idem_admin_saved_lock_wait";
+
+impl Admin for MySql {
+    async fn lookup(
+        pool: &Pool<Self>,
+        table: &str,
+        scope: &str,
+        key: &str,
+    ) -> Result<Option<KeyRow>, sqlx::Error> {
+        let sql = format!("SELECT {COLUMNS} FROM {table} WHERE scope = ? AND `key` = ?");
+        sqlx::query(AssertSqlSafe(sql))
+            .bind(scope.as_bytes())
+            .bind(key.as_bytes())
+            .fetch_optional(pool)
+            .await?
+            .as_ref()
+            .map(key_row)
+            .transpose()
+    }
+
+    async fn recent(
+        pool: &Pool<Self>,
+        table: &str,
+        scope: &str,
+        limit: u32,
+    ) -> Result<Vec<KeyRow>, sqlx::Error> {
+        let sql = format!(
+            "SELECT {COLUMNS} FROM {table} WHERE scope = ? \
+             ORDER BY created_at DESC, `key` DESC LIMIT ?"
+        );
+        sqlx::query(AssertSqlSafe(sql))
+            .bind(scope.as_bytes())
+            .bind(limit)
+            .fetch_all(pool)
+            .await?
+            .iter()
+            .map(key_row)
+            .collect()
+    }
+
+    async fn forget(
+        pool: &Pool<Self>,
+        table: &str,
+        scope: &str,
+        key: &str,
+    ) -> Result<Forgotten, sqlx::Error> {
+        // The delete reads the row's latest version under its lock, so a
+        // claim in progress (its uncommitted row) makes it wait: a second
+        // at most, then it is refused as in flight.
+        let mut conn = pool.acquire().await?;
+        conn.execute(AssertSqlSafe(format!(
+            "SET {SAVED_LOCK_WAIT} = @@SESSION.innodb_lock_wait_timeout, \
+             SESSION innodb_lock_wait_timeout = 1"
+        )))
+        .await?;
+        let sql = format!(
+            "DELETE FROM {table} WHERE scope = ? AND `key` = ? \
+             AND (status IS NOT NULL OR expires_at <= UTC_TIMESTAMP(6))"
+        );
+        let deleted = sqlx::query(AssertSqlSafe(sql))
+            .bind(scope.as_bytes())
+            .bind(key.as_bytes())
+            .execute(&mut *conn)
+            .await;
+        let restored = conn
+            .execute(AssertSqlSafe(format!(
+                "SET SESSION innodb_lock_wait_timeout = {SAVED_LOCK_WAIT}"
+            )))
+            .await;
+        if restored.is_err() {
+            // A connection left with a one-second lock wait is not reused.
+            conn.close().await.ok();
+        }
+        match deleted {
+            Ok(done) if done.rows_affected() == 1 => Ok(Forgotten::Deleted),
+            Ok(_) => Ok(Forgotten::Absent),
+            Err(error)
+                if matches!(
+                    number(&error),
+                    Some(ER_LOCK_WAIT_TIMEOUT | ER_LOCK_DEADLOCK)
+                ) =>
+            {
+                Ok(Forgotten::InFlight)
+            }
+            Err(error) => Err(error),
+        }
+    }
+}
