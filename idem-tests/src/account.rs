@@ -16,6 +16,14 @@ impl Scope for Account {
     }
 }
 
+/// How a phased handler's completer names the caller it resumes (the
+/// benchmark's phased handler is one).
+impl idem::FromScope for Account {
+    fn from_scope(scope: &str) -> Self {
+        Account(scope.to_owned())
+    }
+}
+
 impl<S: Send + Sync> FromRequestParts<S> for Account {
     type Rejection = StatusCode;
 

@@ -4,6 +4,7 @@
 
 pub mod account;
 pub mod engines;
+pub mod examples;
 pub mod half_open;
 #[cfg(feature = "postgres")]
 pub mod hardening;

@@ -3,74 +3,22 @@
 //! attempt; a wrong token refused; and no routes at all without
 //! `ADMIN_TOKEN`.
 
-use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
-use std::process::Stdio;
-use std::time::Duration;
+use std::path::Path;
 
-use tokio::io::{AsyncBufReadExt, BufReader};
-use tokio::process::{Child, Command};
+use idem_tests::examples::{self, free_port};
+use tokio::process::Child;
 
 const TOKEN: &str = "s3cret-admin-token";
-
-/// The `charges` example binary beside this test binary's directory.
-fn binary() -> PathBuf {
-    let exe = std::env::current_exe().expect("the test binary has a path");
-    let path = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("test binaries live in target/<profile>/deps")
-        .join("examples")
-        .join("charges");
-    assert!(
-        path.is_file(),
-        "the example {} is missing: `cargo test --workspace` builds it",
-        path.display()
-    );
-    path
-}
 
 /// The example serving on a free port, its data in `dir`'s SQLite file,
 /// with `admin_token` as its `ADMIN_TOKEN` (unset if `None`); its base URL.
 async fn charges(dir: &Path, admin_token: Option<&str>) -> (Child, String) {
-    let addr: SocketAddr = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap();
-    let mut command = Command::new(binary());
-    command
-        .current_dir(dir)
-        .env("ADDR", addr.to_string())
-        .env(
-            "DATABASE_URL",
-            format!("sqlite:{}", dir.join("charges.db").display()),
-        )
-        .env_remove("PROVIDER_URL")
-        .env_remove("ADMIN_TOKEN")
-        .env("RUST_LOG", "info")
-        .env("NO_COLOR", "1")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .kill_on_drop(true);
-    if let Some(token) = admin_token {
-        command.env("ADMIN_TOKEN", token);
-    }
-    let mut child = command.spawn().expect("the charges example starts");
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let listening = async {
-        while let Some(line) = lines.next_line().await.expect("the example's output") {
-            if line.contains("charges API listening on") {
-                return;
-            }
-        }
-        panic!("the example exited before listening");
-    };
-    tokio::time::timeout(Duration::from_secs(30), listening)
-        .await
-        .expect("the example listening within 30 s");
-    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-    (child, format!("http://{addr}"))
+    let addr = free_port();
+    let env = [("PROVIDER_URL", None), ("ADMIN_TOKEN", admin_token)];
+    (
+        examples::charges(dir, addr, &env).await,
+        format!("http://{addr}"),
+    )
 }
 
 /// `POST /v1/charges` as the README's: its status and whether replayed.

@@ -4,73 +4,13 @@
 //! and a server killed during the provider's call whose payment the
 //! restarted server's completer finishes, with one charge per payment.
 
-use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 
+use idem_tests::examples::{charges, free_port};
 use idem_tests::phased::provider::ProviderProcess;
-use tokio::io::{AsyncBufReadExt, BufReader};
-use tokio::process::{Child, Command};
 
 /// The example's lease (`lease = "5s"` on its handler).
 const LEASE_SECS: u64 = 5;
-
-/// The `charges` example binary beside this test binary's directory.
-fn binary() -> PathBuf {
-    let exe = std::env::current_exe().expect("the test binary has a path");
-    let path = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("test binaries live in target/<profile>/deps")
-        .join("examples")
-        .join("charges");
-    assert!(
-        path.is_file(),
-        "the example {} is missing: `cargo test --workspace` builds it",
-        path.display()
-    );
-    path
-}
-
-/// The example serving on `addr`, its data in `dir`'s SQLite file.
-async fn charges(dir: &Path, addr: SocketAddr, provider: &str) -> Child {
-    let mut child = Command::new(binary())
-        .current_dir(dir)
-        .env("ADDR", addr.to_string())
-        .env(
-            "DATABASE_URL",
-            format!("sqlite:{}", dir.join("charges.db").display()),
-        )
-        .env("PROVIDER_URL", provider)
-        .env("RUST_LOG", "info")
-        .env("NO_COLOR", "1")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("the charges example starts");
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let listening = async {
-        while let Some(line) = lines.next_line().await.expect("the example's output") {
-            if line.contains("charges API listening on") {
-                return;
-            }
-        }
-        panic!("the example exited before listening");
-    };
-    tokio::time::timeout(Duration::from_secs(30), listening)
-        .await
-        .expect("the example listening within 30 s");
-    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-    child
-}
-
-fn free_port() -> SocketAddr {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    listener.local_addr().unwrap()
-}
 
 /// `POST /v1/payments` as the README's `pay` does.
 async fn pay(http: &reqwest::Client, base: &str, key: &str) -> reqwest::Result<reqwest::Response> {
@@ -94,7 +34,8 @@ async fn the_readme_walkthrough_holds() {
     let dir = tempfile::tempdir().unwrap();
     let addr = free_port();
     let base = format!("http://{addr}");
-    let mut server = charges(dir.path(), addr, &provider.url).await;
+    let provider_url = [("PROVIDER_URL", Some(provider.url.as_str()))];
+    let mut server = charges(dir.path(), addr, &provider_url).await;
     let http = reqwest::Client::new();
 
     // A payment, then its replay.
@@ -138,7 +79,7 @@ async fn the_readme_walkthrough_holds() {
         .await;
     server.kill().await.unwrap();
     assert!(lost.await.unwrap().is_err(), "the killed server answered");
-    let _server = charges(dir.path(), addr, &provider.url).await;
+    let _server = charges(dir.path(), addr, &provider_url).await;
     let deadline = Instant::now() + Duration::from_secs(40);
     let finished = loop {
         let payment = http

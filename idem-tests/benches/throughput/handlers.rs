@@ -53,7 +53,7 @@ macro_rules! service {
             use super::Dialect;
             use crate::app::{Account, ApiError, KEYS_TABLE, NewCharge, created, read_request, work};
             use crate::provider::{
-                self, PayError, Payer, Payment, Provider, ProviderCharge, insert_pending, mark_paid,
+                self, PayError, Payment, Provider, ProviderCharge, insert_pending, mark_paid,
             };
 
             #[derive(Clone, FromRef)]
@@ -292,16 +292,16 @@ macro_rules! service {
             /// payment (committed with its recovery point), the provider is
             /// an external step, and the last phase's mark commits with the
             /// stored response.
-            #[idempotent(scope = "payer", lease = "30s")]
+            #[idempotent(scope = "account", lease = "30s")]
             async fn phased(
-                payer: Payer,
+                account: Account,
                 State(provider): State<Provider>,
                 mut phases: Phases<$db>,
                 Json(new): Json<NewCharge>,
             ) -> Result<Response, PayError> {
                 let id: i64 = phases
                     .local("pending", async |tx| -> Result<_, PayError> {
-                        Ok(insert_pending::<$db>(tx, &payer.0, &new).await?)
+                        Ok(insert_pending::<$db>(tx, &account.0, &new).await?)
                     })
                     .await?;
                 let charge: ProviderCharge = phases
@@ -309,7 +309,7 @@ macro_rules! service {
                     .await?;
                 let tx = phases.last_phase().await?;
                 mark_paid::<$db>(tx, &charge.id, id).await?;
-                Ok(provider::created(&Payment::paid(id, &payer.0, &new, charge)))
+                Ok(provider::created(&Payment::paid(id, &account.0, &new, charge)))
             }
 
             /// A two-phase key row: status, fingerprint, body.

@@ -13,14 +13,13 @@
 //! `{"id": "pay_<n>"}` at once, with no delay and no memory of keys, so
 //! what the scenarios compare is the database's part.
 
-use std::borrow::Cow;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use axum::Json;
-use axum::extract::{FromRequestParts, State};
-use axum::http::{HeaderMap, StatusCode, header, request::Parts};
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use serde::{Deserialize, Serialize};
@@ -30,37 +29,6 @@ use crate::app::NewCharge;
 
 /// The external step's label: what the provider's key is derived for.
 pub const STEP: &str = "provider";
-
-/// The caller of `phased`, from `x-account` as [`Account`](crate::app::Account);
-/// a phased handler's scope must also be rebuilt from the stored scope
-/// (for the completer, which the benchmark does not run), and the shared
-/// `Account` lives in another crate.
-pub struct Payer(pub String);
-
-impl idem::Scope for Payer {
-    fn scope(&self) -> Cow<'_, str> {
-        self.0.as_str().into()
-    }
-}
-
-impl idem::FromScope for Payer {
-    fn from_scope(scope: &str) -> Self {
-        Payer(scope.to_owned())
-    }
-}
-
-impl<S: Send + Sync> FromRequestParts<S> for Payer {
-    type Rejection = StatusCode;
-
-    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, StatusCode> {
-        let account = parts
-            .headers
-            .get("x-account")
-            .and_then(|value| value.to_str().ok())
-            .ok_or(StatusCode::UNAUTHORIZED)?;
-        Ok(Payer(account.to_owned()))
-    }
-}
 
 /// The provider's client, as a service holds it.
 #[derive(Clone)]

@@ -2,18 +2,12 @@
 //! fake provider that honours `Idempotency-Key`) run as a real process,
 //! and the client the handler calls it with.
 
-use std::path::PathBuf;
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
-use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
 use super::{NewPayment, PayError};
-
-/// How long the provider may take to start listening.
-const STARTUP_LIMIT: Duration = Duration::from_secs(30);
 
 /// The handler's client of the provider.
 #[derive(Clone)]
@@ -80,60 +74,26 @@ pub struct ProviderProcess {
     _child: Child,
 }
 
-/// The example binary, `target/<profile>/examples/provider`, found from
-/// this test binary (`target/<profile>/deps/<test>`).
-fn binary() -> PathBuf {
-    let exe = std::env::current_exe().expect("the test binary has a path");
-    let profile_dir = exe
-        .parent()
-        .and_then(|deps| deps.parent())
-        .expect("test binaries live in target/<profile>/deps");
-    let path = profile_dir.join("examples").join("provider");
-    assert!(
-        path.is_file(),
-        "the fake payment provider {} is missing: build the examples first with \
-         `cargo build --examples` (`cargo test --workspace` builds them too)",
-        path.display()
-    );
-    path
-}
-
 impl ProviderProcess {
     /// Starts a provider that answers each `POST` after `delay` (its charge
     /// recorded first) and answers the first `fail_first` with 503.
     pub async fn start(delay: Duration, fail_first: u64) -> Self {
-        let mut child = Command::new(binary())
+        let mut command = Command::new(crate::examples::binary("provider"));
+        command
             .env("PROVIDER_ADDR", "127.0.0.1:0")
             .env("PROVIDER_DELAY_MS", delay.as_millis().to_string())
-            .env("PROVIDER_FAIL_FIRST", fail_first.to_string())
-            .env("RUST_LOG", "info")
-            .env("NO_COLOR", "1")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("the provider example starts");
-        // It logs "fake provider listening on http://ADDR ..." once bound;
-        // then its output is drained, so it never blocks on a full pipe.
-        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-        let listening = async {
-            while let Some(line) = lines.next_line().await.expect("the provider's output") {
-                if let Some((_, rest)) = line.split_once("listening on http://") {
-                    let addr: String = rest
-                        .chars()
-                        .take_while(|c| c.is_ascii_digit() || *c == '.' || *c == ':')
-                        .collect();
-                    return Some(addr);
-                }
-            }
-            None
+            .env("PROVIDER_FAIL_FIRST", fail_first.to_string());
+        // It logs "fake provider listening on http://ADDR ..." once bound.
+        let listening = |line: &str| {
+            let (_, rest) = line.split_once("listening on http://")?;
+            let addr: String = rest
+                .chars()
+                .take_while(|c| c.is_ascii_digit() || *c == '.' || *c == ':')
+                .collect();
+            Some(addr)
         };
-        let addr = tokio::time::timeout(STARTUP_LIMIT, listening)
-            .await
-            .expect("the provider listening within 30 s")
-            .expect("the provider exited before listening");
-        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        let (child, addr) =
+            crate::examples::start_until(command, "the provider example", listening).await;
         Self {
             url: format!("http://{addr}"),
             http: reqwest::Client::new(),

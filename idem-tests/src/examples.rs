@@ -1,0 +1,93 @@
+//! The workspace's example binaries run as real processes, as a user runs
+//! them: found beside the test binary, started with a clean environment of
+//! their own, and awaited until they say they listen.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+/// How long an example may take to start listening.
+const STARTUP_LIMIT: Duration = Duration::from_secs(30);
+
+/// The example `name`, next to this test binary's directory:
+/// `target/<profile>/examples/<name>`. Fails loudly when it is missing.
+pub fn binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("the test binary has a path");
+    let path = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("test binaries live in target/<profile>/deps")
+        .join("examples")
+        .join(name);
+    assert!(
+        path.is_file(),
+        "the example {} is missing: build the examples first with `cargo build --examples` \
+         (`cargo test --workspace` builds them too)",
+        path.display()
+    );
+    path
+}
+
+/// `command` started, its stdout read until `found` recognises a line
+/// (what it returns is returned), then drained in the background so the
+/// process never blocks on a full pipe. Killed when the child is dropped.
+pub async fn start_until<T>(
+    mut command: Command,
+    what: &str,
+    mut found: impl FnMut(&str) -> Option<T>,
+) -> (Child, T) {
+    let mut child = command
+        .env("RUST_LOG", "info")
+        .env("NO_COLOR", "1")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap_or_else(|error| panic!("{what} starts: {error}"));
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let reading = async {
+        while let Some(line) = lines.next_line().await.expect("the process's output") {
+            if let Some(value) = found(&line) {
+                return value;
+            }
+        }
+        panic!("{what} exited before listening");
+    };
+    let value = tokio::time::timeout(STARTUP_LIMIT, reading)
+        .await
+        .unwrap_or_else(|_| panic!("{what} listening within {STARTUP_LIMIT:?}"));
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    (child, value)
+}
+
+/// A free port on loopback.
+pub fn free_port() -> SocketAddr {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap()
+}
+
+/// The `charges` example serving on `addr`, its data in `dir`'s SQLite
+/// file, once it listens. `env` sets variables (`Some`) or keeps them
+/// from the test's environment out (`None`).
+pub async fn charges(dir: &Path, addr: SocketAddr, env: &[(&str, Option<&str>)]) -> Child {
+    let mut command = Command::new(binary("charges"));
+    command.current_dir(dir).env("ADDR", addr.to_string()).env(
+        "DATABASE_URL",
+        format!("sqlite:{}", dir.join("charges.db").display()),
+    );
+    for (name, value) in env {
+        match value {
+            Some(value) => command.env(name, value),
+            None => command.env_remove(name),
+        };
+    }
+    let listening = |line: &str| line.contains("charges API listening on").then_some(());
+    start_until(command, "the charges example", listening)
+        .await
+        .0
+}
