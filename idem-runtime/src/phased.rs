@@ -11,7 +11,6 @@
 use std::borrow::Cow;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
-use std::pin::Pin;
 use std::time::Duration;
 
 use axum::response::{IntoResponse, Response};
@@ -29,14 +28,11 @@ use crate::key::IdempotencyKey;
 use crate::observe::{self, Outcome};
 use crate::phases::{PhaseState, Phases, Recovery};
 use crate::problem::Problem;
-use crate::protocol::{Answer, Prepared, answer_finished, retry_after_secs, scope_too_long};
+use crate::protocol::{
+    Answer, DynHandler, Prepared, answer_finished, call_once, read_seen, retry_after_secs,
+    scope_too_long,
+};
 use crate::response::{CaptureError, StoredResponse};
-
-/// A phased handler's future, boxed as in the atomic mode (see
-/// `protocol::HandlerFuture`).
-type PhasedFuture<'f> = Pin<Box<dyn Future<Output = Answer> + Send + 'f>>;
-
-type DynPhased<'h, 'f, DB> = dyn FnMut(Phases<DB>) -> PhasedFuture<'f> + Send + 'h;
 
 /// Claims the key with a lease (or resumes it), runs the handler's phases,
 /// and stores its response with the last phase; see the module docs for
@@ -52,21 +48,14 @@ where
     H: FnOnce(Phases<DB>) -> Fut + Send,
     Fut: Future<Output = Answer> + Send + 'f,
 {
-    let mut handler = Some(handler);
-    let mut call = |phases: Phases<DB>| -> PhasedFuture<'f> {
-        let handler = handler
-            .take()
-            .expect("the protocol calls a handler at most once");
-        Box::pin(handler(phases))
-    };
-    run_dyn(idem, prepared, scope, &mut call).await
+    run_dyn(idem, prepared, scope, &mut call_once(handler)).await
 }
 
 async fn run_dyn<'f, DB: Phased>(
     idem: Idem<DB>,
     prepared: Prepared,
     scope: Cow<'_, str>,
-    handler: &mut DynPhased<'_, 'f, DB>,
+    handler: &mut DynHandler<'_, 'f, Phases<DB>>,
 ) -> Response {
     let span = prepared.span.clone();
     let Some((key, fingerprint)) = prepared.key else {
@@ -107,7 +96,7 @@ async fn run_keyed<'f, DB: Phased>(
     idem: &Idem<DB>,
     lease: &LeaseClaim<'_>,
     backoff: Duration,
-    handler: &mut DynPhased<'_, 'f, DB>,
+    handler: &mut DynHandler<'_, 'f, Phases<DB>>,
 ) -> (Outcome, Response) {
     let claim = &lease.claim;
     if let Some(refused) = scope_too_long(claim) {
@@ -241,28 +230,15 @@ async fn run_keyed<'f, DB: Phased>(
     store(idem, state, answer.response, backoff).await
 }
 
-/// A key this process saw finish: answered by a plain read.
+/// A key this process saw finish: answered by a plain read. Whatever else
+/// the read meets, the lease's claim decides.
 async fn peek<DB: Phased>(idem: &Idem<DB>, claim: &Claim<'_>) -> Option<(Outcome, Response)> {
-    let finished = idem.finished_keys();
-    if !finished.seen(claim.scope, claim.key) {
-        return None;
-    }
-    match Box::pin(DB::peek(
-        idem.pool(),
-        idem.acquire(),
-        idem.table_name(),
-        claim,
-    ))
-    .await
-    {
+    match read_seen(idem, claim).await {
         Ok(Some(ClaimOutcome::Finished {
             fingerprint,
             response,
         })) => Some(answer_finished(idem, claim, fingerprint, response)),
-        _ => {
-            finished.forget(claim.scope, claim.key);
-            None
-        }
+        _ => None,
     }
 }
 

@@ -259,11 +259,29 @@ impl Answer {
 /// request's transaction, its future boxed. Through this the protocol is
 /// compiled once per database rather than once per handler; the cost is one
 /// allocation per request that reaches the handler.
-type HandlerFuture<'f> = Pin<Box<dyn Future<Output = Answer> + Send + 'f>>;
+pub(crate) type HandlerFuture<'f> = Pin<Box<dyn Future<Output = Answer> + Send + 'f>>;
 
-/// A handler behind [`HandlerFuture`]: an `FnMut` called at most once (a
-/// `&mut dyn FnMut` needs no allocation, a `Box<dyn FnOnce>` would).
-type DynHandler<'h, 'f, DB> = dyn FnMut(Tx<DB>) -> HandlerFuture<'f> + Send + 'h;
+/// A handler behind [`HandlerFuture`], given `A` (its `Tx`, or its
+/// `Phases`): an `FnMut` called at most once (a `&mut dyn FnMut` needs no
+/// allocation, a `Box<dyn FnOnce>` would).
+pub(crate) type DynHandler<'h, 'f, A> = dyn FnMut(A) -> HandlerFuture<'f> + Send + 'h;
+
+/// `handler` as a [`DynHandler`] can be made of it: the generated
+/// handler's one generic step, so that the protocol behind it is compiled
+/// once per database.
+pub(crate) fn call_once<'f, A, H, Fut>(handler: H) -> impl FnMut(A) -> HandlerFuture<'f> + Send
+where
+    H: FnOnce(A) -> Fut + Send,
+    Fut: Future<Output = Answer> + Send + 'f,
+{
+    let mut handler = Some(handler);
+    move |argument: A| -> HandlerFuture<'f> {
+        let handler = handler
+            .take()
+            .expect("the protocol calls a handler at most once");
+        Box::pin(handler(argument))
+    }
+}
 
 /// Claims the key in `scope`, runs the handler once, stores its response in
 /// the handler's own commit, or answers from the store without running it.
@@ -281,14 +299,7 @@ where
     H: FnOnce(Tx<DB>) -> Fut + Send,
     Fut: Future<Output = Answer> + Send + 'f,
 {
-    let mut handler = Some(handler);
-    let mut call = |tx: Tx<DB>| -> HandlerFuture<'f> {
-        let handler = handler
-            .take()
-            .expect("the protocol calls a handler at most once");
-        Box::pin(handler(tx))
-    };
-    run_dyn(idem, prepared, scope, &mut call).await
+    run_dyn(idem, prepared, scope, &mut call_once(handler)).await
 }
 
 /// `run`, with the handler behind a `dyn`.
@@ -296,7 +307,7 @@ async fn run_dyn<'f, DB: Backend>(
     idem: Idem<DB>,
     prepared: Prepared,
     scope: Cow<'_, str>,
-    handler: &mut DynHandler<'_, 'f, DB>,
+    handler: &mut DynHandler<'_, 'f, Tx<DB>>,
 ) -> Response {
     let span = prepared.span.clone();
     // Hashing costs nothing worth it when no subscriber wants the span.
@@ -334,7 +345,7 @@ async fn run_dyn<'f, DB: Backend>(
 async fn run_keyed<'f, DB: Backend>(
     idem: &Idem<DB>,
     claim: &Claim<'_>,
-    handler: &mut DynHandler<'_, 'f, DB>,
+    handler: &mut DynHandler<'_, 'f, Tx<DB>>,
 ) -> (Outcome, Response) {
     if let Some(refused) = scope_too_long(claim) {
         return refused;
@@ -469,35 +480,49 @@ async fn claim_or_read<DB: Backend>(
     idem: &Idem<DB>,
     claim: &Claim<'_>,
 ) -> Result<ClaimOutcome<DB>, StoreError> {
-    let finished = idem.finished_keys();
-    if finished.seen(claim.scope, claim.key) {
-        // Boxed: most requests never take this branch, and sqlx's futures
-        // would otherwise inflate every request's (see `OpenTx::acquire`).
-        match Box::pin(DB::peek(
-            idem.pool(),
-            idem.acquire(),
-            idem.table_name(),
-            claim,
-        ))
-        .await
-        {
-            Ok(Some(outcome)) => return Ok(outcome),
-            Ok(None) => finished.forget(claim.scope, claim.key),
-            // The server refused the read (a pooler that keeps no prepared
-            // statements, say): the claim may still work.
-            Err(StoreError::Database(sqlx::Error::Database(error))) => {
-                tracing::debug!(%error, "reading a finished key failed; claiming it");
-                finished.forget(claim.scope, claim.key);
-            }
-            // No connection: the claim would wait for one again.
-            Err(error) => return Err(error),
-        }
+    if let Some(finished) = read_seen(idem, claim).await? {
+        return Ok(finished);
     }
     let claimed = DB::claim(idem.pool(), idem.acquire(), idem.table_name(), claim).await;
     if let Ok(ClaimOutcome::Finished { .. }) = &claimed {
-        finished.remember(claim.scope, claim.key);
+        idem.finished_keys().remember(claim.scope, claim.key);
     }
     claimed
+}
+
+/// A key this process saw finish, read with one plain read: `None` when
+/// the process never saw it finish, or the read found it no longer
+/// finished or the server refused the read (the claim decides then). An
+/// error: no connection, which the claim would wait for again.
+pub(crate) async fn read_seen<DB: Backend>(
+    idem: &Idem<DB>,
+    claim: &Claim<'_>,
+) -> Result<Option<ClaimOutcome<DB>>, StoreError> {
+    let finished = idem.finished_keys();
+    if !finished.seen(claim.scope, claim.key) {
+        return Ok(None);
+    }
+    // Boxed: most requests never take this branch, and sqlx's futures
+    // would otherwise inflate every request's (see `OpenTx::acquire`).
+    match Box::pin(DB::peek(
+        idem.pool(),
+        idem.acquire(),
+        idem.table_name(),
+        claim,
+    ))
+    .await
+    {
+        Ok(Some(outcome)) => return Ok(Some(outcome)),
+        Ok(None) => {}
+        // The server refused the read (a pooler that keeps no prepared
+        // statements, say): the claim may still work.
+        Err(StoreError::Database(sqlx::Error::Database(error))) => {
+            tracing::debug!(%error, "reading a finished key failed; claiming it");
+        }
+        Err(error) => return Err(error),
+    }
+    finished.forget(claim.scope, claim.key);
+    Ok(None)
 }
 
 /// Rolls back a claimed request that will not be stored, and says so where
@@ -532,7 +557,7 @@ async fn abandon_keyed<DB: Backend>(mut conn: OpenTx<DB>, idem: &Idem<DB>, claim
 async fn run_without_key<'f, DB: Backend>(
     idem: &Idem<DB>,
     timeout: Duration,
-    handler: &mut DynHandler<'_, 'f, DB>,
+    handler: &mut DynHandler<'_, 'f, Tx<DB>>,
 ) -> (Outcome, Response) {
     let conn = match DB::begin(idem.pool(), idem.acquire()).await {
         Ok(conn) => conn,
@@ -567,7 +592,7 @@ async fn execute<'f, DB: Backend>(
     conn: OpenTx<DB>,
     key: Option<IdempotencyKey>,
     timeout: Duration,
-    handler: &mut DynHandler<'_, 'f, DB>,
+    handler: &mut DynHandler<'_, 'f, Tx<DB>>,
 ) -> Result<(Answer, OpenTx<DB>), (Outcome, Response)> {
     let (tx, mut back) = Tx::new(conn, key);
     let run = tokio::time::timeout(timeout, AssertUnwindSafe(handler(tx)).catch_unwind());
