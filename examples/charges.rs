@@ -26,6 +26,12 @@
 //!   one (404 if absent) and `DELETE` forgets a finished or expired key
 //!   (204; 404 absent, 409 in flight), so that its next request runs
 //!   afresh. Unset, those routes do not exist.
+//! - `NATS_URL` (`nats://127.0.0.1:4222`): set, the outbox relay publishes
+//!   each charge's `charge.created` message to NATS JetStream, in the stream
+//!   `NATS_STREAM` (default `CHARGES`, created if missing, subjects
+//!   `<NATS_SUBJECT_PREFIX>charge.>`), where `cargo run --example consumer`
+//!   reads them. Unset, the relay prints each message instead. A broker that
+//!   is down delays the messages, not the API.
 //!
 //! `POST /v1/payments` (same authorization and body as `/v1/charges`) is a
 //! phased handler: a local phase writes a pending payment, the provider is
@@ -43,8 +49,12 @@ use std::time::Duration;
 
 #[path = "shared/admin.rs"]
 mod admin;
+#[path = "shared/broker.rs"]
+mod broker;
 #[path = "shared/fake_provider.rs"]
 mod fake_provider;
+#[path = "shared/openapi.rs"]
+mod openapi;
 
 use axum::extract::FromRequestParts;
 use axum::http::{StatusCode, request::Parts};
@@ -89,8 +99,42 @@ impl<S: Send + Sync> FromRequestParts<S> for Account {
 
 #[derive(Deserialize, Serialize)]
 struct NewCharge {
+    #[serde(deserialize_with = "positive_amount")]
     amount: i64,
+    #[serde(deserialize_with = "currency_code")]
     currency: String,
+}
+
+/// A currency is an ISO 4217 code, three ASCII letters (`eur`): any other
+/// string is answered 422, where a database would refuse it (a NUL in
+/// PostgreSQL, more than the column holds in MySQL) with a 500.
+fn currency_code<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<String, D::Error> {
+    let code = String::deserialize(deserializer)?;
+    if code.len() == 3 && code.bytes().all(|b| b.is_ascii_alphabetic()) {
+        Ok(code)
+    } else {
+        Err(serde::de::Error::custom(
+            "expected a currency code of three letters, such as \"eur\"",
+        ))
+    }
+}
+
+/// An amount is a whole number above zero (`1250`, or `1250.0`, the same
+/// number in JSON): anything else is the client's mistake, answered 422
+/// before any work, rather than the provider's refusal answered 502.
+fn positive_amount<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<i64, D::Error> {
+    let number = serde_json::Number::deserialize(deserializer)?;
+    let amount = number.as_i64().or_else(|| {
+        // Below 2^63, where an integral double is exactly an i64.
+        let float = number.as_f64()?;
+        (float.fract() == 0.0 && float.abs() < 9.2e18).then_some(float as i64)
+    });
+    match amount {
+        Some(amount) if amount > 0 => Ok(amount),
+        _ => Err(serde::de::Error::custom(format!(
+            "expected a whole number above 0, found {number}"
+        ))),
+    }
 }
 
 #[derive(Serialize)]
@@ -122,11 +166,19 @@ enum ApiError {
     /// The provider failed or could not be reached: 502.
     Provider(String),
     Phase(idem::PhaseError),
+    /// The outbox message could not be written: the charge rolls back too.
+    Outbox(idem::Error),
 }
 
 impl From<sqlx::Error> for ApiError {
     fn from(error: sqlx::Error) -> Self {
         Self::Database(error)
+    }
+}
+
+impl From<idem::Error> for ApiError {
+    fn from(error: idem::Error) -> Self {
+        Self::Outbox(error)
     }
 }
 
@@ -148,6 +200,10 @@ impl IntoResponse for ApiError {
                 (StatusCode::BAD_GATEWAY, "payment provider unavailable\n").into_response()
             }
             Self::Phase(error) => error.into_response(),
+            Self::Outbox(error) => {
+                tracing::error!(%error, "outbox error");
+                (StatusCode::INTERNAL_SERVER_ERROR, "internal error\n").into_response()
+            }
         }
     }
 }
@@ -396,7 +452,7 @@ macro_rules! payments_api {
             }
 
             #[idempotent(scope = "account", lease = "5s")]
-            async fn create_payment(
+            pub(crate) async fn create_payment(
                 account: Account,
                 State(provider): State<Provider>,
                 mut phases: Phases<$db>,
@@ -519,6 +575,14 @@ macro_rules! charges_api {
                 Json(new): Json<NewCharge>,
             ) -> Result<impl IntoResponse, ApiError> {
                 let id = <$db as Dialect>::insert_charge(&mut tx, &account.0, &new).await?;
+                // Committed with the charge, or not at all; a replay adds none.
+                let event = serde_json::json!({
+                    "charge_id": id,
+                    "account": account.0,
+                    "amount": new.amount,
+                    "currency": new.currency,
+                });
+                tx.outbox("charge.created", &event).await?;
                 if !delay.is_zero() {
                     tokio::time::sleep(delay).await;
                 }
@@ -570,6 +634,8 @@ macro_rules! charges_api {
                     .execute(&pool)
                     .await?;
                 idem.spawn_sweeper(Duration::from_secs(60));
+                idem.migrate_outbox().await?;
+                crate::spawn_relay(&idem).await?;
 
                 let app = Router::new()
                     .route("/v1/charges", post(create_charge))
@@ -585,6 +651,11 @@ macro_rules! charges_api {
                 idem.completer(app.clone())
                     .every(Duration::from_secs(2))
                     .spawn();
+                let app = app.merge(crate::openapi::router(
+                    &idem,
+                    create_charge,
+                    crate::$payments::create_payment,
+                ));
                 // The operators' routes exist only with a token to guard them.
                 let app = match std::env::var("ADMIN_TOKEN") {
                     Ok(token) if !token.is_empty() => app.merge(crate::admin::router(idem, &token)),
@@ -676,6 +747,50 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         )
         .into()),
     }
+}
+
+/// Spawns the outbox relay: to NATS JetStream at `NATS_URL`, or, unset, to
+/// a sink printing one line per message.
+async fn spawn_relay<DB: idem::Backend>(
+    idem: &idem::Idem<DB>,
+) -> Result<(), Box<dyn std::error::Error>> {
+    // Short waits, for a demo: a lease twice the delivery timeout (its
+    // minimum) plus margin, so a killed server's messages go out again
+    // within 10 s of its restart; a message failing to go is retried
+    // after 0.5 s, 1 s, 2 s, ... at most 5 s apart.
+    fn tuned<DB: idem::Backend, S: idem::Sink>(relay: idem::Relay<DB, S>) -> idem::Relay<DB, S> {
+        relay
+            .every(Duration::from_millis(200))
+            .delivery_timeout(Duration::from_secs(3))
+            .lease(Duration::from_secs(10))
+            .backoff(Duration::from_millis(500))
+            .max_backoff(Duration::from_secs(5))
+    }
+    match std::env::var("NATS_URL") {
+        Ok(url) if !url.is_empty() => {
+            let broker = broker::Broker::from_env(url);
+            let jetstream = broker.connect().await?;
+            let sink = idem::nats::JetStream::new(jetstream.clone()).subject_prefix(&broker.prefix);
+            tracing::info!(
+                "outbox relay publishing to NATS stream {} (subjects {})",
+                broker.stream,
+                broker.subject("charge.>")
+            );
+            // Until the stream exists, publishes fail and are retried.
+            tokio::spawn(async move { broker.stream(&jetstream).await });
+            tuned(idem.relay(sink)).spawn();
+        }
+        _ => {
+            tracing::info!("NATS_URL is not set: the outbox relay prints each message");
+            let print = idem::sink_fn(async |message: idem::Message| {
+                let payload = String::from_utf8_lossy(&message.payload);
+                println!("outbox {} {} {payload}", message.topic, message.id);
+                Ok(())
+            });
+            tuned(idem.relay(print)).spawn();
+        }
+    }
+    Ok(())
 }
 
 /// The provider at `PROVIDER_URL`, or a fake one in this process.

@@ -10,7 +10,7 @@
 //! impl and later names the extractor that fails, pointing at its
 //! parameter, instead of reporting that `Handler<_, _>` is not implemented.
 
-use proc_macro2::{Delimiter, Group, Span, TokenStream, TokenTree};
+use proc_macro2::{Delimiter, Group, Ident, Span, TokenStream, TokenTree};
 use quote::{ToTokens, quote};
 use syn::{ItemFn, ReturnType, Type};
 
@@ -115,6 +115,7 @@ pub fn expand(item: &ItemFn, args: &Args, handler: &Handler) -> TokenStream {
         declaration,
         name,
     } = Shell::new(item);
+    let policy = policy(args, Some(handler), &krate, &name);
     quote! {
         #declaration
 
@@ -152,12 +153,41 @@ pub fn expand(item: &ItemFn, args: &Args, handler: &Handler) -> TokenStream {
                     })
                 }
             }
+
+            #policy
         };
     }
 }
 
 /// The handler's arguments, checked, as the runtime takes them.
 fn config(args: &Args, handler: &Handler, private: &TokenStream) -> TokenStream {
+    let config = config_expr(args, Some(handler), private);
+    quote! {
+        const __IDEM_CONFIG: #private::Config = #config;
+    }
+}
+
+/// The handler's policy, for documentation (`idem::openapi`): its
+/// arguments, as the runtime takes them.
+fn policy(
+    args: &Args,
+    handler: Option<&Handler>,
+    krate: &TokenStream,
+    name: &Ident,
+) -> TokenStream {
+    let private = quote!(#krate::__private);
+    let config = config_expr(args, handler, &private);
+    quote! {
+        #[automatically_derived]
+        impl #krate::IdempotentHandler for #name {
+            const POLICY: #krate::Policy = #config.policy();
+        }
+    }
+}
+
+/// The arguments as a `Config` expression; without the checked handler
+/// (the stub of one with errors), as if it had a `Tx`.
+fn config_expr(args: &Args, handler: Option<&Handler>, private: &TokenStream) -> TokenStream {
     let ttl = args.ttl_ms();
     let wait = args.wait_ms();
     let timeout = args.timeout_ms();
@@ -165,7 +195,7 @@ fn config(args: &Args, handler: &Handler, private: &TokenStream) -> TokenStream 
         KeyMode::Required => quote!(Required),
         KeyMode::Optional => quote!(Optional),
     };
-    let phased = if handler.phased {
+    let phased = if handler.is_some_and(|handler| handler.phased) {
         let lease = args.lease_ms();
         quote!(.phased(#lease))
     } else {
@@ -178,9 +208,8 @@ fn config(args: &Args, handler: &Handler, private: &TokenStream) -> TokenStream 
         quote!(.excluding(&[#(#pointers),*]))
     };
     quote! {
-        const __IDEM_CONFIG: #private::Config =
-            #private::Config::new(#ttl, #wait, #timeout, #private::KeyMode::#mode)
-                #phased #excluding;
+        #private::Config::new(#ttl, #wait, #timeout, #private::KeyMode::#mode)
+            #phased #excluding
     }
 }
 
@@ -275,8 +304,13 @@ pub fn stub(item: &ItemFn, args: &Args) -> TokenStream {
         declaration,
         name,
     } = Shell::new(item);
+    let policy = policy(args, None, &krate, &name);
     quote! {
         #declaration
+
+        #(#cfgs)*
+        #allow_deprecated
+        #policy
 
         #(#cfgs)*
         #[automatically_derived]
@@ -489,6 +523,29 @@ mod tests {
         for phased_only in ["phased", "Phased", "FromScope", "Resumed"] {
             assert!(!atomic.contains(phased_only), "{phased_only}: {atomic}");
         }
+    }
+
+    #[test]
+    fn the_handler_publishes_its_policy() {
+        let handler = quote! {
+            async fn create(account: Account, tx: Tx<Postgres>, Json(n): Json<i64>) {}
+        };
+        let text = expansion(
+            quote!(scope = "account", ttl = "1h", key = "optional"),
+            handler,
+        );
+        assert!(
+            text.contains("impl :: idem :: IdempotentHandler for create"),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "const POLICY : :: idem :: Policy = :: idem :: __private :: Config :: new \
+                 (3600000u64"
+            ),
+            "{text}"
+        );
+        assert!(text.contains("KeyMode :: Optional) . policy ()"), "{text}");
     }
 
     #[test]

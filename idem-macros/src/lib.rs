@@ -284,6 +284,12 @@ use proc_macro::TokenStream;
 /// like it: there, the name is a plain function, not the handler. Elsewhere
 /// in that module a pattern of that name matches the struct instead of
 /// binding, as with any unit struct.
+///
+/// The struct implements `idem::IdempotentHandler`, whose `POLICY` holds
+/// these arguments (`idem::Policy::of(name)` reads it): `idem::openapi`
+/// (the `openapi` feature) documents the route from it. A
+/// `#[utoipa::path]` goes above `#[idempotent]`, where it sees the function
+/// as written; below it is a compile error.
 #[proc_macro_attribute]
 pub fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
     idempotent_impl(args.into(), item.into()).into()

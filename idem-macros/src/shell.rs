@@ -36,7 +36,7 @@ impl Shell {
                 on_struct.push(attr);
             } else if attr.path().is_ident("cfg") {
                 cfgs.push(attr.clone());
-            } else if crate::valid::is_debug_handler(attr) {
+            } else if crate::valid::is_debug_handler(attr) || crate::valid::is_utoipa_path(attr) {
                 // Reported by `valid`; kept, it would add errors of its own.
             } else {
                 attrs.push(attr);

@@ -129,8 +129,29 @@ pub fn is_debug_handler(attr: &syn::Attribute) -> bool {
         .is_some_and(|segment| segment.ident == "debug_handler")
 }
 
+/// `#[utoipa::path]`: below `#[idempotent]` it would expand on the function
+/// kept inside the handler's `impl` block, where its items cannot go.
+pub fn is_utoipa_path(attr: &syn::Attribute) -> bool {
+    let segments: Vec<String> = attr
+        .path()
+        .segments
+        .iter()
+        .map(|segment| segment.ident.to_string())
+        .collect();
+    segments == ["utoipa", "path"]
+}
+
 /// No attribute below `#[idempotent]` that cannot apply to what it keeps.
 fn check_attributes(item: &ItemFn, errors: &mut Errors) {
+    for attr in item.attrs.iter().filter(|attr| is_utoipa_path(attr)) {
+        errors.push(syn::Error::new_spanned(
+            attr,
+            "`#[utoipa::path]` goes above `#[idempotent]`: below it, it would document the \
+             function `#[idempotent]` keeps inside the handler's `impl` block, where utoipa \
+             cannot put its items; move it up (the handler's key, problems and policy are added \
+             to the document by `idem::openapi`)",
+        ));
+    }
     for attr in item.attrs.iter().filter(|attr| is_debug_handler(attr)) {
         errors.push(syn::Error::new_spanned(
             attr,

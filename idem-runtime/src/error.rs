@@ -35,4 +35,18 @@ pub enum Error {
         "problem type base {0:?} is not an absolute URI (e.g. https://docs.example.com/errors/)"
     )]
     InvalidProblemTypeBase(String),
+    /// A payload given to the outbox did not serialise to JSON.
+    #[error("outbox payload did not serialise")]
+    Payload(#[source] serde_json::Error),
+    /// A message id or scope given to [`Idem::consume`](crate::Idem::consume),
+    /// or a topic given to the outbox, is empty or longer than the store takes.
+    #[error("{what} is {len} bytes; the store takes 1 to {max}")]
+    InvalidMessage {
+        /// Which value: `message id`, `scope` or `topic`.
+        what: &'static str,
+        /// Its length in bytes.
+        len: usize,
+        /// The most the store takes.
+        max: usize,
+    },
 }

@@ -59,7 +59,7 @@ pub struct Idem<DB: Backend> {
     inner: Arc<Inner<DB>>,
 }
 
-struct Inner<DB: Backend> {
+pub(crate) struct Inner<DB: Backend> {
     pool: Pool<DB>,
     table: String,
     replay_headers: Vec<HeaderName>,
@@ -69,6 +69,7 @@ struct Inner<DB: Backend> {
     finished: FinishedKeys,
     replay_marker: HeaderName,
     problem_type_base: Option<Arc<str>>,
+    pub(crate) messages: crate::outbox::Tables,
 }
 
 impl<DB: Backend> Clone for Idem<DB> {
@@ -107,11 +108,12 @@ impl<DB: Backend> Idem<DB> {
                 finished: FinishedKeys::new(),
                 replay_marker: IDEMPOTENT_REPLAYED,
                 problem_type_base: None,
+                messages: crate::outbox::Tables::beside(DEFAULT_TABLE),
             }),
         }
     }
 
-    fn with(self, change: impl FnOnce(&mut Inner<DB>)) -> Self {
+    pub(crate) fn with(self, change: impl FnOnce(&mut Inner<DB>)) -> Self {
         let inner = Arc::try_unwrap(self.inner).unwrap_or_else(|shared| Inner {
             pool: shared.pool.clone(),
             table: shared.table.clone(),
@@ -122,6 +124,7 @@ impl<DB: Backend> Idem<DB> {
             finished: FinishedKeys::new(),
             replay_marker: shared.replay_marker.clone(),
             problem_type_base: shared.problem_type_base.clone(),
+            messages: shared.messages.clone(),
         });
         let mut inner = inner;
         change(&mut inner);
@@ -137,7 +140,10 @@ impl<DB: Backend> Idem<DB> {
             return Err(Error::InvalidTableName(name.to_owned()));
         }
         let name = name.to_owned();
-        Ok(self.with(|inner| inner.table = name))
+        Ok(self.with(|inner| {
+            inner.messages.follow(&name);
+            inner.table = name;
+        }))
     }
 
     /// Replays these response headers too, besides the defaults
@@ -279,6 +285,10 @@ impl<DB: Backend> Idem<DB> {
         &self.inner.replay_marker
     }
 
+    pub(crate) fn problem_type_prefix(&self) -> Option<&str> {
+        self.inner.problem_type_base.as_deref()
+    }
+
     /// `problem` as this store's services answer it.
     pub(crate) fn problem(&self, problem: crate::Problem) -> axum::response::Response {
         problem.render(self.inner.problem_type_base.as_deref())
@@ -298,6 +308,10 @@ impl<DB: Backend> Idem<DB> {
 
     pub(crate) fn response_cap(&self) -> usize {
         self.inner.max_response_bytes
+    }
+
+    pub(crate) fn inner(&self) -> &Inner<DB> {
+        &self.inner
     }
 
     /// The keys this process saw finish, for the replay fast path.
@@ -333,17 +347,35 @@ impl<DB: Backend> Idem<DB> {
     /// If `every` is zero, here rather than in the task (where nobody
     /// would see it, and no sweep would ever run).
     pub fn spawn_sweeper(&self, every: Duration) -> tokio::task::JoinHandle<()> {
-        assert!(
-            !every.is_zero(),
-            "spawn_sweeper: `every` must be more than zero"
-        );
+        self.spawn_sweeping(every, Swept::Keys)
+    }
+
+    /// Spawns a task that deletes records of processed messages
+    /// ([`consume`](Self::consume)) past their retention every `every`, as
+    /// [`spawn_sweeper`](Self::spawn_sweeper) does keys.
+    ///
+    /// # Panics
+    ///
+    /// If `every` is zero.
+    pub fn spawn_consumed_sweeper(&self, every: Duration) -> tokio::task::JoinHandle<()> {
+        self.spawn_sweeping(every, Swept::Consumed)
+    }
+
+    /// Every `every`, sweeps `what` in batches of 1,000 until a batch
+    /// deletes fewer; a failure is logged and tried again at the next tick.
+    fn spawn_sweeping(&self, every: Duration, what: Swept) -> tokio::task::JoinHandle<()> {
+        assert!(!every.is_zero(), "sweeper: `every` must be more than zero");
         let idem = self.clone();
         let mut ticks = tokio::time::interval(every);
         tokio::spawn(async move {
             loop {
                 ticks.tick().await;
                 loop {
-                    match idem.sweep_expired(1000).await {
+                    let swept = match what {
+                        Swept::Keys => idem.sweep_expired(1000).await,
+                        Swept::Consumed => idem.sweep_consumed(1000).await,
+                    };
+                    match swept {
                         Ok(1000) => continue,
                         Ok(_) => break,
                         Err(error) => {
@@ -352,7 +384,7 @@ impl<DB: Backend> Idem<DB> {
                             let cause = std::error::Error::source(&error)
                                 .map(ToString::to_string)
                                 .unwrap_or_default();
-                            tracing::warn!(error = %error, cause, "sweeping expired idempotency keys failed");
+                            tracing::warn!(error = %error, cause, swept = ?what, "sweeping failed");
                             break;
                         }
                     }
@@ -362,7 +394,16 @@ impl<DB: Backend> Idem<DB> {
     }
 }
 
-fn is_table_name(name: &str) -> bool {
+/// What a sweeper deletes.
+#[derive(Debug, Clone, Copy)]
+enum Swept {
+    /// Expired idempotency keys.
+    Keys,
+    /// Records of processed messages past their retention.
+    Consumed,
+}
+
+pub(crate) fn is_table_name(name: &str) -> bool {
     let parts: Vec<&str> = name.split('.').collect();
     parts.len() <= 2
         && parts.iter().all(|part| {

@@ -16,14 +16,21 @@ mod admin;
 mod backend;
 mod canonical;
 mod completer;
+mod consume;
 mod error;
 mod extract;
 mod fingerprint;
 mod idem;
 mod key;
+#[cfg(feature = "nats")]
+pub mod nats;
 mod observe;
+#[cfg(feature = "openapi")]
+pub mod openapi;
+mod outbox;
 mod phased;
 mod phases;
+mod policy;
 mod problem;
 mod protocol;
 mod recent;
@@ -33,14 +40,20 @@ mod tx;
 
 pub use backend::{Admin, Backend, Forgotten, KeyInfo, KeyState, Phased};
 pub use completer::{Completer, CompleterRun};
+pub use consume::{ConsumeError, Consumed, MAX_MESSAGE_ID_LEN};
 pub use error::Error;
 pub use idem::{DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_TABLE, Idem};
 pub use key::{IDEMPOTENCY_KEY, IdempotencyKey, KeyError, MAX_KEY_LEN};
 pub use observe::{
-    CLAIM_SECONDS, COMPLETER_TOTAL, FENCED_TOTAL, Outcome, PHASES_TOTAL, REQUESTS_TOTAL,
-    RESUMES_TOTAL, redact,
+    CLAIM_SECONDS, COMPLETER_TOTAL, CONSUMED_TOTAL, FENCED_TOTAL, OUTBOX_TOTAL, Outcome,
+    PHASES_TOTAL, REQUESTS_TOTAL, RESUMES_TOTAL, redact,
+};
+pub use outbox::{
+    DEFAULT_CONSUMED_RETENTION, FnSink, MAX_TOPIC_LEN, Message, OutboxWriter, Relay, RelayRun,
+    Sink, SinkError, sink_fn,
 };
 pub use phases::{FromScope, PhaseError, Phases, Resumed};
+pub use policy::{IdempotentHandler, Policy};
 pub use problem::Problem;
 pub use response::{DEFAULT_REPLAY_HEADERS, IDEMPOTENT_REPLAYED};
 pub use scope::{MAX_SCOPE_LEN, Scope};
@@ -53,6 +66,7 @@ pub use tx::Tx;
 pub mod __private {
     pub use crate::backend::Phased;
     pub use crate::backend::{Acquire, Claim, ClaimOutcome, FinishError, OpenTx, StoreError};
+    pub use crate::backend::{NewMessage, OutboxStore};
     pub use crate::extract::{__IdemFromBody, __IdemFromParts, __IdemFromRef, __IdemFromRequest};
     pub use crate::fingerprint::{Fingerprint, canonicalize};
     pub use crate::key::{parse_key, parse_key_value};

@@ -28,6 +28,12 @@ pub const FENCED_TOTAL: &str = "idem_fenced_total";
 /// Counter of the completer's attempts, by `outcome`: `completed`,
 /// `failed`, `given_up`.
 pub const COMPLETER_TOTAL: &str = "idem_completer_total";
+/// Counter of the outbox relay's deliveries, by `outcome`: `delivered`,
+/// `failed` (retried later).
+pub const OUTBOX_TOTAL: &str = "idem_outbox_total";
+/// Counter of messages offered to [`Idem::consume`](crate::Idem::consume),
+/// by `outcome`: `applied`, `duplicate`, `failed`.
+pub const CONSUMED_TOTAL: &str = "idem_consumed_total";
 
 /// How one request through an `#[idempotent]` handler ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -114,6 +120,14 @@ pub(crate) fn fenced() {
 
 pub(crate) fn completer(outcome: &'static str) {
     metrics::counter!(COMPLETER_TOTAL, "outcome" => outcome).increment(1);
+}
+
+pub(crate) fn relayed(outcome: &'static str, count: u64) {
+    metrics::counter!(OUTBOX_TOTAL, "outcome" => outcome).increment(count);
+}
+
+pub(crate) fn consumed(outcome: &'static str) {
+    metrics::counter!(CONSUMED_TOTAL, "outcome" => outcome).increment(1);
 }
 
 /// A short, stable, non-reversible tag for a scope or a key: what `idem`

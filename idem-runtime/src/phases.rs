@@ -182,6 +182,15 @@ impl<DB: Phased> Phases<DB> {
         &self.state.as_ref().expect("Phases used after drop").key
     }
 
+    /// The outbox table and the request's key, for an outbox writer.
+    pub(crate) fn outbox_parts(&self) -> (std::sync::Arc<str>, IdempotencyKey) {
+        let state = self.state.as_ref().expect("Phases used after drop");
+        (
+            std::sync::Arc::clone(&state.idem.inner().messages.outbox),
+            state.key.clone(),
+        )
+    }
+
     /// Whether this attempt resumes an earlier one's recovery point.
     pub fn resumed(&self) -> bool {
         self.state.as_ref().is_some_and(|state| state.resumed)

@@ -8,6 +8,7 @@ use std::borrow::Cow;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::RequestExt;
@@ -47,13 +48,13 @@ pub enum KeyMode {
 #[derive(Debug, Clone, Copy)]
 pub struct Config {
     pub(crate) ttl: Duration,
-    wait: Duration,
+    pub(crate) wait: Duration,
     pub(crate) timeout: Duration,
-    key: KeyMode,
+    pub(crate) key: KeyMode,
     /// The lease of a phased handler; `None` in the atomic mode.
     pub(crate) lease: Option<Duration>,
     /// JSON Pointers to the members the fingerprint leaves out.
-    exclude: &'static [&'static str],
+    pub(crate) exclude: &'static [&'static str],
 }
 
 impl Config {
@@ -396,7 +397,8 @@ async fn run_keyed<'f, DB: Backend>(
         }
     };
     let key = IdempotencyKey::new(claim.scope.to_owned(), claim.key.to_owned());
-    let (response, mut conn) = match execute(conn, Some(key), claim.timeout(), handler).await {
+    let (response, mut conn) = match execute(conn, Some(key), idem, claim.timeout(), handler).await
+    {
         Ok((answer, conn)) if answer.commits() => (answer.response, conn),
         Ok((answer, conn)) => {
             abandon_keyed(conn, idem, claim).await;
@@ -569,7 +571,7 @@ async fn run_without_key<'f, DB: Backend>(
             );
         }
     };
-    let (response, mut conn) = match execute(conn, None, timeout, handler).await {
+    let (response, mut conn) = match execute(conn, None, idem, timeout, handler).await {
         Ok((answer, conn)) if answer.commits() => (answer.response, conn),
         Ok((answer, conn)) => {
             abandon(conn).await;
@@ -591,10 +593,12 @@ async fn run_without_key<'f, DB: Backend>(
 async fn execute<'f, DB: Backend>(
     conn: OpenTx<DB>,
     key: Option<IdempotencyKey>,
+    idem: &Idem<DB>,
     timeout: Duration,
     handler: &mut DynHandler<'_, 'f, Tx<DB>>,
 ) -> Result<(Answer, OpenTx<DB>), (Outcome, Response)> {
-    let (tx, mut back) = Tx::new(conn, key);
+    let outbox = Arc::clone(&idem.inner().messages.outbox);
+    let (tx, mut back) = Tx::new(conn, key, outbox);
     let run = tokio::time::timeout(timeout, AssertUnwindSafe(handler(tx)).catch_unwind());
     let outcome = match run.await {
         Ok(outcome) => outcome,

@@ -1,12 +1,14 @@
 //! [`Tx`]: the request's transaction, as the handler sees it.
 
 use std::ops::{Deref, DerefMut};
+use std::sync::Arc;
 
 use sqlx::Database;
 use tokio::sync::oneshot;
 
 use crate::backend::OpenTx;
 use crate::key::IdempotencyKey;
+use crate::outbox::OutboxWriter;
 
 /// The transaction an `#[idempotent]` handler runs in.
 ///
@@ -33,6 +35,9 @@ pub struct Tx<DB: Database> {
     conn: Option<OpenTx<DB>>,
     key: Option<IdempotencyKey>,
     home: Option<oneshot::Sender<OpenTx<DB>>>,
+    /// The outbox table, and the writer once the handler wrote a message.
+    outbox: Arc<str>,
+    writer: Option<OutboxWriter>,
 }
 
 impl<DB: Database> Tx<DB> {
@@ -41,12 +46,15 @@ impl<DB: Database> Tx<DB> {
     pub(crate) fn new(
         conn: OpenTx<DB>,
         key: Option<IdempotencyKey>,
+        outbox: Arc<str>,
     ) -> (Self, oneshot::Receiver<OpenTx<DB>>) {
         let (home, back) = oneshot::channel();
         let tx = Self {
             conn: Some(conn),
             key,
             home: Some(home),
+            outbox,
+            writer: None,
         };
         (tx, back)
     }
@@ -55,6 +63,21 @@ impl<DB: Database> Tx<DB> {
     /// on a handler with `key = "optional"`.
     pub fn key(&self) -> Option<&IdempotencyKey> {
         self.key.as_ref()
+    }
+
+    /// The transaction's connection and its outbox writer (label `""`).
+    pub(crate) fn outbox_parts(&mut self) -> (&mut DB::Connection, &mut OutboxWriter) {
+        let writer = self.writer.get_or_insert_with(|| {
+            OutboxWriter::new(Arc::clone(&self.outbox), self.key.clone(), "")
+        });
+        let conn: &mut sqlx::pool::PoolConnection<DB> =
+            self.conn.as_mut().expect("Tx used after drop");
+        assert!(
+            crate::backend::transaction_depth::<DB>(conn) > 0,
+            "idem: the request's transaction has ended inside the handler; refusing to write \
+             an outbox message outside it"
+        );
+        (conn, writer)
     }
 }
 

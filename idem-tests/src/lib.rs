@@ -10,6 +10,7 @@ pub mod half_open;
 pub mod hardening;
 #[cfg(feature = "mysql")]
 pub mod mysql_proxy;
+pub mod nats;
 pub mod pg_proxy;
 pub mod phased;
 pub mod proxied;

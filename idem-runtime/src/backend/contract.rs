@@ -157,7 +157,7 @@ pub(crate) mod sealed {
 /// (`sqlx::Postgres` with `postgres`, `sqlx::Sqlite` with `sqlite`,
 /// `sqlx::MySql` with `mysql`); sealed, because every engine must keep
 /// the atomic contract, which the conformance suite checks.
-pub trait Backend: Database + sealed::Sealed {
+pub trait Backend: Database + sealed::Sealed + super::OutboxStore {
     /// Creates the key table and its expiry index if they do not exist.
     #[doc(hidden)]
     fn migrate(pool: &Pool<Self>, table: &str) -> impl Future<Output = Result<(), Error>> + Send;

@@ -15,6 +15,7 @@ mod contract;
 mod lease;
 #[cfg(feature = "mysql")]
 mod mysql;
+mod outbox;
 #[cfg(feature = "postgres")]
 mod postgres;
 pub(crate) mod single_flight;
@@ -32,4 +33,14 @@ pub(crate) use contract::ConnectOptions;
 pub use contract::{Backend, Claim, ClaimOutcome, FinishError, StoreError};
 pub use lease::Phased;
 pub(crate) use lease::{Holder, LeaseClaim, LeaseOutcome, Release};
+pub(crate) use outbox::MessageRow;
+pub use outbox::{NewMessage, OutboxStore};
 pub(crate) use single_flight::waiting_duplicates;
+
+/// FNV-1a: a stable 64-bit name for any text (a statement's, an index's),
+/// not a secret.
+pub(crate) fn fnv1a(bytes: impl IntoIterator<Item = u8>) -> u64 {
+    bytes.into_iter().fold(0xcbf2_9ce4_8422_2325, |hash, byte| {
+        (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3)
+    })
+}

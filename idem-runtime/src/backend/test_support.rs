@@ -456,3 +456,213 @@ pub(crate) async fn admin_contract<DB: super::Phased + super::Admin>(pool: &Pool
     );
     assert!(idem.recent("nobody", 10).await.unwrap().is_empty());
 }
+
+/// The outbox's and consumers' storage contract: messages exist only once
+/// committed; a lease is exclusive, in order, a prefix of each scope, and
+/// lapses; marks and unleases name their token; a processed message is
+/// recorded once, with its transaction, until its retention ends.
+pub(crate) async fn outbox_contract<DB: Backend>(pool: &Pool<DB>, outbox: &str, consumed: &str) {
+    use super::NewMessage;
+    use sqlx::Connection;
+
+    DB::migrate_outbox(pool, outbox, consumed)
+        .await
+        .expect("migrate");
+    DB::migrate_outbox(pool, outbox, consumed)
+        .await
+        .expect("a second migration changes nothing");
+    let message = |id: &'static str, scope: &'static str| NewMessage {
+        id,
+        scope,
+        topic: "email",
+        payload: b"{}",
+    };
+    let lease = |token: i64, lease: Duration| DB::lease_messages(pool, outbox, token, lease, 10);
+    let ids =
+        |rows: &[super::MessageRow]| rows.iter().map(|row| row.id.clone()).collect::<Vec<_>>();
+    let seqs = |rows: &[super::MessageRow]| rows.iter().map(|row| row.seq).collect::<Vec<_>>();
+    let minute = Duration::from_secs(60);
+
+    // A rolled-back transaction's messages never exist.
+    let mut conn = pool.acquire().await.unwrap();
+    let mut tx = conn.begin().await.unwrap();
+    DB::enqueue(&mut tx, outbox, &message("gone", "a"))
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+    assert!(lease(1, minute).await.unwrap().is_empty());
+
+    let mut tx = conn.begin().await.unwrap();
+    for (id, scope) in [
+        ("a1", "a"),
+        ("b1", "b"),
+        ("a2", "a"),
+        ("c1", "c"),
+        ("c2", "c"),
+    ] {
+        DB::enqueue(&mut tx, outbox, &message(id, scope))
+            .await
+            .unwrap();
+    }
+    // Uncommitted: not seen. (SQLite's lease would wait for the writer.)
+    assert_eq!(DB::pending_messages(pool, outbox).await.unwrap(), 0);
+    tx.commit().await.unwrap();
+    assert_eq!(DB::pending_messages(pool, outbox).await.unwrap(), 5);
+
+    let first = lease(1, minute).await.unwrap();
+    assert_eq!(
+        ids(&first),
+        ["a1", "b1", "a2", "c1", "c2"],
+        "in the order written"
+    );
+    assert_eq!(first[0].scope, b"a");
+    assert_eq!(first[0].payload, b"{}");
+    assert_eq!(first[0].attempts, 0);
+    assert!(
+        lease(2, minute).await.unwrap().is_empty(),
+        "leased messages are not leased twice"
+    );
+
+    // c1 failed and waits a minute, c2 behind it; a1 failed and may go
+    // again at once.
+    let [a1, b1, a2, c1, c2] = seqs(&first)[..] else {
+        unreachable!()
+    };
+    assert_eq!(
+        DB::unlease(pool, outbox, 1, &[c1], Some(minute))
+            .await
+            .unwrap(),
+        1
+    );
+    assert_eq!(
+        DB::unlease(pool, outbox, 1, &[a1], Some(Duration::ZERO))
+            .await
+            .unwrap(),
+        1
+    );
+    assert_eq!(
+        DB::unlease(pool, outbox, 1, &[b1, a2, c2], None)
+            .await
+            .unwrap(),
+        3
+    );
+    assert_eq!(
+        DB::unlease(pool, outbox, 1, &[b1], None).await.unwrap(),
+        0,
+        "no longer ours"
+    );
+    let second = lease(2, Duration::ZERO).await.unwrap();
+    assert_eq!(
+        ids(&second),
+        ["a1", "b1", "a2"],
+        "a scope's messages wait behind a failed one"
+    );
+    assert_eq!(second[0].attempts, 1, "the failure is counted");
+    // A lease that lapsed (a relay that stopped) is taken again.
+    let third = lease(3, minute).await.unwrap();
+    assert_eq!(seqs(&third), [a1, b1, a2], "a lapsed lease is taken again");
+    assert_eq!(
+        DB::mark_delivered(pool, outbox, 2, &[a1, b1, a2])
+            .await
+            .unwrap(),
+        0,
+        "another token"
+    );
+    assert_eq!(
+        DB::mark_delivered(pool, outbox, 3, &[a1, b1, a2])
+            .await
+            .unwrap(),
+        3
+    );
+    assert_eq!(
+        DB::mark_delivered(pool, outbox, 3, &[a1]).await.unwrap(),
+        0,
+        "once"
+    );
+    assert_eq!(DB::pending_messages(pool, outbox).await.unwrap(), 2);
+    assert!(lease(4, minute).await.unwrap().is_empty(), "c waits for c1");
+    assert_eq!(
+        DB::sweep_delivered(pool, outbox, minute, 10).await.unwrap(),
+        0,
+        "kept"
+    );
+    assert_eq!(
+        DB::sweep_delivered(pool, outbox, Duration::ZERO, 2)
+            .await
+            .unwrap(),
+        2,
+        "batched"
+    );
+    assert_eq!(
+        DB::sweep_delivered(pool, outbox, Duration::ZERO, 10)
+            .await
+            .unwrap(),
+        1
+    );
+    assert_eq!(
+        DB::pending_messages(pool, outbox).await.unwrap(),
+        2,
+        "undelivered stay"
+    );
+
+    // A processed message is recorded once, with its transaction.
+    let record = async |id: &str, retention: Duration, commit: bool| {
+        let mut conn = pool.acquire().await.unwrap();
+        let mut tx = conn.begin().await.unwrap();
+        let new = DB::record_consumed(&mut tx, consumed, "ledger", id, retention)
+            .await
+            .unwrap();
+        if commit {
+            tx.commit().await.unwrap();
+        } else {
+            tx.rollback().await.unwrap();
+        }
+        new
+    };
+    assert!(record("m1", minute, true).await);
+    assert!(!record("m1", minute, true).await, "recorded before");
+    assert!(record("m2", minute, false).await);
+    assert!(
+        record("m2", minute, true).await,
+        "a rolled-back record is no record"
+    );
+    assert!(record("m3", Duration::ZERO, true).await);
+    assert!(
+        record("m3", minute, true).await,
+        "past its retention, taken over"
+    );
+    assert!(record("m4", Duration::ZERO, true).await);
+    assert_eq!(
+        DB::sweep_consumed(pool, consumed, 10).await.unwrap(),
+        1,
+        "m4 only"
+    );
+    assert!(!record("m1", minute, true).await, "m1 kept");
+
+    // A second delivery at the same moment waits for the first's commit.
+    let mut tx = conn.begin().await.unwrap();
+    assert!(
+        DB::record_consumed(&mut tx, consumed, "ledger", "m5", minute)
+            .await
+            .unwrap()
+    );
+    let second = tokio::spawn({
+        let pool = pool.clone();
+        let consumed = consumed.to_owned();
+        async move {
+            let mut conn = pool.acquire().await.unwrap();
+            let mut tx = conn.begin().await.unwrap();
+            let new =
+                DB::record_consumed(&mut tx, &consumed, "ledger", "m5", Duration::from_secs(60))
+                    .await
+                    .unwrap();
+            tx.rollback().await.unwrap();
+            new
+        }
+    });
+    tx.commit().await.unwrap();
+    assert!(
+        !second.await.unwrap(),
+        "the concurrent delivery is a duplicate"
+    );
+}

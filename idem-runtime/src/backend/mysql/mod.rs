@@ -61,6 +61,7 @@ use crate::response::StoredResponse;
 
 mod admin;
 mod lease;
+mod outbox;
 mod sql;
 
 impl super::contract::sealed::Sealed for MySql {}

@@ -497,3 +497,22 @@ async fn a_claim_in_another_session_is_not_forgotten() {
     drop(sessions);
     drop_table(&pool, &table).await;
 }
+
+/// The outbox's and consumers' storage contract
+/// (`test_support::outbox_contract`).
+#[tokio::test]
+async fn the_outbox_contract_holds() {
+    let pool = test_pool(4).await;
+    let (outbox, consumed) = (
+        format!("idem_outbox_{}", std::process::id()),
+        format!("idem_consumed_{}", std::process::id()),
+    );
+    let drop = format!("DROP TABLE IF EXISTS {outbox}, {consumed}");
+    run(&mut pool.acquire().await.unwrap(), &drop)
+        .await
+        .unwrap();
+    crate::backend::test_support::outbox_contract(&pool, &outbox, &consumed).await;
+    run(&mut pool.acquire().await.unwrap(), &drop)
+        .await
+        .unwrap();
+}

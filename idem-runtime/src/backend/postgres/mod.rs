@@ -30,6 +30,7 @@ use crate::response::StoredResponse;
 
 mod admin;
 mod lease;
+mod outbox;
 mod sql;
 
 impl super::contract::sealed::Sealed for Postgres {}
@@ -54,22 +55,14 @@ const SETTLE_ATTEMPTS: usize = 4;
 
 impl Backend for Postgres {
     async fn migrate(pool: &Pool<Self>, table: &str) -> Result<(), Error> {
-        // Index names are the schema's, within 63 bytes: a longer one would
-        // be cut to the table's own name, `IF NOT EXISTS` would then skip
-        // it, and the sweeper would scan the whole table. A long table name
-        // gets a hashed one.
         // The phased mode's columns and its index of leases came later:
         // a table from before gets them, once. No index names a column the
         // atomic finish writes (`status`, `headers`, `body`), not even in
         // its predicate: the finish's update then stays heap-only.
-        let index_name = |suffix: &str| match format!(
-            "{}_{suffix}",
-            table.rsplit('.').next().unwrap_or(table)
-        ) {
-            index if index.len() <= 63 => index,
-            _ => format!("idem_{:016x}_{suffix}", fnv1a(table.bytes())),
-        };
-        let (index, lease_index) = (index_name("expires_at_idx"), index_name("lease_idx"));
+        let (index, lease_index) = (
+            index_name(table, "expires_at_idx"),
+            index_name(table, "lease_idx"),
+        );
         let ddl = format!(
             "CREATE TABLE IF NOT EXISTS {table} (
                 scope bytea NOT NULL,
@@ -101,39 +94,19 @@ impl Backend for Postgres {
         // it looks for the index: on a live table it would wait for every
         // open claim and queue every new claim behind it. The catalog read
         // locks nothing, so a migrated table costs a start-up nothing.
-        let qualified = |index: &str| match table.rsplit_once('.') {
-            Some((schema, _)) => format!("{schema}.{index}"),
-            None => index.to_owned(),
-        };
         let migrated: bool = sqlx::query_scalar(
             "SELECT to_regclass($1) IS NOT NULL AND to_regclass($2) IS NOT NULL \
              AND to_regclass($3) IS NOT NULL",
         )
         .bind(table)
-        .bind(qualified(&index))
-        .bind(qualified(&lease_index))
+        .bind(qualified(table, &index))
+        .bind(qualified(table, &lease_index))
         .fetch_one(pool)
         .await?;
         if migrated {
             return Ok(());
         }
-        // Two services migrating at once can both pass `IF NOT EXISTS` and
-        // collide in the catalog; the loser's retry then finds the table.
-        for attempt in 0.. {
-            match sqlx::raw_sql(AssertSqlSafe(ddl.clone()))
-                .execute(pool)
-                .await
-            {
-                Ok(_) => return Ok(()),
-                Err(error)
-                    if attempt < 3 && has_code(&error, &[UNIQUE_VIOLATION, DUPLICATE_TABLE]) =>
-                {
-                    continue;
-                }
-                Err(error) => return Err(error.into()),
-            }
-        }
-        unreachable!()
+        run_ddl(pool, &ddl).await
     }
 
     async fn claim(
@@ -502,6 +475,44 @@ fn read_row(row: &PgRow) -> Result<Found, StoreError> {
         row.try_get("body")?,
     )?;
     Ok(Found::Finished(fingerprint, response))
+}
+
+/// Runs migration DDL. Two services migrating at once can both pass
+/// `IF NOT EXISTS` and collide in the catalog; the loser's retry then finds
+/// what the winner made.
+async fn run_ddl(pool: &Pool<Postgres>, ddl: &str) -> Result<(), Error> {
+    for attempt in 0.. {
+        match sqlx::raw_sql(AssertSqlSafe(ddl.to_owned()))
+            .execute(pool)
+            .await
+        {
+            Ok(_) => return Ok(()),
+            Err(error) if attempt < 3 && has_code(&error, &[UNIQUE_VIOLATION, DUPLICATE_TABLE]) => {
+                continue;
+            }
+            Err(error) => return Err(error.into()),
+        }
+    }
+    unreachable!()
+}
+
+/// The name of `table`'s index `suffix`, within PostgreSQL's 63 bytes: a
+/// longer one would be cut to the table's own name, `IF NOT EXISTS` would
+/// then skip it, and the sweeper would scan the whole table. A long table
+/// name gets a hashed one.
+fn index_name(table: &str, suffix: &str) -> String {
+    match format!("{}_{suffix}", table.rsplit('.').next().unwrap_or(table)) {
+        index if index.len() <= 63 => index,
+        _ => format!("idem_{:016x}_{suffix}", fnv1a(table.bytes())),
+    }
+}
+
+/// `index` in `table`'s schema, for `to_regclass`.
+fn qualified(table: &str, index: &str) -> String {
+    match table.rsplit_once('.') {
+        Some((schema, _)) => format!("{schema}.{index}"),
+        None => index.to_owned(),
+    }
 }
 
 fn has_code(error: &sqlx::Error, codes: &[&str]) -> bool {

@@ -5,6 +5,7 @@
 //! stored response on `COMMIT`), so they are written in place: the values
 //! go in as hex literals as they are read, with no intermediate strings.
 
+pub(crate) use crate::backend::fnv1a;
 use std::fmt::Write as _;
 
 use crate::backend::Claim;
@@ -363,14 +364,6 @@ pub(super) fn push_bytea(out: &mut String, bytes: &[u8]) {
     out.push_str("E'\\\\x");
     push_hex(out, bytes);
     out.push('\'');
-}
-
-/// FNV-1a: a stable 64-bit name for any text (a statement's, an index's),
-/// not a secret.
-pub(crate) fn fnv1a(bytes: impl IntoIterator<Item = u8>) -> u64 {
-    bytes.into_iter().fold(0xcbf2_9ce4_8422_2325, |hash, byte| {
-        (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3)
-    })
 }
 
 #[cfg(test)]

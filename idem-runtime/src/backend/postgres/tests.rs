@@ -665,3 +665,24 @@ async fn the_admin_contract_holds() {
     crate::backend::test_support::admin_contract(&pool, &table).await;
     drop_table(&pool, &table).await;
 }
+
+/// The outbox's and consumers' storage contract
+/// (`test_support::outbox_contract`).
+#[tokio::test]
+async fn the_outbox_contract_holds() {
+    let pool = test_pool(4, |options| options).await;
+    let (outbox, consumed) = (
+        format!("idem_outbox_{}", std::process::id()),
+        format!("idem_consumed_{}", std::process::id()),
+    );
+    let drop = format!("DROP TABLE IF EXISTS {outbox}, {consumed}");
+    sqlx::raw_sql(AssertSqlSafe(drop.clone()))
+        .execute(&pool)
+        .await
+        .unwrap();
+    crate::backend::test_support::outbox_contract(&pool, &outbox, &consumed).await;
+    sqlx::raw_sql(AssertSqlSafe(drop))
+        .execute(&pool)
+        .await
+        .unwrap();
+}

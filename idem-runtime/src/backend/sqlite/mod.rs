@@ -64,6 +64,7 @@ use crate::response::StoredResponse;
 
 mod admin;
 mod lease;
+mod outbox;
 mod sql;
 #[cfg(test)]
 mod tests;

@@ -146,3 +146,25 @@ async fn the_admin_contract_holds() {
     let pool = key_table().await;
     crate::backend::test_support::admin_contract(&pool, "keys").await;
 }
+
+/// The outbox's and consumers' storage contract
+/// (`test_support::outbox_contract`).
+#[tokio::test]
+async fn the_outbox_contract_holds() {
+    // A file, not memory: two deliveries at once need two connections.
+    let path = std::env::temp_dir().join(format!("idem_outbox_{}.db", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let pool = SqlitePoolOptions::new()
+        .max_connections(4)
+        .connect_with(
+            SqliteConnectOptions::new()
+                .filename(&path)
+                .create_if_missing(true)
+                .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal),
+        )
+        .await
+        .expect("SQLite file");
+    crate::backend::test_support::outbox_contract(&pool, "outbox", "consumed").await;
+    pool.close().await;
+    let _ = std::fs::remove_file(&path);
+}

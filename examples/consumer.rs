@@ -1,0 +1,299 @@
+//! Keeps a ledger of the charges example's charges: reads its
+//! `charge.created` messages from NATS JetStream and applies each exactly
+//! once, however often the broker delivers it.
+//!
+//! ```text
+//! NATS_URL=nats://127.0.0.1:4222 cargo run --example charges &
+//! cargo run --example consumer
+//! ```
+//!
+//! Each message is applied through `idem.consume("ledger", id, ...)`: the
+//! ledger row and the record of the message's id commit in one
+//! transaction. The message is acknowledged only after that (applied, or
+//! found applied before); a failure acknowledges nothing, so the broker
+//! delivers it again. A consumer that dies between its commit and its
+//! acknowledgement gets the message again, and finds it applied. One line
+//! is printed per message: `applied <subject> <id> charge=<id> account=<a>
+//! amount=<n> <currency>`, or `duplicate <subject> <id>`.
+//!
+//! Environment:
+//! - `NATS_URL`: the broker, default `nats://127.0.0.1:4222`.
+//! - `NATS_STREAM`, `NATS_SUBJECT_PREFIX`: the stream and the subjects'
+//!   prefix, as for the charges example (default `CHARGES`, none).
+//! - `CONSUMER_NAME`: the durable consumer's name, default `ledger`: the
+//!   broker remembers what it acknowledged, across restarts.
+//! - `DATABASE_URL`: unset, the ledger is the SQLite file `ledger.db` in the
+//!   working directory; `postgres://...`, `mysql://...` (`--features mysql`)
+//!   or `sqlite:...` choose the database instead.
+//! - `CONSUMER_ACK_WAIT_MS`: how long the broker waits for an
+//!   acknowledgement before it delivers a message again, default 30000.
+//!   Taken when the durable consumer is created.
+//! - `CONSUMER_CRASH_AFTER`: `N`, the process aborts right after the `N`th
+//!   message it applied commits, before acknowledging it (for the tests:
+//!   the broker must deliver it again, and it must not be applied twice).
+
+use std::future::Future;
+use std::time::Duration;
+
+#[path = "shared/broker.rs"]
+mod broker;
+
+use async_nats::jetstream::AckKind;
+use async_nats::jetstream::consumer::{AckPolicy, pull};
+use futures::StreamExt;
+use idem::{Consumed, Idem};
+use serde::Deserialize;
+
+/// A `charge.created` message, as the charges example writes it.
+#[derive(Deserialize)]
+struct ChargeCreated {
+    charge_id: i64,
+    account: String,
+    amount: i64,
+    currency: String,
+}
+
+/// The ledger's SQL on one engine.
+trait Ledger: idem::Backend {
+    /// Creates the `ledger` table if it is missing.
+    fn create(pool: &sqlx::Pool<Self>) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+
+    /// Inserts one entry, in the transaction `conn` is in. No unique key:
+    /// a message applied twice would show as two rows.
+    fn insert(
+        conn: &mut Self::Connection,
+        message_id: &str,
+        charge: &ChargeCreated,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+}
+
+/// `ledger` on one engine: its `CREATE TABLE` and its placeholders.
+macro_rules! ledger {
+    ($db:ty, $create:expr, $insert:expr) => {
+        impl Ledger for $db {
+            async fn create(pool: &sqlx::Pool<Self>) -> Result<(), sqlx::Error> {
+                sqlx::raw_sql($create).execute(pool).await?;
+                Ok(())
+            }
+
+            async fn insert(
+                conn: &mut Self::Connection,
+                message_id: &str,
+                charge: &ChargeCreated,
+            ) -> Result<(), sqlx::Error> {
+                sqlx::query($insert)
+                    .bind(message_id)
+                    .bind(charge.charge_id)
+                    .bind(&charge.account)
+                    .bind(charge.amount)
+                    .bind(&charge.currency)
+                    .execute(conn)
+                    .await?;
+                Ok(())
+            }
+        }
+    };
+}
+
+#[cfg(feature = "postgres")]
+ledger!(
+    sqlx::Postgres,
+    "CREATE TABLE IF NOT EXISTS ledger (
+        entry bigserial PRIMARY KEY, message_id text NOT NULL, charge_id bigint NOT NULL,
+        account text NOT NULL, amount bigint NOT NULL, currency text NOT NULL,
+        applied_at timestamptz NOT NULL DEFAULT now())",
+    "INSERT INTO ledger (message_id, charge_id, account, amount, currency) \
+     VALUES ($1, $2, $3, $4, $5)"
+);
+
+#[cfg(feature = "sqlite")]
+ledger!(
+    sqlx::Sqlite,
+    "CREATE TABLE IF NOT EXISTS ledger (
+        entry INTEGER PRIMARY KEY AUTOINCREMENT, message_id TEXT NOT NULL,
+        charge_id INTEGER NOT NULL, account TEXT NOT NULL, amount INTEGER NOT NULL,
+        currency TEXT NOT NULL, applied_at TEXT NOT NULL DEFAULT CURRENT_TIMESTAMP)",
+    "INSERT INTO ledger (message_id, charge_id, account, amount, currency) \
+     VALUES (?, ?, ?, ?, ?)"
+);
+
+#[cfg(feature = "mysql")]
+ledger!(
+    sqlx::MySql,
+    "CREATE TABLE IF NOT EXISTS ledger (
+        entry BIGINT AUTO_INCREMENT PRIMARY KEY, message_id VARCHAR(255) NOT NULL,
+        charge_id BIGINT NOT NULL, account VARCHAR(255) NOT NULL, amount BIGINT NOT NULL,
+        currency VARCHAR(16) NOT NULL,
+        applied_at TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6)) ENGINE = InnoDB",
+    "INSERT INTO ledger (message_id, charge_id, account, amount, currency) \
+     VALUES (?, ?, ?, ?, ?)"
+);
+
+/// With no `DATABASE_URL`: a SQLite file next to where the example runs.
+#[cfg(feature = "sqlite")]
+const DEFAULT_DATABASE: &str = "ledger.db";
+
+/// How many messages are pulled at a time: what a crash leaves
+/// unacknowledged, delivered again after the ack wait.
+const PULL_BATCH: usize = 20;
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .init();
+    let url = std::env::var("DATABASE_URL").ok();
+    let scheme = url
+        .as_deref()
+        .map_or("sqlite", |url| url.split(':').next().unwrap_or_default());
+    match scheme {
+        #[cfg(feature = "sqlite")]
+        "sqlite" => {
+            use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool};
+            let options = match &url {
+                Some(url) => url.parse::<SqliteConnectOptions>()?,
+                None => {
+                    let path = std::env::current_dir()?.join(DEFAULT_DATABASE);
+                    tracing::info!(
+                        "DATABASE_URL is not set: keeping the ledger in the SQLite file {}",
+                        path.display()
+                    );
+                    SqliteConnectOptions::new().filename(path)
+                }
+            };
+            let options = options
+                .create_if_missing(true)
+                .journal_mode(SqliteJournalMode::Wal);
+            run(SqlitePool::connect_with(options).await?).await
+        }
+        #[cfg(feature = "postgres")]
+        "postgres" | "postgresql" => {
+            run(sqlx::PgPool::connect(url.as_deref().unwrap_or_default()).await?).await
+        }
+        #[cfg(feature = "mysql")]
+        "mysql" | "mariadb" => {
+            run(sqlx::MySqlPool::connect(url.as_deref().unwrap_or_default()).await?).await
+        }
+        _ if url.is_none() => {
+            Err("DATABASE_URL is not set and this build has no `sqlite` feature".into())
+        }
+        other => Err(format!(
+            "DATABASE_URL scheme {other:?} is not served by this build: use sqlite:, \
+             postgres: or mysql: (mysql needs `--features mysql`)"
+        )
+        .into()),
+    }
+}
+
+/// An environment variable as a number, if set.
+fn number(name: &str) -> Result<Option<u64>, Box<dyn std::error::Error>> {
+    match std::env::var(name) {
+        Ok(value) => Ok(Some(
+            value
+                .parse()
+                .map_err(|error| format!("{name}={value:?}: {error}"))?,
+        )),
+        Err(_) => Ok(None),
+    }
+}
+
+/// Consumes until the process ends, the ledger in `pool`.
+async fn run<DB: Ledger>(pool: sqlx::Pool<DB>) -> Result<(), Box<dyn std::error::Error>> {
+    let crash_after = number("CONSUMER_CRASH_AFTER")?;
+    let ack_wait = Duration::from_millis(number("CONSUMER_ACK_WAIT_MS")?.unwrap_or(30_000));
+    let name = std::env::var("CONSUMER_NAME").unwrap_or_else(|_| "ledger".into());
+
+    let idem = Idem::new(pool.clone());
+    idem.migrate_outbox().await?;
+    DB::create(&pool).await?;
+
+    let url = std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into());
+    let broker = broker::Broker::from_env(url);
+    let jetstream = broker.connect().await?;
+    let stream = broker.stream(&jetstream).await;
+    let subject = broker.subject("charge.created");
+    let consumer = stream
+        .get_or_create_consumer(
+            &name,
+            pull::Config {
+                durable_name: Some(name.clone()),
+                ack_policy: AckPolicy::Explicit,
+                ack_wait,
+                filter_subject: subject.clone(),
+                ..Default::default()
+            },
+        )
+        .await?;
+    let mut messages = consumer
+        .stream()
+        .max_messages_per_batch(PULL_BATCH)
+        .messages()
+        .await?;
+    tracing::info!(
+        "consumer {name} reading {subject} from NATS stream {}",
+        broker.stream
+    );
+
+    let mut applied = 0;
+    while let Some(message) = messages.next().await {
+        let message = match message {
+            Ok(message) => message,
+            Err(error) => {
+                tracing::warn!(%error, "reading from NATS failed; going on");
+                continue;
+            }
+        };
+        let Some(id) = idem::nats::message_id(&message).map(str::to_owned) else {
+            tracing::warn!(subject = %message.subject, "a message without Nats-Msg-Id: dropped");
+            let _ = message.ack_with(AckKind::Term).await;
+            continue;
+        };
+        let charge: ChargeCreated = match serde_json::from_slice(&message.payload) {
+            Ok(charge) => charge,
+            Err(error) => {
+                tracing::warn!(%error, id, "an unreadable charge.created: dropped");
+                let _ = message.ack_with(AckKind::Term).await;
+                continue;
+            }
+        };
+        let done = idem
+            .consume("ledger", &id, async |tx| DB::insert(tx, &id, &charge).await)
+            .await;
+        match done {
+            Ok(Consumed::Applied(())) => {
+                println!(
+                    "applied {} {id} charge={} account={} amount={} {}",
+                    message.subject,
+                    charge.charge_id,
+                    charge.account,
+                    charge.amount,
+                    charge.currency
+                );
+                applied += 1;
+                if crash_after == Some(applied) {
+                    eprintln!("consumer: CONSUMER_CRASH_AFTER={applied}: aborting before the ack");
+                    std::process::abort();
+                }
+            }
+            Ok(Consumed::Duplicate) => println!("duplicate {} {id}", message.subject),
+            Err(error) => {
+                // Nothing committed: the broker delivers it again.
+                let cause = std::error::Error::source(&error)
+                    .map(ToString::to_string)
+                    .unwrap_or_default();
+                tracing::warn!(%error, cause, id, "applying a message failed; redelivered");
+                let _ = message
+                    .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
+                    .await;
+                continue;
+            }
+        }
+        if let Err(error) = message.ack().await {
+            // Delivered again after the ack wait, and then a duplicate.
+            tracing::warn!(%error, id, "acknowledging failed");
+        }
+    }
+    Err("the NATS message stream ended".into())
+}

@@ -1,0 +1,71 @@
+//! The NATS JetStream side that the charges example (its outbox relay) and
+//! the consumer share: where the broker is, and the stream that keeps the
+//! charge events.
+//!
+//! - `NATS_STREAM`: the stream's name, default `CHARGES`.
+//! - `NATS_SUBJECT_PREFIX`: put before every topic, default none: the
+//!   stream takes `<prefix>charge.>`. (The tests give each run its own.)
+
+use std::time::Duration;
+
+use async_nats::jetstream::{self, stream};
+
+/// The broker and the stream of charge events.
+pub struct Broker {
+    url: String,
+    /// The stream's name.
+    pub stream: String,
+    /// What goes before each topic to make its subject.
+    pub prefix: String,
+}
+
+impl Broker {
+    /// The broker at `url`, the stream and the prefix from the environment.
+    pub fn from_env(url: String) -> Self {
+        let var = |name: &str| std::env::var(name).ok().filter(|value| !value.is_empty());
+        Self {
+            url,
+            stream: var("NATS_STREAM").unwrap_or_else(|| "CHARGES".into()),
+            prefix: var("NATS_SUBJECT_PREFIX").unwrap_or_default(),
+        }
+    }
+
+    /// The subject a message on `topic` is published on.
+    pub fn subject(&self, topic: &str) -> String {
+        format!("{}{topic}", self.prefix)
+    }
+
+    /// A JetStream context on the broker. It connects in the background
+    /// and reconnects for ever, so a broker that is down (now or later)
+    /// delays deliveries and never the process.
+    pub async fn connect(&self) -> Result<jetstream::Context, async_nats::ConnectError> {
+        let client = async_nats::ConnectOptions::new()
+            .retry_on_initial_connect()
+            .max_reconnects(None)
+            .connect(self.url.as_str())
+            .await?;
+        Ok(jetstream::new(client))
+    }
+
+    /// The stream, created if it is missing; asked again every second
+    /// until the broker answers.
+    pub async fn stream(&self, jetstream: &jetstream::Context) -> stream::Stream {
+        let config = stream::Config {
+            name: self.stream.clone(),
+            subjects: vec![self.subject("charge.>")],
+            ..Default::default()
+        };
+        loop {
+            match jetstream.get_or_create_stream(config.clone()).await {
+                Ok(stream) => return stream,
+                Err(error) => {
+                    tracing::warn!(
+                        %error, url = %self.url, stream = %self.stream,
+                        "NATS stream not ready; retrying"
+                    );
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+            }
+        }
+    }
+}

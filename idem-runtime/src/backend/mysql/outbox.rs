@@ -1,0 +1,296 @@
+//! MySQL's outbox and consumed-messages tables, times by the server's
+//! clock in UTC (as the key table keeps them). Relays serialise their leases with a named lock (`GET_LOCK`),
+//! held by the session across the lease's short transaction and released
+//! after its commit; a session that dies releases it with itself.
+
+use std::time::Duration;
+
+use sqlx::mysql::MySqlRow;
+use sqlx::{AssertSqlSafe, Connection, MySql, Pool, Row};
+
+use super::MAX_SCOPE_BYTES;
+use crate::Error;
+use crate::backend::fnv1a;
+use crate::backend::outbox::{
+    MESSAGE_COLUMNS, MessageRow, NewMessage, OutboxStore, millis, seq_list,
+};
+
+/// The longest message id the consumed-messages table takes.
+pub(crate) const MAX_MESSAGE_ID_BYTES: usize = 255;
+
+/// How long a relay waits for another's lease before leasing nothing.
+const LEASE_LOCK_WAIT_SECONDS: i64 = 5;
+
+fn message(row: &MySqlRow) -> Result<MessageRow, sqlx::Error> {
+    Ok(MessageRow {
+        seq: row.try_get("seq")?,
+        id: row.try_get("id")?,
+        scope: row.try_get("scope")?,
+        topic: row.try_get("topic")?,
+        payload: row.try_get("payload")?,
+        attempts: row.try_get("attempts")?,
+    })
+}
+
+/// `table`'s index `suffix`, within MySQL's 64 characters.
+fn index_name(table: &str, suffix: &str) -> String {
+    let name = table.rsplit('.').next().unwrap_or(table);
+    match format!("{name}_{suffix}") {
+        index if index.len() <= 64 => index,
+        _ => format!("idem_{suffix}"),
+    }
+}
+
+impl OutboxStore for MySql {
+    async fn migrate_outbox(pool: &Pool<Self>, outbox: &str, consumed: &str) -> Result<(), Error> {
+        let (scopes, delivered, expires) = (
+            index_name(outbox, "scope_idx"),
+            index_name(outbox, "delivered_idx"),
+            index_name(consumed, "expires_at_idx"),
+        );
+        // DDL takes a metadata lock: concurrent migrations queue, no race.
+        let ddl = format!(
+            "CREATE TABLE IF NOT EXISTS {outbox} (
+                seq BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY,
+                id VARCHAR({MAX_MESSAGE_ID_BYTES}) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
+                scope VARBINARY({MAX_SCOPE_BYTES}) NOT NULL,
+                topic VARCHAR(255) NOT NULL,
+                payload LONGBLOB NOT NULL,
+                created_at DATETIME(6) NOT NULL,
+                available_at DATETIME(6) NOT NULL,
+                attempts INT NOT NULL DEFAULT 0,
+                lease_token BIGINT NULL,
+                lease_until DATETIME(6) NULL,
+                delivered_at DATETIME(6) NULL,
+                UNIQUE KEY {id} (id),
+                KEY {scopes} (scope, delivered_at, seq),
+                KEY {delivered} (delivered_at)
+            ) ENGINE = InnoDB ROW_FORMAT = DYNAMIC;
+            CREATE TABLE IF NOT EXISTS {consumed} (
+                scope VARBINARY({MAX_SCOPE_BYTES}) NOT NULL,
+                id VARBINARY({MAX_MESSAGE_ID_BYTES}) NOT NULL,
+                consumed_at DATETIME(6) NOT NULL,
+                expires_at DATETIME(6) NOT NULL,
+                PRIMARY KEY (scope, id),
+                KEY {expires} (expires_at)
+            ) ENGINE = InnoDB ROW_FORMAT = DYNAMIC",
+            id = index_name(outbox, "id_idx"),
+        );
+        sqlx::raw_sql(AssertSqlSafe(ddl)).execute(pool).await?;
+        Ok(())
+    }
+
+    async fn enqueue(
+        conn: &mut Self::Connection,
+        outbox: &str,
+        message: &NewMessage<'_>,
+    ) -> Result<(), sqlx::Error> {
+        let sql = format!(
+            "INSERT INTO {outbox} (id, scope, topic, payload, created_at, available_at) \
+             VALUES (?, ?, ?, ?, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6))"
+        );
+        sqlx::query(AssertSqlSafe(sql))
+            .bind(message.id)
+            .bind(message.scope.as_bytes())
+            .bind(message.topic)
+            .bind(message.payload)
+            .execute(conn)
+            .await?;
+        Ok(())
+    }
+
+    async fn lease_messages(
+        pool: &Pool<Self>,
+        outbox: &str,
+        token: i64,
+        lease: Duration,
+        batch: u32,
+    ) -> Result<Vec<MessageRow>, sqlx::Error> {
+        let lock = format!("idem_outbox_{:016x}", fnv1a(outbox.bytes()));
+        let mut conn = pool.acquire().await?;
+        let locked: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK(?, ?)")
+            .bind(&lock)
+            .bind(LEASE_LOCK_WAIT_SECONDS)
+            .fetch_one(&mut *conn)
+            .await?;
+        if locked != Some(1) {
+            // Another relay is leasing, for longer than a lease takes.
+            return Ok(Vec::new());
+        }
+        // See the PostgreSQL lease: under the lock a scope's share is a
+        // prefix of its undelivered messages, none of them blocked. The
+        // subquery's rows are read without locks (only the outer query's
+        // are locked).
+        let candidates = format!(
+            "SELECT c.seq FROM {outbox} c \
+             WHERE c.delivered_at IS NULL AND c.available_at <= UTC_TIMESTAMP(6) \
+             AND (c.lease_until IS NULL OR c.lease_until <= UTC_TIMESTAMP(6)) \
+             AND NOT EXISTS (SELECT 1 FROM {outbox} e \
+                 WHERE e.scope = c.scope AND e.seq < c.seq AND e.delivered_at IS NULL \
+                 AND (e.available_at > UTC_TIMESTAMP(6) OR e.lease_until > UTC_TIMESTAMP(6))) \
+             ORDER BY c.seq LIMIT ? FOR UPDATE SKIP LOCKED"
+        );
+        let leased = async {
+            let mut tx = conn.begin().await?;
+            let seqs: Vec<i64> = sqlx::query_scalar(AssertSqlSafe(candidates))
+                .bind(i64::from(batch))
+                .fetch_all(&mut *tx)
+                .await?;
+            if seqs.is_empty() {
+                tx.commit().await?;
+                return Ok(Vec::new());
+            }
+            let list = seq_list(&seqs);
+            sqlx::query(AssertSqlSafe(format!(
+                "UPDATE {outbox} SET lease_token = ?, \
+                     lease_until = UTC_TIMESTAMP(6) + INTERVAL ? * 1000 MICROSECOND \
+                 WHERE seq IN ({list})"
+            )))
+            .bind(token)
+            .bind(millis(lease))
+            .execute(&mut *tx)
+            .await?;
+            let rows = sqlx::query(AssertSqlSafe(format!(
+                "SELECT {MESSAGE_COLUMNS} FROM {outbox} WHERE seq IN ({list}) ORDER BY seq"
+            )))
+            .fetch_all(&mut *tx)
+            .await?;
+            tx.commit().await?;
+            rows.iter().map(message).collect::<Result<Vec<_>, _>>()
+        }
+        .await;
+        match leased {
+            Ok(messages) => {
+                sqlx::query("DO RELEASE_LOCK(?)")
+                    .bind(&lock)
+                    .execute(&mut *conn)
+                    .await?;
+                Ok(messages)
+            }
+            Err(error) => {
+                // The session may still hold the lock: end it, and the lock
+                // with it, rather than pool it.
+                let _ = conn.detach().close().await;
+                Err(error)
+            }
+        }
+    }
+
+    async fn mark_delivered(
+        pool: &Pool<Self>,
+        outbox: &str,
+        token: i64,
+        seqs: &[i64],
+    ) -> Result<u64, sqlx::Error> {
+        let sql = format!(
+            "UPDATE {outbox} SET delivered_at = UTC_TIMESTAMP(6), lease_token = NULL, lease_until = NULL \
+             WHERE lease_token = ? AND delivered_at IS NULL AND seq IN ({})",
+            seq_list(seqs)
+        );
+        let done = sqlx::query(AssertSqlSafe(sql))
+            .bind(token)
+            .execute(pool)
+            .await?;
+        Ok(done.rows_affected())
+    }
+
+    async fn unlease(
+        pool: &Pool<Self>,
+        outbox: &str,
+        token: i64,
+        seqs: &[i64],
+        retry_after: Option<Duration>,
+    ) -> Result<u64, sqlx::Error> {
+        // MySQL assigns left to right: `available_at` before the lease is
+        // cleared changes nothing here, but keep the token test last.
+        let failed = match retry_after {
+            Some(_) => {
+                "attempts = attempts + 1, \
+                 available_at = UTC_TIMESTAMP(6) + INTERVAL ? * 1000 MICROSECOND, "
+            }
+            None => "",
+        };
+        let sql = format!(
+            "UPDATE {outbox} SET {failed}lease_token = NULL, lease_until = NULL \
+             WHERE lease_token = ? AND seq IN ({})",
+            seq_list(seqs)
+        );
+        let mut query = sqlx::query(AssertSqlSafe(sql));
+        if let Some(after) = retry_after {
+            query = query.bind(millis(after));
+        }
+        Ok(query.bind(token).execute(pool).await?.rows_affected())
+    }
+
+    async fn sweep_delivered(
+        pool: &Pool<Self>,
+        outbox: &str,
+        retention: Duration,
+        batch: u32,
+    ) -> Result<u64, sqlx::Error> {
+        let sql = format!(
+            "DELETE FROM {outbox} \
+             WHERE delivered_at <= UTC_TIMESTAMP(6) - INTERVAL ? * 1000 MICROSECOND \
+             ORDER BY delivered_at LIMIT ?"
+        );
+        let done = sqlx::query(AssertSqlSafe(sql))
+            .bind(millis(retention))
+            .bind(i64::from(batch))
+            .execute(pool)
+            .await?;
+        Ok(done.rows_affected())
+    }
+
+    async fn pending_messages(pool: &Pool<Self>, outbox: &str) -> Result<u64, sqlx::Error> {
+        let sql = format!("SELECT COUNT(*) FROM {outbox} WHERE delivered_at IS NULL");
+        let count: i64 = sqlx::query_scalar(AssertSqlSafe(sql))
+            .fetch_one(pool)
+            .await?;
+        Ok(count.unsigned_abs())
+    }
+
+    async fn record_consumed(
+        conn: &mut Self::Connection,
+        consumed: &str,
+        scope: &str,
+        id: &str,
+        retention: Duration,
+    ) -> Result<bool, sqlx::Error> {
+        // A record past its retention counts as absent: it is taken over.
+        // (An upsert cannot tell an insert from a duplicate here: sqlx
+        // connects with `CLIENT_FOUND_ROWS`, which counts both as one row.)
+        sqlx::query(AssertSqlSafe(format!(
+            "DELETE FROM {consumed} WHERE scope = ? AND id = ? AND expires_at <= UTC_TIMESTAMP(6)"
+        )))
+        .bind(scope.as_bytes())
+        .bind(id.as_bytes())
+        .execute(&mut *conn)
+        .await?;
+        // The lengths were checked before: `IGNORE` only skips a duplicate.
+        let done = sqlx::query(AssertSqlSafe(format!(
+            "INSERT IGNORE INTO {consumed} (scope, id, consumed_at, expires_at) \
+             VALUES (?, ?, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6) + INTERVAL ? * 1000 MICROSECOND)"
+        )))
+        .bind(scope.as_bytes())
+        .bind(id.as_bytes())
+        .bind(millis(retention))
+        .execute(conn)
+        .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn sweep_consumed(
+        pool: &Pool<Self>,
+        consumed: &str,
+        batch: u32,
+    ) -> Result<u64, sqlx::Error> {
+        let sql = format!(
+            "DELETE FROM {consumed} WHERE expires_at <= UTC_TIMESTAMP(6) ORDER BY expires_at LIMIT ?"
+        );
+        let done = sqlx::query(AssertSqlSafe(sql))
+            .bind(i64::from(batch))
+            .execute(pool)
+            .await?;
+        Ok(done.rows_affected())
+    }
+}

@@ -1,0 +1,249 @@
+//! PostgreSQL's outbox and consumed-messages tables: plain bound
+//! statements, times by the server's clock. Relays serialise their leases
+//! with a transaction-scoped advisory lock on the outbox's name.
+
+use std::time::Duration;
+
+use sqlx::postgres::PgRow;
+use sqlx::{AssertSqlSafe, Pool, Postgres, Row};
+
+use super::sql::fnv1a;
+use super::{index_name, qualified, run_ddl};
+use crate::Error;
+use crate::backend::outbox::{
+    MESSAGE_COLUMNS, MessageRow, NewMessage, OutboxStore, millis, seq_list,
+};
+
+fn message(row: &PgRow) -> Result<MessageRow, sqlx::Error> {
+    Ok(MessageRow {
+        seq: row.try_get("seq")?,
+        id: row.try_get("id")?,
+        scope: row.try_get("scope")?,
+        topic: row.try_get("topic")?,
+        payload: row.try_get("payload")?,
+        attempts: row.try_get("attempts")?,
+    })
+}
+
+impl OutboxStore for Postgres {
+    async fn migrate_outbox(pool: &Pool<Self>, outbox: &str, consumed: &str) -> Result<(), Error> {
+        let (pending, heads, delivered, expires) = (
+            index_name(outbox, "pending_idx"),
+            index_name(outbox, "scope_idx"),
+            index_name(outbox, "delivered_idx"),
+            index_name(consumed, "expires_at_idx"),
+        );
+        // As for keys: a catalog read locks nothing, `CREATE INDEX IF NOT
+        // EXISTS` would wait for every open transaction writing a message.
+        let migrated: bool = sqlx::query_scalar(
+            "SELECT to_regclass($1) IS NOT NULL AND to_regclass($2) IS NOT NULL \
+             AND to_regclass($3) IS NOT NULL AND to_regclass($4) IS NOT NULL",
+        )
+        .bind(outbox)
+        .bind(qualified(outbox, &delivered))
+        .bind(consumed)
+        .bind(qualified(consumed, &expires))
+        .fetch_one(pool)
+        .await?;
+        if migrated {
+            return Ok(());
+        }
+        let ddl = format!(
+            "CREATE TABLE IF NOT EXISTS {outbox} (
+                seq bigserial PRIMARY KEY,
+                id text NOT NULL UNIQUE,
+                scope bytea NOT NULL,
+                topic text NOT NULL,
+                payload bytea NOT NULL,
+                created_at timestamptz NOT NULL DEFAULT now(),
+                available_at timestamptz NOT NULL DEFAULT now(),
+                attempts integer NOT NULL DEFAULT 0,
+                lease_token bigint,
+                lease_until timestamptz,
+                delivered_at timestamptz
+            );
+            CREATE INDEX IF NOT EXISTS {pending} ON {outbox} (seq) WHERE delivered_at IS NULL;
+            CREATE INDEX IF NOT EXISTS {heads} ON {outbox} (scope, seq) WHERE delivered_at IS NULL;
+            CREATE INDEX IF NOT EXISTS {delivered} ON {outbox} (delivered_at)
+                WHERE delivered_at IS NOT NULL;
+            CREATE TABLE IF NOT EXISTS {consumed} (
+                scope bytea NOT NULL,
+                id bytea NOT NULL,
+                consumed_at timestamptz NOT NULL DEFAULT now(),
+                expires_at timestamptz NOT NULL,
+                PRIMARY KEY (scope, id)
+            );
+            CREATE INDEX IF NOT EXISTS {expires} ON {consumed} (expires_at);"
+        );
+        run_ddl(pool, &ddl).await
+    }
+
+    async fn enqueue(
+        conn: &mut Self::Connection,
+        outbox: &str,
+        message: &NewMessage<'_>,
+    ) -> Result<(), sqlx::Error> {
+        let sql =
+            format!("INSERT INTO {outbox} (id, scope, topic, payload) VALUES ($1, $2, $3, $4)");
+        sqlx::query(AssertSqlSafe(sql))
+            .bind(message.id)
+            .bind(message.scope.as_bytes())
+            .bind(message.topic)
+            .bind(message.payload)
+            .execute(conn)
+            .await?;
+        Ok(())
+    }
+
+    async fn lease_messages(
+        pool: &Pool<Self>,
+        outbox: &str,
+        token: i64,
+        lease: Duration,
+        batch: u32,
+    ) -> Result<Vec<MessageRow>, sqlx::Error> {
+        // Under the lock no other relay leases, so the scan sees every live
+        // lease: a message whose scope has an older one blocked (waiting
+        // for a retry, or leased) is not taken, and the older ones that are
+        // free come first in `seq` order, so a scope's share is a prefix.
+        let sql = format!(
+            "UPDATE {outbox} SET lease_token = $1, \
+                 lease_until = statement_timestamp() + $2 * interval '1 millisecond' \
+             WHERE seq IN (SELECT c.seq FROM {outbox} c \
+                 WHERE c.delivered_at IS NULL AND c.available_at <= statement_timestamp() \
+                 AND (c.lease_until IS NULL OR c.lease_until <= statement_timestamp()) \
+                 AND NOT EXISTS (SELECT 1 FROM {outbox} e \
+                     WHERE e.scope = c.scope AND e.seq < c.seq AND e.delivered_at IS NULL \
+                     AND (e.available_at > statement_timestamp() \
+                          OR e.lease_until > statement_timestamp())) \
+                 ORDER BY c.seq LIMIT $3 FOR UPDATE SKIP LOCKED) \
+             RETURNING {MESSAGE_COLUMNS}"
+        );
+        let mut tx = pool.begin().await?;
+        sqlx::query("SELECT pg_advisory_xact_lock($1)")
+            .bind(fnv1a(outbox.bytes()).cast_signed())
+            .execute(&mut *tx)
+            .await?;
+        let rows = sqlx::query(AssertSqlSafe(sql))
+            .bind(token)
+            .bind(millis(lease))
+            .bind(i64::from(batch))
+            .fetch_all(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        let mut messages = rows.iter().map(message).collect::<Result<Vec<_>, _>>()?;
+        messages.sort_unstable_by_key(|message| message.seq);
+        Ok(messages)
+    }
+
+    async fn mark_delivered(
+        pool: &Pool<Self>,
+        outbox: &str,
+        token: i64,
+        seqs: &[i64],
+    ) -> Result<u64, sqlx::Error> {
+        let sql = format!(
+            "UPDATE {outbox} SET delivered_at = now(), lease_token = NULL, lease_until = NULL \
+             WHERE lease_token = $1 AND delivered_at IS NULL AND seq IN ({})",
+            seq_list(seqs)
+        );
+        let done = sqlx::query(AssertSqlSafe(sql))
+            .bind(token)
+            .execute(pool)
+            .await?;
+        Ok(done.rows_affected())
+    }
+
+    async fn unlease(
+        pool: &Pool<Self>,
+        outbox: &str,
+        token: i64,
+        seqs: &[i64],
+        retry_after: Option<Duration>,
+    ) -> Result<u64, sqlx::Error> {
+        let failed = match retry_after {
+            Some(_) => {
+                ", attempts = attempts + 1, \
+                 available_at = now() + $2 * interval '1 millisecond'"
+            }
+            None => "",
+        };
+        let sql = format!(
+            "UPDATE {outbox} SET lease_token = NULL, lease_until = NULL{failed} \
+             WHERE lease_token = $1 AND seq IN ({})",
+            seq_list(seqs)
+        );
+        let mut query = sqlx::query(AssertSqlSafe(sql)).bind(token);
+        if let Some(after) = retry_after {
+            query = query.bind(millis(after));
+        }
+        Ok(query.execute(pool).await?.rows_affected())
+    }
+
+    async fn sweep_delivered(
+        pool: &Pool<Self>,
+        outbox: &str,
+        retention: Duration,
+        batch: u32,
+    ) -> Result<u64, sqlx::Error> {
+        let sql = format!(
+            "DELETE FROM {outbox} WHERE seq IN (SELECT seq FROM {outbox} \
+             WHERE delivered_at <= now() - $1 * interval '1 millisecond' LIMIT $2)"
+        );
+        let done = sqlx::query(AssertSqlSafe(sql))
+            .bind(millis(retention))
+            .bind(i64::from(batch))
+            .execute(pool)
+            .await?;
+        Ok(done.rows_affected())
+    }
+
+    async fn pending_messages(pool: &Pool<Self>, outbox: &str) -> Result<u64, sqlx::Error> {
+        let sql = format!("SELECT count(*) FROM {outbox} WHERE delivered_at IS NULL");
+        let count: i64 = sqlx::query_scalar(AssertSqlSafe(sql))
+            .fetch_one(pool)
+            .await?;
+        Ok(count.unsigned_abs())
+    }
+
+    async fn record_consumed(
+        conn: &mut Self::Connection,
+        consumed: &str,
+        scope: &str,
+        id: &str,
+        retention: Duration,
+    ) -> Result<bool, sqlx::Error> {
+        // A record past its retention counts as absent, as an expired key:
+        // it is taken over.
+        let sql = format!(
+            "INSERT INTO {consumed} AS c (scope, id, expires_at) \
+             VALUES ($1, $2, now() + $3 * interval '1 millisecond') \
+             ON CONFLICT (scope, id) DO UPDATE \
+                 SET consumed_at = now(), expires_at = excluded.expires_at \
+                 WHERE c.expires_at <= now()"
+        );
+        let done = sqlx::query(AssertSqlSafe(sql))
+            .bind(scope.as_bytes())
+            .bind(id.as_bytes())
+            .bind(millis(retention))
+            .execute(conn)
+            .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn sweep_consumed(
+        pool: &Pool<Self>,
+        consumed: &str,
+        batch: u32,
+    ) -> Result<u64, sqlx::Error> {
+        let sql = format!(
+            "DELETE FROM {consumed} WHERE (scope, id) IN (SELECT scope, id FROM {consumed} \
+             WHERE expires_at <= now() LIMIT $1)"
+        );
+        let done = sqlx::query(AssertSqlSafe(sql))
+            .bind(i64::from(batch))
+            .execute(pool)
+            .await?;
+        Ok(done.rows_affected())
+    }
+}

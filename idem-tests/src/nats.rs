@@ -1,0 +1,220 @@
+//! NATS JetStream for the outbox's broker tests: the local server (a test
+//! that cannot reach it fails, it never skips), a stream of a test's own
+//! (its name and subjects unique to the run, so tests run in parallel and
+//! again), and a TCP proxy in front of the server that cuts, refuses and
+//! slows connections.
+
+use std::collections::HashMap;
+use std::ops::Deref;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use async_nats::jetstream::{self, stream};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use crate::proxy::{Proxy, Wire, connect};
+
+/// Where the tests' NATS server listens (started by `.ci/run`).
+pub const NATS_ADDR: &str = "127.0.0.1:4222";
+
+/// A JetStream context on the local server.
+///
+/// # Panics
+///
+/// If the server does not answer: the broker tests need it.
+pub async fn jetstream() -> jetstream::Context {
+    let client = async_nats::ConnectOptions::new()
+        .connection_timeout(Duration::from_secs(5))
+        .connect(NATS_ADDR)
+        .await
+        .unwrap_or_else(|error| {
+            panic!(
+                "NATS (JetStream) is not reachable at {NATS_ADDR}: {error}; start it as .ci/run \
+                 does (nats-server -a 127.0.0.1 -p 4222 -js)"
+            )
+        });
+    jetstream::new(client)
+}
+
+/// A stream of one test's own: `<NAME>` taking `<prefix>charge.>`, as the
+/// examples' `NATS_STREAM` and `NATS_SUBJECT_PREFIX` name it.
+pub struct TestStream {
+    /// The stream's name.
+    pub name: String,
+    /// The subjects' prefix, ending in `.`.
+    pub prefix: String,
+    jetstream: jetstream::Context,
+}
+
+impl TestStream {
+    /// Creates a stream unique to this run, named after `label`. Its
+    /// duplicate window is short (`dedupe`), so that a message published
+    /// again after a crash or a cut lands in the stream a second time and
+    /// the consumer has to find it a duplicate itself. Its messages expire
+    /// after an hour, should a failed test leave it behind.
+    pub async fn create(label: &str, dedupe: Duration) -> TestStream {
+        let jetstream = jetstream().await;
+        let name = crate::unique::unique(label).to_uppercase();
+        let prefix = format!("{}.", name.to_lowercase());
+        jetstream
+            .create_stream(stream::Config {
+                name: name.clone(),
+                subjects: vec![format!("{prefix}charge.>")],
+                duplicate_window: dedupe,
+                max_age: Duration::from_secs(3600),
+                ..Default::default()
+            })
+            .await
+            .unwrap_or_else(|error| panic!("create the NATS stream {name}: {error}"));
+        TestStream {
+            name,
+            prefix,
+            jetstream,
+        }
+    }
+
+    /// The environment the examples read to use this stream.
+    pub fn env(&self) -> [(&'static str, String); 2] {
+        [
+            ("NATS_STREAM", self.name.clone()),
+            ("NATS_SUBJECT_PREFIX", self.prefix.clone()),
+        ]
+    }
+
+    /// The context the stream was made with.
+    pub fn jetstream(&self) -> &jetstream::Context {
+        &self.jetstream
+    }
+
+    /// The stream's state now.
+    pub async fn state(&self) -> stream::State {
+        let mut stream = self.jetstream.get_stream(&self.name).await.unwrap();
+        stream.info().await.unwrap().state.clone()
+    }
+
+    /// How many times each `Nats-Msg-Id` is in the stream.
+    pub async fn message_ids(&self) -> HashMap<String, u32> {
+        let stream = self.jetstream.get_stream(&self.name).await.unwrap();
+        let last = self.state().await.last_sequence;
+        let mut ids = HashMap::new();
+        for sequence in 1..=last {
+            let message = stream
+                .get_raw_message(sequence)
+                .await
+                .unwrap_or_else(|error| panic!("stream message {sequence}: {error}"));
+            let id = message
+                .headers
+                .get(async_nats::header::NATS_MESSAGE_ID)
+                .map(|id| id.as_str().to_owned())
+                .unwrap_or_else(|| panic!("stream message {sequence} has no Nats-Msg-Id"));
+            *ids.entry(id).or_default() += 1;
+        }
+        ids
+    }
+
+    /// The durable consumer `name`'s acknowledged-or-not counts:
+    /// `(waiting to be delivered, delivered and not acknowledged)`.
+    pub async fn consumer_backlog(&self, name: &str) -> (u64, usize) {
+        let stream = self.jetstream.get_stream(&self.name).await.unwrap();
+        let mut consumer: jetstream::consumer::PullConsumer =
+            stream.get_consumer(name).await.unwrap();
+        let info = consumer.info().await.unwrap();
+        (info.num_pending, info.num_ack_pending)
+    }
+
+    /// Deletes the stream (at a test's end).
+    pub async fn delete(self) {
+        self.jetstream.delete_stream(&self.name).await.unwrap();
+    }
+}
+
+/// A TCP proxy on `127.0.0.1:<ephemeral>` in front of the NATS server:
+/// the bytes pass untouched, the server's after [`set_latency`]. Cut and
+/// refuse through [`Proxy`]'s controls, which it derefs to.
+///
+/// [`set_latency`]: NatsProxy::set_latency
+pub struct NatsProxy {
+    proxy: Proxy,
+    latency_ms: Arc<AtomicU64>,
+}
+
+impl Deref for NatsProxy {
+    type Target = Proxy;
+
+    fn deref(&self) -> &Proxy {
+        &self.proxy
+    }
+}
+
+impl NatsProxy {
+    /// A proxy to the tests' NATS server.
+    pub async fn start() -> NatsProxy {
+        let latency_ms = Arc::new(AtomicU64::new(0));
+        let upstream = NATS_ADDR.parse().unwrap();
+        let proxy = Proxy::start(upstream, {
+            let latency_ms = Arc::clone(&latency_ms);
+            move |client, wire| serve(client, wire, Arc::clone(&latency_ms))
+        })
+        .await;
+        NatsProxy { proxy, latency_ms }
+    }
+
+    /// The URL a NATS client connects to.
+    pub fn url(&self) -> String {
+        format!("nats://{}", self.addr())
+    }
+
+    /// Holds each chunk of the server's bytes this long before passing it
+    /// on (a slow broker: every publish's acknowledgement comes late).
+    pub fn set_latency(&self, latency: Duration) {
+        let ms = u64::try_from(latency.as_millis()).unwrap_or(u64::MAX);
+        self.latency_ms.store(ms, Ordering::SeqCst);
+    }
+
+    /// The broker unreachable: open connections dropped, new ones closed
+    /// as they arrive, until [`restore`](Self::restore).
+    pub fn cut(&self) {
+        self.set_refuse(true);
+        self.cut_all();
+    }
+
+    /// The broker reachable again.
+    pub fn restore(&self) {
+        self.set_refuse(false);
+    }
+}
+
+/// One connection: both directions, until either side closes (or the
+/// proxy cuts it, by dropping this future).
+async fn serve(client: TcpStream, wire: Arc<Wire>, latency_ms: Arc<AtomicU64>) {
+    let Some((mut client_read, mut client_write, mut server_read, mut server_write)) =
+        connect(client, wire.upstream).await
+    else {
+        return;
+    };
+    let upstream = async {
+        let _ = tokio::io::copy(&mut client_read, &mut server_write).await;
+    };
+    let downstream = async {
+        let mut buffer = vec![0; 64 * 1024];
+        loop {
+            let read = match server_read.read(&mut buffer).await {
+                Ok(0) | Err(_) => return,
+                Ok(read) => read,
+            };
+            let latency = latency_ms.load(Ordering::SeqCst);
+            if latency > 0 {
+                tokio::time::sleep(Duration::from_millis(latency)).await;
+            }
+            if client_write.write_all(&buffer[..read]).await.is_err() {
+                return;
+            }
+        }
+    };
+    tokio::select! {
+        () = upstream => {}
+        () = downstream => {}
+    }
+}
