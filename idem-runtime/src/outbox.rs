@@ -172,27 +172,21 @@ impl<DB: Backend> Idem<DB> {
 /// Writes outbox messages in a transaction: the request's ([`Tx::outbox`])
 /// or a phase's ([`Phases::outbox`]).
 ///
-/// A message's id is derived from the request's scope and key, the
-/// writer's label, the topic and how many messages of that topic the
-/// writer wrote before it, so a retry that runs the same code writes the
-/// same ids. (A request without a key, under `key = "optional"`, gets
-/// random ids.)
+/// A message's id (256 random bits, in hex) is minted when it is written.
+/// A message is written only by the commit that records its request's
+/// response or its phase's result, so no retry writes it again, and the
+/// relay and the broker redeliver it under the same id. (An id derived
+/// from the key would collide once the key expired or was forgotten and
+/// the same key came back.)
 #[derive(Debug)]
 pub struct OutboxWriter {
     table: Arc<str>,
     key: Option<IdempotencyKey>,
-    label: String,
-    written: Vec<(String, u32)>,
 }
 
 impl OutboxWriter {
-    pub(crate) fn new(table: Arc<str>, key: Option<IdempotencyKey>, label: &str) -> Self {
-        Self {
-            table,
-            key,
-            label: label.to_owned(),
-            written: Vec::new(),
-        }
+    pub(crate) fn new(table: Arc<str>, key: Option<IdempotencyKey>) -> Self {
+        Self { table, key }
     }
 
     /// Writes a message with `payload` as JSON on `topic`, in the
@@ -234,21 +228,8 @@ impl OutboxWriter {
         Ok(id)
     }
 
-    fn next_id(&mut self, topic: &str) -> String {
-        let Some(key) = &self.key else {
-            return hex::encode(rand::random::<[u8; 32]>());
-        };
-        let count = match self.written.iter_mut().find(|(seen, _)| seen == topic) {
-            Some((_, count)) => {
-                *count += 1;
-                *count
-            }
-            None => {
-                self.written.push((topic.to_owned(), 0));
-                0
-            }
-        };
-        key.derive(&format!("idem-outbox\0{}\0{topic}\0{count}", self.label))
+    fn next_id(&mut self, _topic: &str) -> String {
+        hex::encode(rand::random::<[u8; 32]>())
     }
 }
 
@@ -274,11 +255,9 @@ impl<DB: Backend> Tx<DB> {
 }
 
 impl<DB: Backend + crate::Phased> Phases<DB> {
-    /// A writer of outbox messages for the phase named `label`: pass it
-    /// the phase's connection, and its messages commit with the phase (and
-    /// are not written again when a later attempt skips the phase). Use
-    /// one writer per phase, labelled with the phase's name, so the
-    /// messages' ids stay the same on every attempt.
+    /// A writer of outbox messages for a phase: pass it the phase's
+    /// connection, and its messages commit with the phase (and are not
+    /// written again when a later attempt skips the phase).
     ///
     /// ```no_run
     /// # use idem_runtime as idem;
@@ -286,7 +265,7 @@ impl<DB: Backend + crate::Phased> Phases<DB> {
     /// # impl From<idem::PhaseError> for ApiError { fn from(_: idem::PhaseError) -> Self { ApiError } }
     /// # impl From<idem::Error> for ApiError { fn from(_: idem::Error) -> Self { ApiError } }
     /// # async fn demo(mut phases: idem::Phases<sqlx::Postgres>) -> Result<(), ApiError> {
-    /// let mut outbox = phases.outbox("record");
+    /// let mut outbox = phases.outbox();
     /// phases
     ///     .local("record", async |tx| -> Result<(), ApiError> {
     ///         outbox
@@ -297,9 +276,9 @@ impl<DB: Backend + crate::Phased> Phases<DB> {
     ///     .await?;
     /// # Ok(()) }
     /// ```
-    pub fn outbox(&self, label: &str) -> OutboxWriter {
+    pub fn outbox(&self) -> OutboxWriter {
         let (table, key) = self.outbox_parts();
-        OutboxWriter::new(table, Some(key), label)
+        OutboxWriter::new(table, Some(key))
     }
 }
 

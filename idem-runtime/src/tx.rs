@@ -65,11 +65,11 @@ impl<DB: Database> Tx<DB> {
         self.key.as_ref()
     }
 
-    /// The transaction's connection and its outbox writer (label `""`).
+    /// The transaction's connection and its outbox writer.
     pub(crate) fn outbox_parts(&mut self) -> (&mut DB::Connection, &mut OutboxWriter) {
-        let writer = self.writer.get_or_insert_with(|| {
-            OutboxWriter::new(Arc::clone(&self.outbox), self.key.clone(), "")
-        });
+        let writer = self
+            .writer
+            .get_or_insert_with(|| OutboxWriter::new(Arc::clone(&self.outbox), self.key.clone()));
         let conn: &mut sqlx::pool::PoolConnection<DB> =
             self.conn.as_mut().expect("Tx used after drop");
         assert!(
