@@ -51,6 +51,9 @@ use std::time::Duration;
 mod admin;
 #[path = "shared/broker.rs"]
 mod broker;
+#[path = "shared/database.rs"]
+mod database;
+use database::Database;
 #[path = "shared/fake_provider.rs"]
 mod fake_provider;
 #[path = "shared/openapi.rs"]
@@ -677,7 +680,6 @@ charges_api!(sqlite, sqlx::Sqlite, payments = sqlite_payments);
 charges_api!(mysql, sqlx::MySql, payments = mysql_payments);
 
 /// With no `DATABASE_URL`: a SQLite file next to where the example runs.
-#[cfg(feature = "sqlite")]
 const DEFAULT_DATABASE: &str = "charges.db";
 
 #[tokio::main]
@@ -696,56 +698,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     let listener = tokio::net::TcpListener::bind(&addr).await?;
     let provider = provider().await?;
-    let url = std::env::var("DATABASE_URL").ok();
-    let scheme = url
-        .as_deref()
-        .map_or("sqlite", |url| url.split(':').next().unwrap_or_default());
-
-    match scheme {
+    match database::connect(DEFAULT_DATABASE, "charges").await? {
         #[cfg(feature = "sqlite")]
-        "sqlite" => {
-            use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool};
-            let options = match &url {
-                Some(url) => url.parse::<SqliteConnectOptions>()?,
-                None => {
-                    let path = std::env::current_dir()?.join(DEFAULT_DATABASE);
-                    tracing::info!(
-                        "DATABASE_URL is not set: keeping charges in the SQLite file {}",
-                        path.display()
-                    );
-                    SqliteConnectOptions::new().filename(path)
-                }
-            };
-            // WAL lets replays read while a charge is being written.
-            let options = options
-                .create_if_missing(true)
-                .journal_mode(SqliteJournalMode::Wal);
-            sqlite::serve(
-                SqlitePool::connect_with(options).await?,
-                listener,
-                delay,
-                provider,
-            )
-            .await
-        }
+        Database::Sqlite(pool) => sqlite::serve(pool, listener, delay, provider).await,
         #[cfg(feature = "postgres")]
-        "postgres" | "postgresql" => {
-            let pool = sqlx::PgPool::connect(url.as_deref().unwrap_or_default()).await?;
-            postgres::serve(pool, listener, delay, provider).await
-        }
+        Database::Postgres(pool) => postgres::serve(pool, listener, delay, provider).await,
         #[cfg(feature = "mysql")]
-        "mysql" | "mariadb" => {
-            let pool = sqlx::MySqlPool::connect(url.as_deref().unwrap_or_default()).await?;
-            mysql::serve(pool, listener, delay, provider).await
-        }
-        _ if url.is_none() => {
-            Err("DATABASE_URL is not set and this build has no `sqlite` feature".into())
-        }
-        other => Err(format!(
-            "DATABASE_URL scheme {other:?} is not served by this build: use sqlite:, \
-             postgres: or mysql: (mysql needs `--features mysql`)"
-        )
-        .into()),
+        Database::MySql(pool) => mysql::serve(pool, listener, delay, provider).await,
     }
 }
 

@@ -37,6 +37,9 @@ use std::time::Duration;
 
 #[path = "shared/broker.rs"]
 mod broker;
+#[path = "shared/database.rs"]
+mod database;
+use database::Database;
 
 use async_nats::jetstream::AckKind;
 use async_nats::jetstream::consumer::{AckPolicy, pull};
@@ -130,7 +133,6 @@ ledger!(
 );
 
 /// With no `DATABASE_URL`: a SQLite file next to where the example runs.
-#[cfg(feature = "sqlite")]
 const DEFAULT_DATABASE: &str = "ledger.db";
 
 /// How many messages are pulled at a time: what a crash leaves
@@ -144,46 +146,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .init();
-    let url = std::env::var("DATABASE_URL").ok();
-    let scheme = url
-        .as_deref()
-        .map_or("sqlite", |url| url.split(':').next().unwrap_or_default());
-    match scheme {
+    match database::connect(DEFAULT_DATABASE, "the ledger").await? {
         #[cfg(feature = "sqlite")]
-        "sqlite" => {
-            use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool};
-            let options = match &url {
-                Some(url) => url.parse::<SqliteConnectOptions>()?,
-                None => {
-                    let path = std::env::current_dir()?.join(DEFAULT_DATABASE);
-                    tracing::info!(
-                        "DATABASE_URL is not set: keeping the ledger in the SQLite file {}",
-                        path.display()
-                    );
-                    SqliteConnectOptions::new().filename(path)
-                }
-            };
-            let options = options
-                .create_if_missing(true)
-                .journal_mode(SqliteJournalMode::Wal);
-            run(SqlitePool::connect_with(options).await?).await
-        }
+        Database::Sqlite(pool) => run(pool).await,
         #[cfg(feature = "postgres")]
-        "postgres" | "postgresql" => {
-            run(sqlx::PgPool::connect(url.as_deref().unwrap_or_default()).await?).await
-        }
+        Database::Postgres(pool) => run(pool).await,
         #[cfg(feature = "mysql")]
-        "mysql" | "mariadb" => {
-            run(sqlx::MySqlPool::connect(url.as_deref().unwrap_or_default()).await?).await
-        }
-        _ if url.is_none() => {
-            Err("DATABASE_URL is not set and this build has no `sqlite` feature".into())
-        }
-        other => Err(format!(
-            "DATABASE_URL scheme {other:?} is not served by this build: use sqlite:, \
-             postgres: or mysql: (mysql needs `--features mysql`)"
-        )
-        .into()),
+        Database::MySql(pool) => run(pool).await,
     }
 }
 

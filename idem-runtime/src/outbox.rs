@@ -13,7 +13,6 @@ use serde::de::DeserializeOwned;
 use tokio::time::Instant;
 
 use crate::backend::{Backend, MessageRow, NewMessage};
-use crate::key::IdempotencyKey;
 use crate::phases::Phases;
 use crate::{Error, Idem, MAX_SCOPE_LEN, Tx, observe};
 
@@ -181,56 +180,59 @@ impl<DB: Backend> Idem<DB> {
 #[derive(Debug)]
 pub struct OutboxWriter {
     table: Arc<str>,
-    key: Option<IdempotencyKey>,
+    scope: String,
 }
 
 impl OutboxWriter {
-    pub(crate) fn new(table: Arc<str>, key: Option<IdempotencyKey>) -> Self {
-        Self { table, key }
-    }
-
     /// Writes a message with `payload` as JSON on `topic`, in the
     /// transaction `conn` is in; returns its id. It is delivered only if
     /// that transaction commits.
     pub async fn write<DB: Backend>(
-        &mut self,
+        &self,
         conn: &mut DB::Connection,
         topic: &str,
         payload: &impl Serialize,
     ) -> Result<String, Error> {
         let payload = serde_json::to_vec(payload).map_err(Error::Payload)?;
-        self.write_bytes::<DB>(conn, topic, &payload).await
+        enqueue::<DB>(conn, &self.table, &self.scope, topic, &payload).await
     }
 
     /// [`write`](Self::write) with a payload already in bytes.
     pub async fn write_bytes<DB: Backend>(
-        &mut self,
+        &self,
         conn: &mut DB::Connection,
         topic: &str,
         payload: &[u8],
     ) -> Result<String, Error> {
-        if topic.is_empty() || topic.len() > MAX_TOPIC_LEN {
-            return Err(Error::InvalidMessage {
-                what: "topic",
-                len: topic.len(),
-                max: MAX_TOPIC_LEN,
-            });
-        }
-        let id = self.next_id(topic);
-        let scope = self.key.as_ref().map_or("", |key| key.scope());
-        let message = NewMessage {
-            id: &id,
-            scope,
-            topic,
-            payload,
-        };
-        DB::enqueue(conn, &self.table, &message).await?;
-        Ok(id)
+        enqueue::<DB>(conn, &self.table, &self.scope, topic, payload).await
     }
+}
 
-    fn next_id(&mut self, _topic: &str) -> String {
-        hex::encode(rand::random::<[u8; 32]>())
+/// Writes a message of `scope` on `topic` in the transaction `conn` is in,
+/// under a new id, and returns the id.
+async fn enqueue<DB: Backend>(
+    conn: &mut DB::Connection,
+    table: &str,
+    scope: &str,
+    topic: &str,
+    payload: &[u8],
+) -> Result<String, Error> {
+    if topic.is_empty() || topic.len() > MAX_TOPIC_LEN {
+        return Err(Error::InvalidMessage {
+            what: "topic",
+            len: topic.len(),
+            max: MAX_TOPIC_LEN,
+        });
     }
+    let id = hex::encode(rand::random::<[u8; 32]>());
+    let message = NewMessage {
+        id: &id,
+        scope,
+        topic,
+        payload,
+    };
+    DB::enqueue(conn, table, &message).await?;
+    Ok(id)
 }
 
 impl<DB: Backend> Tx<DB> {
@@ -249,8 +251,9 @@ impl<DB: Backend> Tx<DB> {
     /// # let _ = id; Ok(()) }
     /// ```
     pub async fn outbox(&mut self, topic: &str, payload: &impl Serialize) -> Result<String, Error> {
-        let (conn, writer) = self.outbox_parts();
-        writer.write::<DB>(conn, topic, payload).await
+        let payload = serde_json::to_vec(payload).map_err(Error::Payload)?;
+        let (conn, table, scope) = self.outbox_parts();
+        enqueue::<DB>(conn, table, scope, topic, &payload).await
     }
 }
 
@@ -265,7 +268,7 @@ impl<DB: Backend + crate::Phased> Phases<DB> {
     /// # impl From<idem::PhaseError> for ApiError { fn from(_: idem::PhaseError) -> Self { ApiError } }
     /// # impl From<idem::Error> for ApiError { fn from(_: idem::Error) -> Self { ApiError } }
     /// # async fn demo(mut phases: idem::Phases<sqlx::Postgres>) -> Result<(), ApiError> {
-    /// let mut outbox = phases.outbox();
+    /// let outbox = phases.outbox();
     /// phases
     ///     .local("record", async |tx| -> Result<(), ApiError> {
     ///         outbox
@@ -277,8 +280,8 @@ impl<DB: Backend + crate::Phased> Phases<DB> {
     /// # Ok(()) }
     /// ```
     pub fn outbox(&self) -> OutboxWriter {
-        let (table, key) = self.outbox_parts();
-        OutboxWriter::new(table, Some(key))
+        let (table, scope) = self.outbox_parts();
+        OutboxWriter { table, scope }
     }
 }
 
@@ -463,12 +466,7 @@ impl<DB: Backend, S: Sink> Relay<DB, S> {
     /// could then outlive its lease and another relay deliver the same
     /// message at the same moment.
     pub async fn run_once(&self) -> Result<RelayRun, Error> {
-        assert!(
-            self.lease >= self.delivery_timeout * 2,
-            "Relay: the lease ({:?}) must be at least twice the delivery timeout ({:?})",
-            self.lease,
-            self.delivery_timeout
-        );
+        self.check_lease();
         let pool = self.idem.pool();
         let table = self.idem.outbox_table_name();
         let token = rand::random::<i64>() & i64::MAX;
@@ -536,6 +534,16 @@ impl<DB: Backend, S: Sink> Relay<DB, S> {
         Ok(DB::sweep_delivered(self.idem.pool(), table, self.retention, batch).await?)
     }
 
+    /// Panics unless the lease is at least twice the delivery timeout.
+    fn check_lease(&self) {
+        assert!(
+            self.lease >= self.delivery_timeout * 2,
+            "Relay: the lease ({:?}) must be at least twice the delivery timeout ({:?})",
+            self.lease,
+            self.delivery_timeout
+        );
+    }
+
     fn wait_after(&self, attempts: u32) -> Duration {
         self.backoff
             .saturating_mul(1 << attempts.min(20))
@@ -551,12 +559,7 @@ impl<DB: Backend, S: Sink> Relay<DB, S> {
     ///
     /// As [`run_once`](Self::run_once), here rather than in the task.
     pub fn spawn(self) -> tokio::task::JoinHandle<()> {
-        assert!(
-            self.lease >= self.delivery_timeout * 2,
-            "Relay: the lease ({:?}) must be at least twice the delivery timeout ({:?})",
-            self.lease,
-            self.delivery_timeout
-        );
+        self.check_lease();
         tokio::spawn(async move {
             let mut swept = Instant::now();
             loop {

@@ -182,12 +182,12 @@ impl<DB: Phased> Phases<DB> {
         &self.state.as_ref().expect("Phases used after drop").key
     }
 
-    /// The outbox table and the request's key, for an outbox writer.
-    pub(crate) fn outbox_parts(&self) -> (std::sync::Arc<str>, IdempotencyKey) {
+    /// The outbox table and the request's scope, for an outbox writer.
+    pub(crate) fn outbox_parts(&self) -> (std::sync::Arc<str>, String) {
         let state = self.state.as_ref().expect("Phases used after drop");
         (
             std::sync::Arc::clone(&state.idem.inner().messages.outbox),
-            state.key.clone(),
+            state.key.scope().to_owned(),
         )
     }
 

@@ -8,7 +8,6 @@ use tokio::sync::oneshot;
 
 use crate::backend::OpenTx;
 use crate::key::IdempotencyKey;
-use crate::outbox::OutboxWriter;
 
 /// The transaction an `#[idempotent]` handler runs in.
 ///
@@ -35,9 +34,8 @@ pub struct Tx<DB: Database> {
     conn: Option<OpenTx<DB>>,
     key: Option<IdempotencyKey>,
     home: Option<oneshot::Sender<OpenTx<DB>>>,
-    /// The outbox table, and the writer once the handler wrote a message.
+    /// The outbox table.
     outbox: Arc<str>,
-    writer: Option<OutboxWriter>,
 }
 
 impl<DB: Database> Tx<DB> {
@@ -54,7 +52,6 @@ impl<DB: Database> Tx<DB> {
             key,
             home: Some(home),
             outbox,
-            writer: None,
         };
         (tx, back)
     }
@@ -65,19 +62,10 @@ impl<DB: Database> Tx<DB> {
         self.key.as_ref()
     }
 
-    /// The transaction's connection and its outbox writer.
-    pub(crate) fn outbox_parts(&mut self) -> (&mut DB::Connection, &mut OutboxWriter) {
-        let writer = self
-            .writer
-            .get_or_insert_with(|| OutboxWriter::new(Arc::clone(&self.outbox), self.key.clone()));
-        let conn: &mut sqlx::pool::PoolConnection<DB> =
-            self.conn.as_mut().expect("Tx used after drop");
-        assert!(
-            crate::backend::transaction_depth::<DB>(conn) > 0,
-            "idem: the request's transaction has ended inside the handler; refusing to write \
-             an outbox message outside it"
-        );
-        (conn, writer)
+    /// The transaction's connection, the outbox table and the scope.
+    pub(crate) fn outbox_parts(&mut self) -> (&mut DB::Connection, &str, &str) {
+        let scope = self.key.as_ref().map_or("", |key| key.scope());
+        (live::<DB>(&mut self.conn), &self.outbox, scope)
     }
 }
 
@@ -101,16 +89,21 @@ impl<DB: Database> DerefMut for Tx<DB> {
     /// commit on its own, outside the idempotency key's protection, so the
     /// handler is stopped instead (500, nothing committed, nothing stored).
     fn deref_mut(&mut self) -> &mut Self::Target {
-        let conn: &mut sqlx::pool::PoolConnection<DB> =
-            self.conn.as_mut().expect("Tx used after drop");
-        assert!(
-            crate::backend::transaction_depth::<DB>(conn) > 0,
-            "idem: the request's transaction has ended inside the handler (sqlx rolls it back \
-             whole when a nested begin() fails or is cancelled); refusing to run statements \
-             outside it"
-        );
-        conn
+        live::<DB>(&mut self.conn)
     }
+}
+
+/// The request's connection, while sqlx still counts its transaction (see
+/// [`Tx::deref_mut`]).
+fn live<DB: Database>(conn: &mut Option<OpenTx<DB>>) -> &mut DB::Connection {
+    let conn: &mut sqlx::pool::PoolConnection<DB> = conn.as_mut().expect("Tx used after drop");
+    assert!(
+        crate::backend::transaction_depth::<DB>(conn) > 0,
+        "idem: the request's transaction has ended inside the handler (sqlx rolls it back \
+         whole when a nested begin() fails or is cancelled); refusing to run statements \
+         outside it"
+    );
+    conn
 }
 
 impl<DB: Database> Drop for Tx<DB> {

@@ -152,5 +152,24 @@ pub(crate) fn millis(duration: Duration) -> i64 {
     i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
 }
 
+/// A leased message as every engine's row of [`MESSAGE_COLUMNS`] holds it.
+pub(crate) fn message_row<R: sqlx::Row>(row: &R) -> Result<MessageRow, sqlx::Error>
+where
+    for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> i32: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> Vec<u8>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'c> &'c str: sqlx::ColumnIndex<R>,
+{
+    Ok(MessageRow {
+        seq: row.try_get("seq")?,
+        id: row.try_get("id")?,
+        scope: row.try_get("scope")?,
+        topic: row.try_get("topic")?,
+        payload: row.try_get("payload")?,
+        attempts: row.try_get("attempts")?,
+    })
+}
+
 /// The message columns every engine's lease returns, in this order.
 pub(crate) const MESSAGE_COLUMNS: &str = "seq, id, scope, topic, payload, attempts";

@@ -88,6 +88,17 @@ impl<DB: OutboxDb> Fixture<DB> {
             .json(&body)
     }
 
+    /// Sends [`post`](Self::post) and waits for the answer.
+    async fn send(
+        &self,
+        addr: SocketAddr,
+        account: &str,
+        key: &str,
+        body: Value,
+    ) -> reqwest::Response {
+        self.post(addr, account, key, body).send().await.unwrap()
+    }
+
     /// Runs `relay` until nothing is pending.
     async fn drain<S: Sink>(&self, relay: &Relay<DB, S>) {
         tokio::time::timeout(DEADLINE, async {
@@ -174,39 +185,33 @@ pub async fn emails_go_once_per_committed_request<DB: OutboxDb>() {
     let relay = fixture.idem.relay(recorder.sink());
 
     let first = fixture
-        .post(
+        .send(
             addr,
             &fixture.account,
             "k1",
             json!({ "to": "a@example.com", "n": 1 }),
         )
-        .send()
-        .await
-        .unwrap();
+        .await;
     assert_eq!(first.status(), StatusCode::CREATED);
     let first: Value = first.json().await.unwrap();
     let replay = fixture
-        .post(
+        .send(
             addr,
             &fixture.account,
             "k1",
             json!({ "to": "a@example.com", "n": 1 }),
         )
-        .send()
-        .await
-        .unwrap();
+        .await;
     assert_eq!(replay.status(), StatusCode::CREATED);
     assert_eq!(replay.headers()["idempotent-replayed"], "true");
     let refused = fixture
-        .post(
+        .send(
             addr,
             &fixture.account,
             "k2",
             json!({ "to": "b@example.com", "fail": true }),
         )
-        .send()
-        .await
-        .unwrap();
+        .await;
     assert_eq!(refused.status(), StatusCode::CONFLICT);
     assert_eq!(
         fixture.idem.pending_messages().await.unwrap(),
@@ -262,10 +267,8 @@ pub async fn a_commit_before_a_kill_is_delivered_by_the_restarted_server<DB: Out
     // The restarted server's relay delivers it; the client's retry replays.
     let second = Child::spawn::<DB>(&fixture, Some(&recorder_url)).await;
     let retry = fixture
-        .post(second.addr, &fixture.account, "k1", body)
-        .send()
-        .await
-        .unwrap();
+        .send(second.addr, &fixture.account, "k1", body)
+        .await;
     assert_eq!(retry.status(), StatusCode::CREATED);
     assert_eq!(retry.headers()["idempotent-replayed"], "true");
     let id = retry.json::<Value>().await.unwrap()["message"]
@@ -310,15 +313,13 @@ pub async fn relays_keep_each_scope_in_order_and_never_overlap<DB: OutboxDb>() {
         async move {
             for n in 0..15 {
                 let sent = fixture
-                    .post(
+                    .send(
                         addr,
                         account,
                         &format!("k{n}"),
                         json!({ "to": "x@example.com", "n": n }),
                     )
-                    .send()
-                    .await
-                    .unwrap();
+                    .await;
                 assert_eq!(sent.status(), StatusCode::CREATED);
             }
         }
@@ -376,15 +377,13 @@ pub async fn a_failing_delivery_holds_its_scope_and_is_retried<DB: OutboxDb>() {
     let mut ids = Vec::new();
     for n in 0..3 {
         let sent = fixture
-            .post(
+            .send(
                 addr,
                 &fixture.account,
                 &format!("k{n}"),
                 json!({ "to": "x@example.com", "n": n }),
             )
-            .send()
-            .await
-            .unwrap();
+            .await;
         assert_eq!(sent.status(), StatusCode::CREATED);
         ids.push(
             sent.json::<Value>().await.unwrap()["message"]

@@ -12,7 +12,7 @@ use idem_tests::nats::{NatsProxy, TestStream};
 
 use crate::harness::{
     ConsumerSettings, Deadline, Ledger, Printed, Store, assert_each_applied_once, charge, consumer,
-    service,
+    drained_and_consumed, service,
 };
 
 /// Charges before the cut, and during it.
@@ -91,19 +91,7 @@ async fn broker_unreachable_for_a_while_loses_nothing_and_slows_nothing() {
         before.iter().max().unwrap()
     );
 
-    deadline
-        .until("the outbox delivered", || async {
-            (store.pending().await == 0).then_some(())
-        })
-        .await;
-    deadline
-        .until("every message consumed and acknowledged", || async {
-            let backlog = stream.consumer_backlog(settings.name).await;
-            let copies = stream.state().await.messages;
-            let printed = printed.applied() + printed.duplicates();
-            (backlog == (0, 0) && printed == copies).then_some(())
-        })
-        .await;
+    drained_and_consumed(deadline, &store, &stream, settings.name, &printed).await;
     let again = assert_each_applied_once(&store, &stream, &ledger).await;
     assert_eq!(printed.applied(), (BEFORE + DURING) as u64);
     assert_eq!(

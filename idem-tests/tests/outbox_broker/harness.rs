@@ -94,6 +94,30 @@ pub async fn charge(
     (body["id"].as_i64().unwrap(), elapsed)
 }
 
+/// Waits until the outbox has delivered every message and the consumer
+/// `consumer` has printed and acknowledged every copy in `stream`.
+pub async fn drained_and_consumed(
+    deadline: Deadline,
+    store: &Store,
+    stream: &TestStream,
+    consumer: &str,
+    printed: &Printed,
+) {
+    deadline
+        .until("the outbox delivered", || async {
+            (store.pending().await == 0).then_some(())
+        })
+        .await;
+    deadline
+        .until("every message consumed and acknowledged", || async {
+            let backlog = stream.consumer_backlog(consumer).await;
+            let copies = stream.state().await.messages;
+            let printed = printed.applied() + printed.duplicates();
+            (backlog == (0, 0) && printed == copies).then_some(())
+        })
+        .await;
+}
+
 /// What the consumer processes printed, across their runs.
 #[derive(Default)]
 pub struct Printed {

@@ -13,7 +13,7 @@ use idem_tests::nats::{NatsProxy, TestStream};
 
 use crate::harness::{
     ConsumerSettings, Deadline, Ledger, PgSchema, Printed, assert_each_applied_once, charge,
-    consumer, service,
+    consumer, drained_and_consumed, service,
 };
 
 /// Charges written before the kill.
@@ -118,19 +118,7 @@ async fn relay_killed_mid_batch_then_restarted_delivers_every_message() {
     let _consumer = consumer(dir.path(), &stream, &settings, &printed).await;
     let ledger = Ledger::open(dir.path()).await;
 
-    deadline
-        .until("the outbox delivered", || async {
-            (store.pending().await == 0).then_some(())
-        })
-        .await;
-    deadline
-        .until("every message consumed and acknowledged", || async {
-            let backlog = stream.consumer_backlog(settings.name).await;
-            let copies = stream.state().await.messages;
-            let printed = printed.applied() + printed.duplicates();
-            (backlog == (0, 0) && printed == copies).then_some(())
-        })
-        .await;
+    drained_and_consumed(deadline, &store, &stream, settings.name, &printed).await;
     let again = assert_each_applied_once(&store, &stream, &ledger).await;
     assert_eq!(printed.applied(), CHARGES as u64);
     assert!(

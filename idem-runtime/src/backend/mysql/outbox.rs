@@ -5,32 +5,18 @@
 
 use std::time::Duration;
 
-use sqlx::mysql::MySqlRow;
-use sqlx::{AssertSqlSafe, Connection, MySql, Pool, Row};
+use sqlx::{AssertSqlSafe, Connection, MySql, Pool};
 
 use super::MAX_SCOPE_BYTES;
 use crate::Error;
+use crate::MAX_MESSAGE_ID_LEN;
 use crate::backend::fnv1a;
 use crate::backend::outbox::{
-    MESSAGE_COLUMNS, MessageRow, NewMessage, OutboxStore, millis, seq_list,
+    MESSAGE_COLUMNS, MessageRow, NewMessage, OutboxStore, message_row, millis, seq_list,
 };
-
-/// The longest message id the consumed-messages table takes.
-pub(crate) const MAX_MESSAGE_ID_BYTES: usize = 255;
 
 /// How long a relay waits for another's lease before leasing nothing.
 const LEASE_LOCK_WAIT_SECONDS: i64 = 5;
-
-fn message(row: &MySqlRow) -> Result<MessageRow, sqlx::Error> {
-    Ok(MessageRow {
-        seq: row.try_get("seq")?,
-        id: row.try_get("id")?,
-        scope: row.try_get("scope")?,
-        topic: row.try_get("topic")?,
-        payload: row.try_get("payload")?,
-        attempts: row.try_get("attempts")?,
-    })
-}
 
 /// `table`'s index `suffix`, within MySQL's 64 characters.
 fn index_name(table: &str, suffix: &str) -> String {
@@ -52,7 +38,7 @@ impl OutboxStore for MySql {
         let ddl = format!(
             "CREATE TABLE IF NOT EXISTS {outbox} (
                 seq BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY,
-                id VARCHAR({MAX_MESSAGE_ID_BYTES}) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
+                id VARCHAR({MAX_MESSAGE_ID_LEN}) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
                 scope VARBINARY({MAX_SCOPE_BYTES}) NOT NULL,
                 topic VARCHAR(255) NOT NULL,
                 payload LONGBLOB NOT NULL,
@@ -68,7 +54,7 @@ impl OutboxStore for MySql {
             ) ENGINE = InnoDB ROW_FORMAT = DYNAMIC;
             CREATE TABLE IF NOT EXISTS {consumed} (
                 scope VARBINARY({MAX_SCOPE_BYTES}) NOT NULL,
-                id VARBINARY({MAX_MESSAGE_ID_BYTES}) NOT NULL,
+                id VARBINARY({MAX_MESSAGE_ID_LEN}) NOT NULL,
                 consumed_at DATETIME(6) NOT NULL,
                 expires_at DATETIME(6) NOT NULL,
                 PRIMARY KEY (scope, id),
@@ -156,7 +142,7 @@ impl OutboxStore for MySql {
             .fetch_all(&mut *tx)
             .await?;
             tx.commit().await?;
-            rows.iter().map(message).collect::<Result<Vec<_>, _>>()
+            rows.iter().map(message_row).collect::<Result<Vec<_>, _>>()
         }
         .await;
         match leased {

@@ -4,26 +4,14 @@
 
 use std::time::Duration;
 
-use sqlx::postgres::PgRow;
-use sqlx::{AssertSqlSafe, Pool, Postgres, Row};
+use sqlx::{AssertSqlSafe, Pool, Postgres};
 
 use super::sql::fnv1a;
 use super::{index_name, qualified, run_ddl};
 use crate::Error;
 use crate::backend::outbox::{
-    MESSAGE_COLUMNS, MessageRow, NewMessage, OutboxStore, millis, seq_list,
+    MESSAGE_COLUMNS, MessageRow, NewMessage, OutboxStore, message_row, millis, seq_list,
 };
-
-fn message(row: &PgRow) -> Result<MessageRow, sqlx::Error> {
-    Ok(MessageRow {
-        seq: row.try_get("seq")?,
-        id: row.try_get("id")?,
-        scope: row.try_get("scope")?,
-        topic: row.try_get("topic")?,
-        payload: row.try_get("payload")?,
-        attempts: row.try_get("attempts")?,
-    })
-}
 
 impl OutboxStore for Postgres {
     async fn migrate_outbox(pool: &Pool<Self>, outbox: &str, consumed: &str) -> Result<(), Error> {
@@ -131,7 +119,10 @@ impl OutboxStore for Postgres {
             .fetch_all(&mut *tx)
             .await?;
         tx.commit().await?;
-        let mut messages = rows.iter().map(message).collect::<Result<Vec<_>, _>>()?;
+        let mut messages = rows
+            .iter()
+            .map(message_row)
+            .collect::<Result<Vec<_>, _>>()?;
         messages.sort_unstable_by_key(|message| message.seq);
         Ok(messages)
     }

@@ -5,25 +5,13 @@
 
 use std::time::Duration;
 
-use sqlx::sqlite::SqliteRow;
-use sqlx::{AssertSqlSafe, Pool, Row, Sqlite};
+use sqlx::{AssertSqlSafe, Pool, Sqlite};
 
 use super::now_ms;
 use crate::Error;
 use crate::backend::outbox::{
-    MESSAGE_COLUMNS, MessageRow, NewMessage, OutboxStore, millis, seq_list,
+    MESSAGE_COLUMNS, MessageRow, NewMessage, OutboxStore, message_row, millis, seq_list,
 };
-
-fn message(row: &SqliteRow) -> Result<MessageRow, sqlx::Error> {
-    Ok(MessageRow {
-        seq: row.try_get("seq")?,
-        id: row.try_get("id")?,
-        scope: row.try_get("scope")?,
-        topic: row.try_get("topic")?,
-        payload: row.try_get("payload")?,
-        attempts: row.try_get("attempts")?,
-    })
-}
 
 /// `table`'s schema prefix (`schema.`, or empty) and its own name: SQLite
 /// names an index in the schema, on a table named without it.
@@ -121,7 +109,10 @@ impl OutboxStore for Sqlite {
             .bind(i64::from(batch))
             .fetch_all(pool)
             .await?;
-        let mut messages = rows.iter().map(message).collect::<Result<Vec<_>, _>>()?;
+        let mut messages = rows
+            .iter()
+            .map(message_row)
+            .collect::<Result<Vec<_>, _>>()?;
         messages.sort_unstable_by_key(|message| message.seq);
         Ok(messages)
     }
