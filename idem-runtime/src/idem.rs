@@ -66,6 +66,7 @@ pub(crate) struct Inner<DB: Backend> {
     max_response_bytes: usize,
     body_timeout: Duration,
     acquire: Acquire,
+    advisory_locks: bool,
     finished: FinishedKeys,
     replay_marker: HeaderName,
     problem_type_base: Option<Arc<str>>,
@@ -88,6 +89,7 @@ impl<DB: Backend> std::fmt::Debug for Idem<DB> {
             .field("max_response_bytes", &self.inner.max_response_bytes)
             .field("body_timeout", &self.inner.body_timeout)
             .field("checked_acquire", &(self.inner.acquire == Acquire::Checked))
+            .field("advisory_locks", &self.inner.advisory_locks)
             .field("replay_marker", &self.inner.replay_marker)
             .field("problem_type_base", &self.inner.problem_type_base)
             .finish_non_exhaustive()
@@ -105,6 +107,7 @@ impl<DB: Backend> Idem<DB> {
                 max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
                 body_timeout: DEFAULT_BODY_TIMEOUT,
                 acquire: Acquire::Idle,
+                advisory_locks: true,
                 finished: FinishedKeys::new(),
                 replay_marker: IDEMPOTENT_REPLAYED,
                 problem_type_base: None,
@@ -121,6 +124,7 @@ impl<DB: Backend> Idem<DB> {
             max_response_bytes: shared.max_response_bytes,
             body_timeout: shared.body_timeout,
             acquire: shared.acquire,
+            advisory_locks: shared.advisory_locks,
             finished: FinishedKeys::new(),
             replay_marker: shared.replay_marker.clone(),
             problem_type_base: shared.problem_type_base.clone(),
@@ -256,6 +260,38 @@ impl<DB: Backend> Idem<DB> {
             Acquire::Idle
         };
         self.with(|inner| inner.acquire = acquire)
+    }
+
+    /// Whether a claim may take a transaction-scoped advisory lock on its
+    /// key, where the server offers them (default `true`). On PostgreSQL
+    /// proper (chosen once per server: not CockroachDB, nor a server whose
+    /// `pg_try_advisory_xact_lock` fails) the claim then tells a concurrent
+    /// attempt by that lock, on a 64-bit hash of the table, scope and key,
+    /// in place of a lock timeout set and reset around its insert: cheaper
+    /// for the server. The key table's unique index stays the authority: two
+    /// keys whose hashes collide at most answer each other 409 while both
+    /// are in flight, and a `wait` still waits for the first attempt.
+    /// Other engines ignore it.
+    ///
+    /// Every service claiming keys in one table should agree on it: a claim
+    /// with advisory locks that meets a row in flight from a claim without
+    /// them (another service, or an older `idem` during a rolling upgrade)
+    /// waits for that attempt to end instead of answering 409. Set it to
+    /// `false` where the application's own advisory locks use 64-bit keys
+    /// that must never wait on `idem`'s.
+    ///
+    /// ```
+    /// # use idem_runtime as idem;
+    /// # async fn demo(pool: sqlx::PgPool) {
+    /// let idem = idem::Idem::new(pool).advisory_locks(false);
+    /// # }
+    /// ```
+    pub fn advisory_locks(self, allowed: bool) -> Self {
+        self.with(|inner| inner.advisory_locks = allowed)
+    }
+
+    pub(crate) fn advisory(&self) -> bool {
+        self.inner.advisory_locks
     }
 
     pub(crate) fn body_read_timeout(&self) -> Duration {

@@ -76,6 +76,7 @@ async fn run_dyn<'f, DB: Phased>(
             ttl: config.ttl,
             wait: Duration::ZERO,
             timeout_ms: config.timeout_ms(),
+            advisory: idem.advisory(),
         },
         lease: config.lease.unwrap_or(Duration::from_secs(30)),
         request: prepared.request.as_deref().unwrap_or_default(),

@@ -328,6 +328,7 @@ async fn run_dyn<'f, DB: Backend>(
                 ttl: prepared.config.ttl,
                 wait: prepared.config.wait,
                 timeout_ms: prepared.config.timeout_ms(),
+                advisory: idem.advisory(),
             };
             run_keyed(&idem, &claim, handler)
                 .instrument(span.clone())
@@ -826,6 +827,7 @@ mod tests {
                 ttl: Duration::from_secs(1),
                 wait: Duration::ZERO,
                 timeout_ms: 30_000,
+                advisory: true,
             };
             let acquire = std::mem::size_of_val(&idem.pool().acquire());
             let mut answer = |_tx| -> HandlerFuture<'static> {

@@ -3,6 +3,7 @@
 //! and the callers. Not published; a dev-only crate of the workspace.
 
 pub mod account;
+pub mod chart;
 pub mod engines;
 pub mod examples;
 pub mod half_open;
@@ -11,6 +12,7 @@ pub mod hardening;
 #[cfg(feature = "mysql")]
 pub mod mysql_proxy;
 pub mod nats;
+pub mod peer;
 pub mod pg_proxy;
 pub mod phased;
 pub mod proxied;

@@ -16,6 +16,7 @@ pub fn claim(scope: &str, fill: u8, wait: Duration) -> Claim<'_> {
         ttl: Duration::from_secs(60),
         wait,
         timeout_ms: 30_000,
+        advisory: true,
     }
 }
 

@@ -31,6 +31,10 @@ pub struct Claim<'a> {
     /// later). (Milliseconds, not a `Duration`: claims are copied into
     /// every request's future.)
     pub timeout_ms: u32,
+    /// Whether the engine may tell a concurrent attempt by an advisory
+    /// lock on the key, where the server offers them
+    /// ([`Idem::advisory_locks`](crate::Idem::advisory_locks)).
+    pub advisory: bool,
 }
 
 /// How long after a handler's deadline the server ends a session whose

@@ -20,6 +20,7 @@ pub(crate) fn claim_of<'a>(scope: &'a str, key: &'a str, fill: u8, wait: Duratio
         ttl: Duration::from_secs(60),
         wait,
         timeout_ms: 30_000,
+        advisory: true,
     }
 }
 

@@ -36,6 +36,8 @@ const SERVER_THREADS: &str = "IDEM_BENCH_SERVER_THREADS";
 const POOL: &str = "IDEM_BENCH_POOL";
 /// 0: the server's pool does not ping a connection before handing it out.
 const TEST_BEFORE_ACQUIRE: &str = "IDEM_BENCH_TEST_BEFORE_ACQUIRE";
+/// The `peer` scenario's Redis.
+const REDIS_URL: &str = "IDEM_BENCH_REDIS_URL";
 
 /// What a server process is started with.
 #[derive(Clone, Debug)]
@@ -46,6 +48,8 @@ pub struct ServerConfig {
     pub database_url: String,
     pub pool: u32,
     pub threads: usize,
+    /// Where the `peer` scenario's store is (PostgreSQL's service only).
+    pub redis_url: String,
 }
 
 impl ServerConfig {
@@ -56,6 +60,8 @@ impl ServerConfig {
             database_url,
             pool: env_number(POOL, 16),
             threads: env_number(SERVER_THREADS, threads),
+            redis_url: std::env::var(REDIS_URL)
+                .unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned()),
         }
     }
 
@@ -66,6 +72,7 @@ impl ServerConfig {
             ("IDEM_BENCH_DATABASE_URL", self.database_url.clone()),
             (POOL, self.pool.to_string()),
             (SERVER_THREADS, self.threads.to_string()),
+            (REDIS_URL, self.redis_url.clone()),
         ]
     }
 }
@@ -163,10 +170,11 @@ pub fn serve_child() {
                 crate::sqlite::connect(&config.database_url, config.pool).await,
                 provider,
             ),
-            _ => handlers::postgres::router(
-                connect(&config.database_url, config.pool, true).await,
-                provider,
-            ),
+            _ => {
+                let pool = connect(&config.database_url, config.pool, true).await;
+                let peer = handlers::connect_peer(&config.redis_url).await;
+                handlers::postgres::router(pool.clone(), provider).merge(handlers::peer(pool, peer))
+            }
         };
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         println!("LISTENING {}", listener.local_addr().unwrap());

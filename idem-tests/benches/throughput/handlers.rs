@@ -5,10 +5,16 @@
 //! `two_phase_provider` and `phased`; with their state and routes.
 //! `service!` stamps them out per engine, as `examples/charges.rs` does (an
 //! `#[idempotent]` handler names its `Tx<DB>` or `Phases<DB>`, so it cannot
-//! be generic). What differs
+//! be generic). PostgreSQL's `peer` (see [`peer`]) is `baseline` behind the
+//! `idempotent` crate's store on Redis. What differs
 //! between engines is the [`Dialect`] below: how a write transaction opens
 //! and how the two-phase claim computes its expiry; the rest of the SQL is
 //! the same on both.
+
+use axum::http::StatusCode;
+use axum::middleware::from_fn_with_state;
+use axum::routing::post;
+use idem_tests::peer::{self as idem_peer, Leases, Peer};
 
 /// What the handlers' SQL looks like on one engine.
 pub trait Dialect: sqlx::Database {
@@ -66,9 +72,12 @@ macro_rules! service {
             /// The routes, `{statements}` being 1 or 3; the provider
             /// scenarios' at `/provider/{scenario}`, calling `provider`.
             pub fn router(pool: Pool<$db>, provider: Provider) -> axum::Router {
+                // `IDEM_BENCH_ADVISORY_LOCKS=0`: the portable claim, for an A/B.
+                let advisory = std::env::var("IDEM_BENCH_ADVISORY_LOCKS").as_deref() != Ok("0");
                 let idem = Idem::new(pool.clone())
                     .table(KEYS_TABLE)
-                    .expect("table name");
+                    .expect("table name")
+                    .advisory_locks(advisory);
                 axum::Router::new()
                     .route("/{statements}/baseline", post(baseline))
                     .route("/{statements}/idempotent", post(idempotent))
@@ -83,7 +92,7 @@ macro_rules! service {
             }
 
             /// baseline: the handler as it would be written without idempotency.
-            async fn baseline(
+            pub(super) async fn baseline(
                 account: Account,
                 Path(statements): Path<u32>,
                 State(pool): State<Pool<$db>>,
@@ -357,3 +366,33 @@ service!(
     "/{statements}/optimistic" => crate::optimistic::optimistic,
 );
 service!(sqlite, sqlx::Sqlite);
+
+/// The `peer` scenario's route, on PostgreSQL alone: `baseline`, unchanged,
+/// behind the middleware a team writes around the `idempotent` crate
+/// (`idem_tests::peer`). Without Redis it answers 503 with the reason, so
+/// only a run that loads it fails.
+pub fn peer(pool: sqlx::PgPool, peer: Result<Peer, String>) -> axum::Router {
+    let route = match peer {
+        Ok(peer) => post(postgres::baseline).layer(from_fn_with_state(peer, idem_peer::middleware)),
+        Err(error) => post(async move || (StatusCode::SERVICE_UNAVAILABLE, error)),
+    };
+    axum::Router::new()
+        .route("/{statements}/peer", route)
+        .with_state(pool)
+}
+
+/// The peer's store at `redis_url`, under a key prefix of this server
+/// process alone (its pid and start time), so no run meets another's keys.
+/// The crate's later guidance for its leases: a minute to a dead worker's
+/// claim, a day to a completed entry.
+pub async fn connect_peer(redis_url: &str) -> Result<Peer, String> {
+    let started = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("after 1970")
+        .as_millis();
+    let prefix = format!("idem-bench-peer-{}-{started}", std::process::id());
+    Peer::connect(redis_url, &prefix, Leases::default())
+        .await
+        .map(|peer| peer.scoped(idem_peer::account))
+        .map_err(|error| format!("peer: Redis is required at {redis_url}: {error:?}"))
+}

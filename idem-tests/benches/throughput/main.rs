@@ -36,8 +36,10 @@
 //! | `IDEM_BENCH_ROUNDS` | 3 | rounds, each running every scenario back to back; a ratio is the median of the rounds' ratios, req/s and latencies are the best round's, and each round's ratios are printed (`by round`) and kept in the JSON (`*_by_round`) |
 //! | `IDEM_BENCH_CONCURRENCY` | `16,64` | concurrent clients |
 //! | `IDEM_BENCH_STATEMENTS` | `1,3` | statements per handler |
-//! | `IDEM_BENCH_SCENARIOS` | the four | a subset, or also the diagnostics `read_floor` (`floor.rs`), `optimistic` (`optimistic.rs`) and `two_phase_tx` (`handlers.rs`), and the provider scenarios `plain_provider`, `atomic_provider`, `two_phase_provider` and `phased` (`provider.rs`); a list with none of the four or the diagnostics runs no statement-count shape |
+//! | `IDEM_BENCH_SCENARIOS` | the four | a subset, or also the diagnostics `read_floor` (`floor.rs`), `optimistic` (`optimistic.rs`), `two_phase_tx` (`handlers.rs`) and `peer` (the `idempotent` crate with Redis, `idem_tests::peer`), and the provider scenarios `plain_provider`, `atomic_provider`, `two_phase_provider` and `phased` (`provider.rs`); a list with none of the four or the diagnostics runs no statement-count shape |
 //! | `IDEM_BENCH_ENGINES` | `postgres,sqlite` | `postgres` alone skips SQLite (PostgreSQL always runs) |
+//! | `IDEM_BENCH_REDIS_URL` | `redis://127.0.0.1:6379` | the `peer` scenario's Redis |
+//! | `IDEM_BENCH_ADVISORY_LOCKS` | 1 | 0: the claim without advisory locks, as on a server without them (diagnostic) |
 //! | `IDEM_BENCH_POOL` | 16 | the server's connection pool (all scenarios) |
 //! | `IDEM_BENCH_SERVER_THREADS` | cores | the server's tokio workers |
 //! | `IDEM_BENCH_FILLFACTOR` | 100 | fillfactor of the key tables (diagnostic) |
@@ -77,11 +79,14 @@ const SCENARIOS: [&str; 4] = ["baseline", "idempotent", "replay", "two_phase"];
 /// `handlers`), run on PostgreSQL only when named in
 /// `IDEM_BENCH_SCENARIOS`; printed, and kept in the JSON as
 /// `diagnostic_*`, apart from the fields.
-const DIAGNOSTICS: [&str; 3] = ["read_floor", "optimistic", "two_phase_tx"];
+const DIAGNOSTICS: [&str; 4] = ["read_floor", "optimistic", "two_phase_tx", "peer"];
 /// `optimistic`'s place among a group's scenarios.
 const OPTIMISTIC: usize = SCENARIOS.len() + 1;
 /// `two_phase_tx`'s place among a group's scenarios.
 const TWO_PHASE_TX: usize = SCENARIOS.len() + 2;
+/// `peer`'s place: the plain handler behind the `idempotent` crate (0.3)
+/// with its Redis store (`idem_tests::peer`), as a Rust team would write it.
+const PEER: usize = SCENARIOS.len() + 3;
 /// The provider scenarios (see `provider`), run when named in
 /// `IDEM_BENCH_SCENARIOS`, once per concurrency (and engine); kept in the
 /// JSON as `provider_runs`.
@@ -516,6 +521,13 @@ async fn group(
             println!(
                 "  by round: idempotent/two_phase_tx {}",
                 show(1, TWO_PHASE_TX)
+            );
+        }
+        if group.ran(PEER) {
+            println!(
+                "  by round: peer/baseline {} | idempotent/peer {}",
+                show(PEER, 0),
+                show(1, PEER)
             );
         }
         if group.ran(OPTIMISTIC) {

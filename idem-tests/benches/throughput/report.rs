@@ -6,8 +6,8 @@ use serde_json::{Value, json};
 
 use crate::count::{self, ProviderTrips};
 use crate::{
-    ATOMIC_PROVIDER, DIAGNOSTICS, Group, OPTIMISTIC, PHASED, PLAIN_PROVIDER, PROVIDER, SCENARIOS,
-    TWO_PHASE_PROVIDER, TWO_PHASE_TX,
+    ATOMIC_PROVIDER, DIAGNOSTICS, Group, OPTIMISTIC, PEER, PHASED, PLAIN_PROVIDER, PROVIDER,
+    SCENARIOS, TWO_PHASE_PROVIDER, TWO_PHASE_TX,
 };
 
 /// One shape's JSON object: each scenario's best round, its req/s by
@@ -77,6 +77,10 @@ pub fn run_json(
         fields.insert(format!("diagnostic_ratio_{name}"), ratio(a, b));
         fields.insert(format!("diagnostic_cpu_ratio_{name}"), cpu_ratio(a, b));
     };
+    if group.ran(PEER) {
+        diagnostic("peer_to_baseline", PEER, 0);
+        diagnostic("idempotent_to_peer", 1, PEER);
+    }
     if group.ran(TWO_PHASE_TX) {
         diagnostic("idempotent_to_two_phase_tx", 1, TWO_PHASE_TX);
     }

@@ -29,6 +29,7 @@ use crate::fingerprint::Fingerprint;
 use crate::response::StoredResponse;
 
 mod admin;
+mod advisory;
 mod lease;
 mod outbox;
 mod sql;
@@ -36,6 +37,9 @@ mod sql;
 impl super::contract::sealed::Sealed for Postgres {}
 
 const LOCK_NOT_AVAILABLE: &str = "55P03";
+/// `invalid_text_representation`: the advisory claim found the key's lock
+/// held (see `sql::CLAIM_TRY`).
+const KEY_HELD: &str = "22P02";
 const UNIQUE_VIOLATION: &str = "23505";
 const DUPLICATE_TABLE: &str = "42P07";
 const SERIALIZATION_FAILURE: &str = "40001";
@@ -115,7 +119,8 @@ impl Backend for Postgres {
         table: &str,
         claim: &Claim<'_>,
     ) -> Result<ClaimOutcome<Self>, StoreError> {
-        let (flight, claim) = super::claim::wait_in_process(pool, table, claim).await;
+        let (flight, mut claim) = super::claim::wait_in_process(pool, table, claim).await;
+        claim.advisory = claim.advisory && advisory::offered(pool).await;
         let row = ClaimRow::new(table, &claim);
         let outcome = super::claim::claim_with_retries(pool, acquire, PgClaim { row }).await;
         super::claim::held(outcome, flight)
@@ -228,11 +233,14 @@ impl Backend for Postgres {
         // another transaction holds are skipped. With the check only in the
         // subquery, a delete that waited on the lock of a writer making an
         // expired row live again (in place) re-checked nothing but the key
-        // once that writer committed, and deleted the live row.
+        // once that writer committed, and deleted the live row. Oldest
+        // first, so the expiry index bounds every batch: without the order,
+        // a table whose expiries do not follow its physical order (mixed
+        // TTLs) was swept by sequential scans (docs/benchmarks.md).
         let sql = format!(
             "DELETE FROM {table} WHERE (scope, key) IN \
              (SELECT scope, key FROM {table} WHERE expires_at < now() \
-              LIMIT {batch} FOR UPDATE SKIP LOCKED) \
+              ORDER BY expires_at LIMIT {batch} FOR UPDATE SKIP LOCKED) \
              AND expires_at < now()"
         );
         Ok(sqlx::raw_sql(AssertSqlSafe(sql))
@@ -308,22 +316,28 @@ impl super::claim::ClaimAttempt<Postgres> for PgClaim<'_> {
         if !error.is_gone::<Postgres>() {
             super::connection::abandon(conn).await;
         }
-        Err(if store_has_code(&error, &[LOCK_NOT_AVAILABLE]) {
-            // A timeout this short can also be a brief wait on another lock
-            // (extending the table, say) rather than a duplicate: look once
-            // more before telling a fresh key it is in use.
-            if number == 1 && self.row.wait() < SHORT_WAIT {
+        Err(
+            if self.row.tries_lock() && store_has_code(&error, &[KEY_HELD]) {
+                // The key's advisory lock is held: by an attempt in flight (or,
+                // rarely, one whose key's hash is the same).
+                Failure::InUse
+            } else if store_has_code(&error, &[LOCK_NOT_AVAILABLE]) {
+                // A timeout this short can also be a brief wait on another lock
+                // (extending the table, say) rather than a duplicate: look once
+                // more before telling a fresh key it is in use.
+                if number == 1 && self.row.wait() < SHORT_WAIT {
+                    Failure::Retry(error)
+                } else {
+                    Failure::InUse
+                }
+            } else if store_has_code(&error, &[SERIALIZATION_FAILURE, DEADLOCK_DETECTED]) {
+                // CockroachDB and YugabyteDB ask clients to retry these; the
+                // claim has done nothing yet, so retrying it is always safe.
                 Failure::Retry(error)
             } else {
-                Failure::InUse
-            }
-        } else if store_has_code(&error, &[SERIALIZATION_FAILURE, DEADLOCK_DETECTED]) {
-            // CockroachDB and YugabyteDB ask clients to retry these; the
-            // claim has done nothing yet, so retrying it is always safe.
-            Failure::Retry(error)
-        } else {
-            Failure::Fatal(error)
-        })
+                Failure::Fatal(error)
+            },
+        )
     }
 
     fn skip_wait(&mut self) {

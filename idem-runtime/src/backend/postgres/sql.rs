@@ -37,6 +37,22 @@ pub(super) const CLAIM: Statement = Statement {
            VALUES ($1, $2, $3, now() + $4 * interval '1 millisecond')",
 };
 
+/// The claim of a server that offers advisory locks, when it does not
+/// wait: the key's transaction-scoped advisory lock, then the row, in one
+/// statement. A lock held by a concurrent attempt fails the statement
+/// with `22P02` (the cast of a text no boolean reads, which names the
+/// reason in the server's log), a statement that only our values reach.
+/// Every claim on such a server takes the lock before its insert, so the
+/// insert never meets an attempt in flight, and needs no lock timeout.
+pub(super) const CLAIM_TRY: Statement = Statement {
+    suffix: "claim_try",
+    types: "bytea, bytea, bytea, bigint, bigint",
+    text: "INSERT INTO {table} (scope, key, fingerprint, expires_at) \
+           SELECT $1, $2, $3, now() + $4 * interval '1 millisecond' \
+           WHERE (CASE WHEN pg_try_advisory_xact_lock($5) THEN 'true' \
+           ELSE 'idem: key held by another attempt' END)::boolean",
+};
+
 pub(super) const SELECT: Statement = Statement {
     suffix: "select",
     types: "bytea, bytea",
@@ -94,6 +110,7 @@ const STATEMENTS_REVISION: &str = "4:";
 enum Arg<'a> {
     Bytes(&'a [u8]),
     Int(u128),
+    Signed(i64),
 }
 
 impl Arg<'_> {
@@ -101,6 +118,7 @@ impl Arg<'_> {
         match self {
             Arg::Bytes(bytes) => push_bytea(out, bytes),
             Arg::Int(int) => write!(out, "{int}").expect("writing to a String"),
+            Arg::Signed(int) => write!(out, "{int}").expect("writing to a String"),
         }
     }
 }
@@ -112,10 +130,14 @@ impl Arg<'_> {
 pub(super) struct Statements<'t> {
     table: &'t str,
     hash: u64,
+    /// Whether the advisory claim is among them (see [`CLAIM_TRY`]): a
+    /// server without advisory locks could not prepare it.
+    advisory: bool,
 }
 
 impl<'t> Statements<'t> {
-    const ALL: [Statement; 4] = [CLAIM, SELECT, EXPIRE, FINISH];
+    const PORTABLE: [Statement; 4] = [CLAIM, SELECT, EXPIRE, FINISH];
+    const ADVISORY: [Statement; 5] = [CLAIM, SELECT, EXPIRE, FINISH, CLAIM_TRY];
 
     pub(super) fn new(table: &'t str) -> Self {
         Self::at_revision(STATEMENTS_REVISION, table)
@@ -128,7 +150,24 @@ impl<'t> Statements<'t> {
         // a deploy (a session-mode pooler) may still hold an older statement
         // under the old name, and must not run it as if it were the new one.
         let hash = fnv1a(revision.bytes().chain(table.bytes()));
-        Self { table, hash }
+        Self {
+            table,
+            hash,
+            advisory: false,
+        }
+    }
+
+    /// These statements with the advisory claim among them, or not.
+    pub(super) fn advisory(self, advisory: bool) -> Self {
+        Self { advisory, ..self }
+    }
+
+    fn all(&self) -> &'static [Statement] {
+        if self.advisory {
+            &Self::ADVISORY
+        } else {
+            &Self::PORTABLE
+        }
     }
 
     /// `idem_<16 hex digits>_<suffix>`.
@@ -146,7 +185,7 @@ impl<'t> Statements<'t> {
     }
 
     pub(super) fn names(&self) -> Vec<String> {
-        Self::ALL
+        self.all()
             .iter()
             .map(|statement| self.name(statement))
             .collect()
@@ -158,7 +197,7 @@ impl<'t> Statements<'t> {
 
     /// `PREPARE`s for the statements not among `present`.
     pub(super) fn prepare_missing(&self, present: &[String]) -> String {
-        Self::ALL
+        self.all()
             .iter()
             .filter(|statement| !present.contains(&self.name(statement)))
             .map(|statement| {
@@ -212,12 +251,29 @@ pub(super) struct ClaimRow<'c> {
 }
 
 impl<'c> ClaimRow<'c> {
+    /// The claim's statements; with the key's advisory lock if
+    /// `claim.advisory` (which the caller sets only for a server that
+    /// offers advisory locks).
     pub(super) fn new(table: &'c str, claim: &Claim<'c>) -> Self {
         Self {
-            statements: Statements::new(table),
+            statements: Statements::new(table).advisory(claim.advisory),
             prepared: true,
             claim: *claim,
         }
+    }
+
+    /// Whether a concurrent attempt fails this claim at once, by its
+    /// advisory lock, rather than after a lock timeout.
+    pub(super) fn tries_lock(&self) -> bool {
+        self.claim.advisory && self.claim.wait.is_zero()
+    }
+
+    /// The key's advisory lock, if the claim takes one (hashed when a
+    /// claim's text is written, not for the finish's).
+    fn lock(&self) -> Option<i64> {
+        self.claim
+            .advisory
+            .then(|| lock_id(self.statements.table, self.claim.scope, self.claim.key))
     }
 
     fn row_args(&self) -> [Arg<'_>; 4] {
@@ -250,37 +306,68 @@ impl<'c> ClaimRow<'c> {
         String::with_capacity(256 + 2 * values + extra)
     }
 
-    /// Opens the transaction and claims the key under the claim's lock
-    /// timeout (deleting the key's expired row first, if `expired`), then
-    /// puts the timeout back to its configured default: the handler's own
-    /// statements and the final commit must not inherit a timeout of a
-    /// millisecond.
+    /// Opens the transaction and claims the key (deleting the key's expired
+    /// row first, if `expired`).
     ///
-    /// The delete of an expired row runs in the claim's transaction and
-    /// under its timeout too. (A statement written ahead of `BEGIN` in the
-    /// same round trip would join the transaction anyway, PostgreSQL
-    /// including it retroactively, but without the timeout: a duplicate
-    /// meeting a takeover's lock on the old row waited for the takeover's
-    /// whole handler instead of `wait`.)
+    /// With an advisory lock and no wait, a fresh key's claim tries the
+    /// lock: a concurrent attempt holds it, or this claim's insert meets no
+    /// row in flight (see [`CLAIM_TRY`]), so no timeout is set. Otherwise
+    /// the claim runs under its lock timeout (taking the key's advisory
+    /// lock first, if it takes one), then puts the timeout back to its
+    /// configured default: the handler's own statements and the final
+    /// commit must not inherit a timeout of a millisecond.
+    ///
+    /// The delete of an expired row runs in the claim's transaction, after
+    /// the lock and under the timeout: the row may be locked by what holds
+    /// no advisory lock (the sweeper, an administrator). (A statement written ahead of
+    /// `BEGIN` in the same round trip would join the transaction anyway,
+    /// PostgreSQL including it retroactively, but without the timeout: a
+    /// duplicate meeting a takeover's lock on the old row waited for the
+    /// takeover's whole handler instead of `wait`.)
     ///
     /// `SET LOCAL` is a utility statement, nothing to plan, so this costs
-    /// little (less than `set_config`: docs/design.md). The default is what
-    /// `postgresql.conf`, the role, the database or the connection's
-    /// startup options say; a plain session `SET lock_timeout` does not
-    /// reach into `idem`'s transactions.
+    /// little (less than `set_config`: docs/design.md), but PostgreSQL walks
+    /// every setting at the end of a transaction that changed one. The
+    /// default is what `postgresql.conf`, the role, the database or the
+    /// connection's startup options say; a plain session `SET lock_timeout`
+    /// does not reach into `idem`'s transactions.
     fn push_claim(&self, out: &mut String, expired: bool) {
-        // `lock_timeout = 0` means "wait forever" in PostgreSQL, so
-        // `wait = 0` becomes the smallest positive timeout instead.
-        let timeout = self.claim.wait.as_millis().max(1);
         // A session whose client vanished with the claim open (a half-open
         // connection) is ended by the server this long after its last
         // statement, releasing the key: the handler's deadline and a margin.
         let orphan = self.claim.orphan_bound().as_millis();
+        out.push_str("BEGIN; ");
+        let tries = self.tries_lock();
+        let timed = !tries || expired;
+        if timed {
+            // `lock_timeout = 0` means "wait forever" in PostgreSQL, so
+            // `wait = 0` becomes the smallest positive timeout instead.
+            let timeout = self.claim.wait.as_millis().max(1);
+            write!(out, "SET LOCAL lock_timeout = '{timeout}ms'; ").expect("writing to a String");
+        }
         write!(
             out,
-            "BEGIN; SET LOCAL lock_timeout = '{timeout}ms'; \
-             SET LOCAL idle_in_transaction_session_timeout = '{orphan}ms'; "
+            "SET LOCAL idle_in_transaction_session_timeout = '{orphan}ms'; "
         )
+        .expect("writing to a String");
+        match self.lock() {
+            Some(lock) if tries && !expired => {
+                let mut args = [Arg::Signed(0); 5];
+                args[..4].copy_from_slice(&self.row_args());
+                args[4] = Arg::Signed(lock);
+                self.statements
+                    .push_run(out, &CLAIM_TRY, self.prepared, &args);
+                out.push(';');
+                return;
+            }
+            Some(lock) if tries => write!(
+                out,
+                "SELECT (CASE WHEN pg_try_advisory_xact_lock({lock}) THEN 'true' \
+                 ELSE 'idem: key held by another attempt' END)::boolean; "
+            ),
+            Some(lock) => write!(out, "SELECT pg_advisory_xact_lock({lock}); "),
+            None => Ok(()),
+        }
         .expect("writing to a String");
         if expired {
             self.statements
@@ -289,7 +376,11 @@ impl<'c> ClaimRow<'c> {
         }
         self.statements
             .push_run(out, &CLAIM, self.prepared, &self.row_args());
-        out.push_str("; SET LOCAL lock_timeout TO DEFAULT;");
+        if timed {
+            out.push_str("; SET LOCAL lock_timeout TO DEFAULT;");
+        } else {
+            out.push(';');
+        }
     }
 
     /// Runs `prelude` (a new connection's `PREPARE`s, or nothing), opens
@@ -355,6 +446,20 @@ impl<'c> ClaimRow<'c> {
     }
 }
 
+/// The advisory lock of `(table, scope, key)`: the first 64 bits of their
+/// SHA-256 (each length-prefixed), stable across processes and versions,
+/// and not a hash a caller can aim at another caller's key with.
+pub(super) fn lock_id(table: &str, scope: &str, key: &str) -> i64 {
+    use sha2::{Digest, Sha256};
+    let mut hasher = Sha256::new();
+    for part in [table, scope, key] {
+        hasher.update((part.len() as u64).to_be_bytes());
+        hasher.update(part.as_bytes());
+    }
+    let digest = hasher.finalize();
+    i64::from_be_bytes(digest[..8].try_into().expect("8 bytes"))
+}
+
 /// Appends a `bytea` value as an SQL literal in hex input form. An escape
 /// string (`E'\\x..'`) reads the same whatever `standard_conforming_strings`
 /// says, and, unlike `decode(..)`, costs the server no function call to
@@ -383,6 +488,7 @@ mod tests {
             ttl: Duration::from_secs(60),
             wait: Duration::ZERO,
             timeout_ms: 30_000,
+            advisory: false,
         }
     }
 
@@ -452,11 +558,66 @@ mod tests {
         assert_eq!(
             Statements {
                 table: "t",
-                hash: 0xab
+                hash: 0xab,
+                advisory: false,
             }
             .name(&CLAIM),
             "idem_00000000000000ab_claim"
         );
         assert_eq!(row.statements.names().len(), 4);
+        let advisory = Claim {
+            advisory: true,
+            ..claim
+        };
+        assert_eq!(ClaimRow::new("keys", &advisory).statements.names().len(), 5);
+    }
+
+    #[test]
+    fn an_advisory_claim_tries_the_keys_lock_without_a_timeout() {
+        let claim = Claim {
+            advisory: true,
+            ..claim()
+        };
+        let row = ClaimRow::new("keys", &claim);
+        let lock = lock_id("keys", "a", "b");
+        let insert = row.begin_and_insert("");
+        assert_eq!(
+            insert,
+            format!(
+                "BEGIN; SET LOCAL idle_in_transaction_session_timeout = '32000ms'; \
+                 EXECUTE {}(E'\\\\x61', E'\\\\x62', E'\\\\x{}', 60000, {lock});",
+                row.statements.name(&CLAIM_TRY),
+                "ab".repeat(32)
+            )
+        );
+        // An expired row is deleted after the lock is taken, under the
+        // timeout: the sweeper may hold it.
+        let expire = row.expire_and_insert();
+        let locked = expire
+            .find(&format!("pg_try_advisory_xact_lock({lock})"))
+            .expect("the lock");
+        assert!(locked < expire.find("EXECUTE").unwrap(), "{expire}");
+        assert!(
+            expire.starts_with("BEGIN; SET LOCAL lock_timeout = '1ms'; "),
+            "{expire}"
+        );
+        // A claim that waits waits for the lock, under its timeout.
+        let waiting = Claim {
+            wait: Duration::from_millis(250),
+            ..claim
+        };
+        let waits = ClaimRow::new("keys", &waiting).begin_and_insert("");
+        assert!(
+            waits.starts_with("BEGIN; SET LOCAL lock_timeout = '250ms'; "),
+            "{waits}"
+        );
+        assert!(
+            waits.contains(&format!("SELECT pg_advisory_xact_lock({lock}); EXECUTE ")),
+            "{waits}"
+        );
+        assert!(waits.ends_with("; SET LOCAL lock_timeout TO DEFAULT;"));
+        // The lock is the key's: another table, scope or key has another.
+        assert_ne!(lock, lock_id("keys", "ab", ""));
+        assert_ne!(lock, lock_id("other", "a", "b"));
     }
 }

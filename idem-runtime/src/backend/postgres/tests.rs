@@ -217,6 +217,7 @@ async fn bytes_arrive_intact_whatever_standard_conforming_strings_says() {
                 ttl: Duration::from_secs(60),
                 wait: Duration::from_millis(100),
                 timeout_ms: 30_000,
+                advisory: true,
             };
             let mut row = ClaimRow::new(&table, &claim);
             row.prepared = prepared;
@@ -258,6 +259,7 @@ async fn inlined_statements_claim_finish_replay_and_take_over() {
         ttl: Duration::from_secs(60),
         wait: Duration::from_millis(100),
         timeout_ms: 30_000,
+        advisory: true,
     };
     let mut row = ClaimRow::new(&table, &claim);
     row.prepared = false;
@@ -685,4 +687,143 @@ async fn the_outbox_contract_holds() {
         .execute(&pool)
         .await
         .unwrap();
+}
+
+/// A claim with advisory locks (where the server offers them) and one
+/// without, on PostgreSQL: a duplicate without `wait` is in use at once,
+/// one with `wait` waits for the first attempt and replays it. Two pools,
+/// so the duplicates meet in the database, not in this process.
+async fn duplicates_wait_or_are_in_use(advisory: bool) {
+    let first_pool = test_pool(2, |options| options).await;
+    let name = format!("idem-duplicate-{advisory}-{}", std::process::id());
+    let second_pool = test_pool(2, |options| options.application_name(&name)).await;
+    let table = table(&first_pool, &format!("duplicates_{advisory}")).await;
+    let claim = move |wait| Claim {
+        advisory,
+        ..crate::backend::test_support::claim_of("acct", "dup", 1, wait)
+    };
+    let ClaimOutcome::Claimed(first) = Postgres::claim(
+        &first_pool,
+        Acquire::default(),
+        &table,
+        &claim(Duration::ZERO),
+    )
+    .await
+    .unwrap() else {
+        panic!("a fresh key was not claimed");
+    };
+    let at_once = tokio::time::timeout(
+        Duration::from_secs(2),
+        Postgres::claim(
+            &second_pool,
+            Acquire::default(),
+            &table,
+            &claim(Duration::ZERO),
+        ),
+    )
+    .await
+    .expect("a duplicate without wait waited")
+    .unwrap();
+    assert!(matches!(at_once, ClaimOutcome::InUse { .. }), "{at_once:?}");
+    let waiting = {
+        let (pool, table) = (second_pool.clone(), table.clone());
+        tokio::spawn(async move {
+            let claim = claim(Duration::from_secs(20));
+            match Postgres::claim(&pool, Acquire::default(), &table, &claim).await {
+                Ok(ClaimOutcome::Finished { response, .. }) => response.status,
+                other => panic!("the waiting duplicate got {other:?}"),
+            }
+        })
+    };
+    // The duplicate is waiting in the database once its session waits on
+    // a lock.
+    let waits = format!(
+        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
+         AND application_name = '{name}'"
+    );
+    tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            let waiting: i64 = sqlx::query_scalar(AssertSqlSafe(waits.clone()))
+                .fetch_one(&first_pool)
+                .await
+                .unwrap();
+            if waiting > 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("the duplicate never waited on a lock");
+    store(
+        first,
+        &table,
+        &claim(Duration::ZERO),
+        StatusCode::CREATED,
+        b"{}",
+    )
+    .await;
+    assert_eq!(waiting.await.unwrap(), StatusCode::CREATED);
+    drop_table(&first_pool, &table).await;
+}
+
+#[tokio::test]
+async fn advisory_claims_answer_in_use_at_once_and_wait_when_told() {
+    duplicates_wait_or_are_in_use(true).await;
+}
+
+#[tokio::test]
+async fn portable_claims_answer_in_use_at_once_and_wait_when_told() {
+    duplicates_wait_or_are_in_use(false).await;
+}
+
+/// The unique index is the authority: a key whose advisory lock another
+/// transaction holds (a hash collision, or any other user of the lock) is
+/// only in use, never a second row; a claim without advisory locks is not
+/// held up by it at all, and an advisory claim replays its answer once
+/// the lock is free.
+#[tokio::test]
+async fn a_held_advisory_lock_costs_a_409_never_an_effect() {
+    let pool = test_pool(3, |options| options).await;
+    assert!(
+        advisory::offered(&pool).await,
+        "PostgreSQL offers advisory locks"
+    );
+    let table = table(&pool, "collision").await;
+    let claim = |advisory| Claim {
+        advisory,
+        ..crate::backend::test_support::claim_of("acct", "taken", 1, Duration::ZERO)
+    };
+    let mut other = pool.begin().await.unwrap();
+    sqlx::query("SELECT pg_advisory_xact_lock($1)")
+        .bind(sql::lock_id(&table, "acct", "taken"))
+        .execute(&mut *other)
+        .await
+        .unwrap();
+    let held = Postgres::claim(&pool, Acquire::default(), &table, &claim(true))
+        .await
+        .unwrap();
+    assert!(matches!(held, ClaimOutcome::InUse { .. }), "{held:?}");
+    let ClaimOutcome::Claimed(conn) =
+        Postgres::claim(&pool, Acquire::default(), &table, &claim(false))
+            .await
+            .unwrap()
+    else {
+        panic!("the portable claim was held up by an advisory lock");
+    };
+    store(conn, &table, &claim(false), StatusCode::CREATED, b"{}").await;
+    other.rollback().await.unwrap();
+    let replay = Postgres::claim(&pool, Acquire::default(), &table, &claim(true))
+        .await
+        .unwrap();
+    assert!(
+        matches!(replay, ClaimOutcome::Finished { .. }),
+        "{replay:?}"
+    );
+    let rows: i64 = sqlx::query_scalar(AssertSqlSafe(format!("SELECT count(*) FROM {table}")))
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(rows, 1);
+    drop_table(&pool, &table).await;
 }

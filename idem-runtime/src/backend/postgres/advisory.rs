@@ -1,0 +1,72 @@
+//! Whether a server offers transaction-scoped advisory locks to the claim
+//! (`sql::CLAIM_TRY`): asked once per server and database, the first time
+//! a pool claims a key there.
+
+use std::sync::{Mutex, PoisonError};
+
+use sqlx::postgres::PgConnectOptions;
+use sqlx::{Pool, Postgres};
+
+/// A server and database, and whether it offers advisory locks.
+struct Answer {
+    host: String,
+    port: u16,
+    database: Option<String>,
+    offered: bool,
+}
+
+impl Answer {
+    fn of(&self, options: &PgConnectOptions) -> bool {
+        self.port == options.get_port()
+            && self.host == options.get_host()
+            && self.database.as_deref() == options.get_database()
+    }
+}
+
+/// The answers so far: a handful at most, looked up on every claim
+/// without allocating.
+static ANSWERS: Mutex<Vec<Answer>> = Mutex::new(Vec::new());
+
+/// Whether `pool`'s server offers advisory locks: PostgreSQL proper does;
+/// CockroachDB (whose advisory lock functions do not exclude) and a server
+/// whose `pg_try_advisory_xact_lock` fails do not, and get the portable
+/// claim. A probe that could not reach the server answers `false` for
+/// this claim only, and is asked again by the next.
+pub(super) async fn offered(pool: &Pool<Postgres>) -> bool {
+    let options = pool.connect_options();
+    let known = answers()
+        .iter()
+        .find(|answer| answer.of(&options))
+        .map(|answer| answer.offered);
+    if let Some(known) = known {
+        return known;
+    }
+    // The lock taken is released when the probe's own transaction ends.
+    let probe =
+        sqlx::query_as::<_, (String, bool)>("SELECT version(), pg_try_advisory_xact_lock($1)")
+            .bind(super::sql::lock_id("", "idem", "probe"))
+            .fetch_one(pool)
+            .await;
+    let offered = match probe {
+        Ok((version, _)) => !version.contains("CockroachDB"),
+        Err(sqlx::Error::Database(error)) => {
+            tracing::debug!(%error, "no advisory locks: idem claims without them");
+            false
+        }
+        Err(_) => return false,
+    };
+    let mut answers = answers();
+    if !answers.iter().any(|answer| answer.of(&options)) {
+        answers.push(Answer {
+            host: options.get_host().to_owned(),
+            port: options.get_port(),
+            database: options.get_database().map(str::to_owned),
+            offered,
+        });
+    }
+    offered
+}
+
+fn answers() -> std::sync::MutexGuard<'static, Vec<Answer>> {
+    ANSWERS.lock().unwrap_or_else(PoisonError::into_inner)
+}
