@@ -27,20 +27,23 @@ impl Answer {
 /// without allocating.
 static ANSWERS: Mutex<Vec<Answer>> = Mutex::new(Vec::new());
 
-/// Whether `pool`'s server offers advisory locks: PostgreSQL proper does;
-/// CockroachDB (whose advisory lock functions do not exclude) and a server
-/// whose `pg_try_advisory_xact_lock` fails do not, and get the portable
-/// claim. A probe that could not reach the server answers `false` for
-/// this claim only, and is asked again by the next.
-pub(super) async fn offered(pool: &Pool<Postgres>) -> bool {
+/// Whether `pool`'s server offers advisory locks, if it has been asked
+/// ([`probe`]).
+pub(super) fn known(pool: &Pool<Postgres>) -> Option<bool> {
     let options = pool.connect_options();
-    let known = answers()
+    answers()
         .iter()
         .find(|answer| answer.of(&options))
-        .map(|answer| answer.offered);
-    if let Some(known) = known {
-        return known;
-    }
+        .map(|answer| answer.offered)
+}
+
+/// Asks whether `pool`'s server offers advisory locks, and records the
+/// answer: PostgreSQL proper does; CockroachDB (whose advisory lock
+/// functions do not exclude) and a server whose `pg_try_advisory_xact_lock`
+/// fails do not, and get the portable claim. A probe that could not reach
+/// the server answers `false` for this claim only, and is asked again by
+/// the next.
+pub(super) async fn probe(pool: &Pool<Postgres>) -> bool {
     // The lock taken is released when the probe's own transaction ends.
     let probe =
         sqlx::query_as::<_, (String, bool)>("SELECT version(), pg_try_advisory_xact_lock($1)")
@@ -55,6 +58,7 @@ pub(super) async fn offered(pool: &Pool<Postgres>) -> bool {
         }
         Err(_) => return false,
     };
+    let options = pool.connect_options();
     let mut answers = answers();
     if !answers.iter().any(|answer| answer.of(&options)) {
         answers.push(Answer {

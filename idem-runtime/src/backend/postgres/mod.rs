@@ -120,7 +120,14 @@ impl Backend for Postgres {
         claim: &Claim<'_>,
     ) -> Result<ClaimOutcome<Self>, StoreError> {
         let (flight, mut claim) = super::claim::wait_in_process(pool, table, claim).await;
-        claim.advisory = claim.advisory && advisory::offered(pool).await;
+        if claim.advisory {
+            // Boxed: asked once per server, the probe would otherwise sit
+            // in every claim's future.
+            claim.advisory = match advisory::known(pool) {
+                Some(offered) => offered,
+                None => Box::pin(advisory::probe(pool)).await,
+            };
+        }
         let row = ClaimRow::new(table, &claim);
         let outcome = super::claim::claim_with_retries(pool, acquire, PgClaim { row }).await;
         super::claim::held(outcome, flight)
@@ -376,7 +383,7 @@ async fn claim_with_fallback(
     }
     // The failed `EXECUTE` aborted the transaction; end it, and ask which
     // of this table's statements the session lacks in the same round trip.
-    let names = row.statements.names();
+    let names = row.names();
     let listed = sqlx::raw_sql(AssertSqlSafe(format!(
         "ROLLBACK; SELECT name FROM pg_catalog.pg_prepared_statements WHERE name IN ('{}')",
         names.join("', '")
@@ -390,7 +397,7 @@ async fn claim_with_fallback(
     });
     let error = match present {
         Ok(present) => {
-            let prepare = row.statements.prepare_missing(&present);
+            let prepare = row.prepare_missing(&present);
             match settle(conn, row, &prepare).await {
                 Err(error)
                     if store_has_code(&error, &[UNDEFINED_STATEMENT, DUPLICATE_STATEMENT]) =>

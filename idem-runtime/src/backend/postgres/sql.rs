@@ -130,9 +130,6 @@ impl Arg<'_> {
 pub(super) struct Statements<'t> {
     table: &'t str,
     hash: u64,
-    /// Whether the advisory claim is among them (see [`CLAIM_TRY`]): a
-    /// server without advisory locks could not prepare it.
-    advisory: bool,
 }
 
 impl<'t> Statements<'t> {
@@ -150,20 +147,14 @@ impl<'t> Statements<'t> {
         // a deploy (a session-mode pooler) may still hold an older statement
         // under the old name, and must not run it as if it were the new one.
         let hash = fnv1a(revision.bytes().chain(table.bytes()));
-        Self {
-            table,
-            hash,
-            advisory: false,
-        }
+        Self { table, hash }
     }
 
-    /// These statements with the advisory claim among them, or not.
-    pub(super) fn advisory(self, advisory: bool) -> Self {
-        Self { advisory, ..self }
-    }
-
-    fn all(&self) -> &'static [Statement] {
-        if self.advisory {
+    /// The statements a connection prepares: with the advisory claim
+    /// ([`CLAIM_TRY`]) where the server offers advisory locks (one without
+    /// could not prepare it).
+    fn all(advisory: bool) -> &'static [Statement] {
+        if advisory {
             &Self::ADVISORY
         } else {
             &Self::PORTABLE
@@ -184,8 +175,8 @@ impl<'t> Statements<'t> {
         name
     }
 
-    pub(super) fn names(&self) -> Vec<String> {
-        self.all()
+    pub(super) fn names(&self, advisory: bool) -> Vec<String> {
+        Self::all(advisory)
             .iter()
             .map(|statement| self.name(statement))
             .collect()
@@ -196,8 +187,8 @@ impl<'t> Statements<'t> {
     }
 
     /// `PREPARE`s for the statements not among `present`.
-    pub(super) fn prepare_missing(&self, present: &[String]) -> String {
-        self.all()
+    pub(super) fn prepare_missing(&self, present: &[String], advisory: bool) -> String {
+        Self::all(advisory)
             .iter()
             .filter(|statement| !present.contains(&self.name(statement)))
             .map(|statement| {
@@ -252,14 +243,25 @@ pub(super) struct ClaimRow<'c> {
 
 impl<'c> ClaimRow<'c> {
     /// The claim's statements; with the key's advisory lock if
-    /// `claim.advisory` (which the caller sets only for a server that
-    /// offers advisory locks).
+    /// `claim.advisory` (which the caller leaves set only for a server
+    /// that offers advisory locks).
     pub(super) fn new(table: &'c str, claim: &Claim<'c>) -> Self {
         Self {
-            statements: Statements::new(table).advisory(claim.advisory),
+            statements: Statements::new(table),
             prepared: true,
             claim: *claim,
         }
+    }
+
+    /// The names of the statements this claim's connection prepares.
+    pub(super) fn names(&self) -> Vec<String> {
+        self.statements.names(self.claim.advisory)
+    }
+
+    /// `PREPARE`s for this claim's statements not among `present`.
+    pub(super) fn prepare_missing(&self, present: &[String]) -> String {
+        self.statements
+            .prepare_missing(present, self.claim.advisory)
     }
 
     /// Whether a concurrent attempt fails this claim at once, by its
@@ -559,17 +561,16 @@ mod tests {
             Statements {
                 table: "t",
                 hash: 0xab,
-                advisory: false,
             }
             .name(&CLAIM),
             "idem_00000000000000ab_claim"
         );
-        assert_eq!(row.statements.names().len(), 4);
+        assert_eq!(row.names().len(), 4);
         let advisory = Claim {
             advisory: true,
             ..claim
         };
-        assert_eq!(ClaimRow::new("keys", &advisory).statements.names().len(), 5);
+        assert_eq!(ClaimRow::new("keys", &advisory).names().len(), 5);
     }
 
     #[test]

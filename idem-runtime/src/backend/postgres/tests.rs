@@ -786,9 +786,10 @@ async fn portable_claims_answer_in_use_at_once_and_wait_when_told() {
 async fn a_held_advisory_lock_costs_a_409_never_an_effect() {
     let pool = test_pool(3, |options| options).await;
     assert!(
-        advisory::offered(&pool).await,
+        advisory::probe(&pool).await,
         "PostgreSQL offers advisory locks"
     );
+    assert_eq!(advisory::known(&pool), Some(true));
     let table = table(&pool, "collision").await;
     let claim = |advisory| Claim {
         advisory,
