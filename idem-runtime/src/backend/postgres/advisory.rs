@@ -4,8 +4,8 @@
 
 use std::sync::{Mutex, PoisonError};
 
-use sqlx::postgres::PgConnectOptions;
-use sqlx::{Pool, Postgres};
+use sqlx::postgres::{PgConnectOptions, PgConnection};
+use sqlx::{Connection, Pool, Postgres};
 
 /// A server and database, and whether it offers advisory locks.
 struct Answer {
@@ -44,12 +44,19 @@ pub(super) fn known(pool: &Pool<Postgres>) -> Option<bool> {
 /// the server answers `false` for this claim only, and is asked again by
 /// the next.
 pub(super) async fn probe(pool: &Pool<Postgres>) -> bool {
+    let options = pool.connect_options();
+    // A connection of its own, closed after: the pool's connections and
+    // their count stay as the application left them.
+    let Ok(mut conn) = PgConnection::connect_with(&options).await else {
+        return false;
+    };
     // The lock taken is released when the probe's own transaction ends.
     let probe =
         sqlx::query_as::<_, (String, bool)>("SELECT version(), pg_try_advisory_xact_lock($1)")
             .bind(super::sql::lock_id("", "idem", "probe"))
-            .fetch_one(pool)
+            .fetch_one(&mut conn)
             .await;
+    let _ = conn.close().await;
     let offered = match probe {
         Ok((version, _)) => !version.contains("CockroachDB"),
         Err(sqlx::Error::Database(error)) => {
@@ -58,7 +65,6 @@ pub(super) async fn probe(pool: &Pool<Postgres>) -> bool {
         }
         Err(_) => return false,
     };
-    let options = pool.connect_options();
     let mut answers = answers();
     if !answers.iter().any(|answer| answer.of(&options)) {
         answers.push(Answer {
