@@ -253,6 +253,10 @@ pub async fn a_commit_cut_after_the_server_answered_is_503_and_the_retry_replays
 pub async fn the_pool_reconnects_after_cut_commits<DB: Proxied>() {
     let fixture = Fixture::<DB>::start("cut_pool").await;
     let proxy = &fixture.proxy;
+    // A first request, uncut: PostgreSQL's once-per-server question
+    // (whether it offers advisory locks) opens a connection of its own.
+    let warm = fixture.charge(&unique("warm")).await;
+    assert_eq!(warm.status, 201, "the warm-up: {warm:?}");
     proxy.reset();
 
     let mut cut = Vec::new();
