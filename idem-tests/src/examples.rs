@@ -65,6 +65,33 @@ pub async fn start_until<T>(
     (child, value)
 }
 
+/// This test binary again, running only its ignored test `test` (a
+/// server the test starts in a child process, so it can be killed), with
+/// `env` set (`Some`) or kept out (`None`); once it prints
+/// `LISTENING <addr>` (after whatever the test harness prints first), the
+/// child and that address.
+pub async fn test_server(test: &str, env: &[(&str, Option<&str>)]) -> (Child, SocketAddr) {
+    let mut command = Command::new(std::env::current_exe().expect("the test binary has a path"));
+    command.args([
+        test,
+        "--exact",
+        "--ignored",
+        "--nocapture",
+        "--test-threads=1",
+    ]);
+    for (name, value) in env {
+        match value {
+            Some(value) => command.env(name, value),
+            None => command.env_remove(name),
+        };
+    }
+    let listening = |line: &str| {
+        let (_, addr) = line.split_once("LISTENING ")?;
+        Some(addr.trim().parse().expect("the child's address"))
+    };
+    start_until(command, test, listening).await
+}
+
 /// A free port on loopback.
 pub fn free_port() -> SocketAddr {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();

@@ -13,7 +13,6 @@
 #![cfg(feature = "postgres")]
 
 use std::net::SocketAddr;
-use std::process::Stdio;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -32,7 +31,6 @@ use serde::Deserialize;
 use serde_json::json;
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{AssertSqlSafe, PgConnection, PgPool, Postgres};
-use tokio::io::{AsyncBufReadExt, BufReader};
 
 const POSTGRES_VAR: &str = "IDEM_TEST_POSTGRES_URL";
 const REDIS_VAR: &str = "IDEM_TEST_REDIS_URL";
@@ -507,35 +505,12 @@ struct Child {
 
 impl Child {
     async fn spawn(fixture: &Fixture) -> Self {
-        let mut command = tokio::process::Command::new(std::env::current_exe().unwrap());
-        command
-            .args([
-                "peer_child_server",
-                "--exact",
-                "--ignored",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(CHILD_KEYS, &fixture.keys)
-            .env(CHILD_CHARGES, &fixture.charges)
-            .env(CHILD_PREFIX, &fixture.prefix)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .kill_on_drop(true);
-        let mut process = command.spawn().unwrap();
-        let mut lines = BufReader::new(process.stdout.take().unwrap()).lines();
-        let addr = tokio::time::timeout(DEADLINE, async {
-            while let Some(line) = lines.next_line().await.unwrap() {
-                // The test harness may print its own words before ours.
-                if let Some((_, addr)) = line.split_once("LISTENING ") {
-                    return addr.trim().parse().unwrap();
-                }
-            }
-            panic!("the child server exited before listening");
-        })
-        .await
-        .expect("the child server listened");
-        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        let env = [
+            (CHILD_KEYS, Some(fixture.keys.as_str())),
+            (CHILD_CHARGES, Some(fixture.charges.as_str())),
+            (CHILD_PREFIX, Some(fixture.prefix.as_str())),
+        ];
+        let (process, addr) = idem_tests::examples::test_server("peer_child_server", &env).await;
         Self { addr, process }
     }
 }

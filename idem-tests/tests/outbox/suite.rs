@@ -3,7 +3,6 @@
 use std::collections::{HashMap, HashSet};
 use std::io::Write as _;
 use std::net::SocketAddr;
-use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -15,7 +14,6 @@ use idem_tests::unique::unique;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 use sqlx::Pool;
-use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::sync::watch;
 
 use crate::handlers::OutboxDb;
@@ -505,39 +503,13 @@ struct Child {
 
 impl Child {
     async fn spawn<DB: OutboxDb>(fixture: &Fixture<DB>, recorder: Option<&str>) -> Self {
-        let mut command = tokio::process::Command::new(std::env::current_exe().unwrap());
-        command
-            .args([
-                "outbox_child_server",
-                "--exact",
-                "--ignored",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(CHILD_ENGINE, DB::ENGINE)
-            .env(CHILD_DATABASE, &fixture.database)
-            .env(CHILD_KEYS, &fixture.keys)
-            .env_remove(CHILD_RECORDER)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .kill_on_drop(true);
-        if let Some(url) = recorder {
-            command.env(CHILD_RECORDER, url);
-        }
-        let mut process = command.spawn().unwrap();
-        let mut lines = BufReader::new(process.stdout.take().unwrap()).lines();
-        let addr = tokio::time::timeout(DEADLINE, async {
-            while let Some(line) = lines.next_line().await.unwrap() {
-                // The test harness may print its own words before ours.
-                if let Some((_, addr)) = line.split_once("LISTENING ") {
-                    return addr.trim().parse().unwrap();
-                }
-            }
-            panic!("the child server exited before listening");
-        })
-        .await
-        .expect("the child server listened");
-        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        let env = [
+            (CHILD_ENGINE, Some(DB::ENGINE)),
+            (CHILD_DATABASE, Some(fixture.database.as_str())),
+            (CHILD_KEYS, Some(fixture.keys.as_str())),
+            (CHILD_RECORDER, recorder),
+        ];
+        let (process, addr) = idem_tests::examples::test_server("outbox_child_server", &env).await;
         Self { addr, process }
     }
 }

@@ -354,9 +354,8 @@ impl<'c> ClaimRow<'c> {
         .expect("writing to a String");
         match self.lock() {
             Some(lock) if tries && !expired => {
-                let mut args = [Arg::Signed(0); 5];
-                args[..4].copy_from_slice(&self.row_args());
-                args[4] = Arg::Signed(lock);
+                let [scope, key, fingerprint, ttl] = self.row_args();
+                let args = [scope, key, fingerprint, ttl, Arg::Signed(lock)];
                 self.statements
                     .push_run(out, &CLAIM_TRY, self.prepared, &args);
                 out.push(';');
