@@ -4,6 +4,7 @@
 
 pub mod account;
 pub mod chart;
+pub mod delay;
 pub mod engines;
 pub mod examples;
 pub mod half_open;

@@ -19,7 +19,7 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, PgPool};
 
 pub(crate) use crate::account::Account;
-use crate::handlers;
+use crate::handlers::{self, Dialect};
 use crate::provider::Provider;
 
 /// The idempotency table of the benchmark (not the default one, which tests
@@ -42,9 +42,9 @@ const REDIS_URL: &str = "IDEM_BENCH_REDIS_URL";
 /// What a server process is started with.
 #[derive(Clone, Debug)]
 pub struct ServerConfig {
-    /// `postgres` or `sqlite`.
+    /// `postgres`, `sqlite` or `mysql` (with the feature `mysql`).
     pub engine: &'static str,
-    /// A PostgreSQL URL, or a SQLite file.
+    /// A PostgreSQL or MySQL URL, or a SQLite file.
     pub database_url: String,
     pub pool: u32,
     pub threads: usize,
@@ -131,7 +131,8 @@ pub async fn setup(pool: &PgPool) -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
-/// Creates the tables on `IDEM_BENCH_DATABASE_URL` and exits.
+/// Creates the tables on `IDEM_BENCH_DATABASE_URL` and exits: PostgreSQL's,
+/// or with `IDEM_BENCH_ENGINE=mysql` MariaDB's.
 pub fn setup_child() {
     let url = std::env::var("IDEM_BENCH_DATABASE_URL").expect("IDEM_BENCH_DATABASE_URL");
     tokio::runtime::Builder::new_current_thread()
@@ -139,6 +140,11 @@ pub fn setup_child() {
         .build()
         .expect("setup runtime")
         .block_on(async {
+            #[cfg(feature = "mysql")]
+            if std::env::var("IDEM_BENCH_ENGINE").as_deref() == Ok("mysql") {
+                crate::mysql::setup(&url).await.expect("bench tables");
+                return;
+            }
             let pool = connect(&url, 1, false).await;
             setup(&pool).await.expect("bench tables");
         });
@@ -168,6 +174,11 @@ pub fn serve_child() {
         let app = match std::env::var("IDEM_BENCH_ENGINE").as_deref() {
             Ok("sqlite") => handlers::sqlite::router(
                 crate::sqlite::connect(&config.database_url, config.pool).await,
+                provider,
+            ),
+            #[cfg(feature = "mysql")]
+            Ok("mysql") => handlers::mysql::router(
+                crate::mysql::connect(&config.database_url, config.pool).await,
                 provider,
             ),
             _ => {
@@ -263,8 +274,9 @@ impl IntoResponse for ApiError {
     }
 }
 
-/// The handler's SQL, identical in every variant and on both engines: the
-/// charge; with 3 statements also the account's balance and a ledger line.
+/// The handler's SQL, identical in every variant and on every engine (in
+/// its [`Dialect`]): the charge; with 3 statements also the account's
+/// balance and a ledger line.
 pub(crate) async fn work<DB>(
     conn: &mut DB::Connection,
     account: &str,
@@ -272,7 +284,7 @@ pub(crate) async fn work<DB>(
     statements: u32,
 ) -> Result<Charge, sqlx::Error>
 where
-    DB: sqlx::Database,
+    DB: Dialect,
     for<'e> &'e mut DB::Connection: sqlx::Executor<'e, Database = DB>,
     DB::Arguments: sqlx::IntoArguments<DB>,
     for<'q> &'q str: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
@@ -280,23 +292,21 @@ where
     for<'q, 'r> i64: sqlx::Encode<'q, DB> + sqlx::Decode<'r, DB> + sqlx::Type<DB>,
     for<'r> (i64,): sqlx::FromRow<'r, DB::Row>,
 {
-    let id: i64 = sqlx::query_scalar(
-        "INSERT INTO bench_charges (account, amount, currency) VALUES ($1, $2, $3) RETURNING id",
-    )
-    .bind(account)
-    .bind(new.amount)
-    .bind(&new.currency)
-    .fetch_one(&mut *conn)
-    .await?;
-    if statements >= 3 {
-        sqlx::query(
-            "UPDATE bench_accounts SET balance = balance + $2, charges = charges + 1 WHERE account = $1",
-        )
+    let id: i64 = sqlx::query_scalar(DB::INSERT_CHARGE)
         .bind(account)
         .bind(new.amount)
-        .execute(&mut *conn)
+        .bind(&new.currency)
+        .fetch_one(&mut *conn)
         .await?;
-        sqlx::query("INSERT INTO bench_ledger (charge_id, account, amount) VALUES ($1, $2, $3)")
+    if statements >= 3 {
+        let update = sqlx::query(DB::UPDATE_ACCOUNT);
+        let update = if DB::POSITIONAL {
+            update.bind(new.amount).bind(account)
+        } else {
+            update.bind(account).bind(new.amount)
+        };
+        update.execute(&mut *conn).await?;
+        sqlx::query(DB::INSERT_LEDGER)
             .bind(id)
             .bind(account)
             .bind(new.amount)

@@ -38,7 +38,7 @@ impl PerRequest {
 /// backends serving the server's pool (`backends`; other sessions on the
 /// same PostgreSQL, such as other test suites, are not counted).
 pub fn sample(server: Option<u32>, backends: &[u32]) -> Sample {
-    let cpu = |pid: u32| stat(format!("/proc/{pid}/stat").as_ref()).map_or(0.0, |(_, secs)| secs);
+    let cpu = process_secs;
     Sample {
         client: stat("/proc/self/stat".as_ref()).map_or(0.0, |(_, secs)| secs),
         server: server.map_or(0.0, cpu),
@@ -59,6 +59,11 @@ impl Sample {
             idle_share: ((later.idle - self.idle) / (wall * cores)).clamp(0.0, 1.0),
         }
     }
+}
+
+/// A process's CPU seconds so far (0 once it is gone).
+pub fn process_secs(pid: u32) -> f64 {
+    stat(format!("/proc/{pid}/stat").as_ref()).map_or(0.0, |(_, secs)| secs)
 }
 
 /// A process's command name and CPU seconds (user + system).

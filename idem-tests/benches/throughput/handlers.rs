@@ -1,4 +1,4 @@
-//! The charge handler written three ways, once for both engines: `baseline`
+//! The charge handler written three ways, once for every engine: `baseline`
 //! (a plain transaction), `idempotent` (the attribute) and `two_phase` (the
 //! hand-written recipe); and the provider scenarios' payment (see
 //! `provider`) written four ways: `plain_provider`, `atomic_provider`,
@@ -7,38 +7,101 @@
 //! `#[idempotent]` handler names its `Tx<DB>` or `Phases<DB>`, so it cannot
 //! be generic). PostgreSQL's `peer` (see [`peer`]) is `baseline` behind the
 //! `idempotent` crate's store on Redis. What differs
-//! between engines is the [`Dialect`] below: how a write transaction opens
-//! and how the two-phase claim computes its expiry; the rest of the SQL is
-//! the same on both.
+//! between engines is the [`Dialect`] below: how a write transaction opens,
+//! how the two-phase claim computes its expiry, and on MySQL every
+//! statement's text (`?` placeholders, `INSERT IGNORE`, a quoted `key`);
+//! PostgreSQL and SQLite share the rest of the SQL.
 
 use axum::http::StatusCode;
 use axum::middleware::from_fn_with_state;
 use axum::routing::post;
 use idem_tests::peer::{self as idem_peer, Leases, Peer};
 
-/// What the handlers' SQL looks like on one engine.
+/// What the handlers' SQL looks like on one engine. The statements with a
+/// default are PostgreSQL's and SQLite's (`$n` placeholders, `RETURNING`);
+/// MySQL overrides every one. Each statement's doc names its binds in
+/// their `$n` order.
 pub trait Dialect: sqlx::Database {
     /// Opens every write transaction. PostgreSQL: `BEGIN`, the statement
     /// sqlx's `begin()` sends. SQLite serializes writers: `BEGIN IMMEDIATE`
     /// takes the write lock up front, as the runtime's claim does (a
     /// deferred `BEGIN` would fail with `SQLITE_BUSY` under load).
     const BEGIN: &'static str;
+    /// Whether placeholders are `?`s, bound in text order (MySQL), rather
+    /// than numbered: then the statements whose `$n`s are out of text order
+    /// ([`Self::UPDATE_ACCOUNT`], [`Self::STORE`]) bind in that order.
+    const POSITIONAL: bool;
     /// Phase 1 of `two_phase`: claims `(scope, key)` with its fingerprint
     /// for 24 hours, autocommitted; no row is affected if the key is taken.
     const CLAIM: &'static str;
+    /// Phase 2 of `two_phase`: the claimed key's response, 201 and
+    /// `body`. Binds scope, key, body (positional: body, scope, key).
+    const STORE: &'static str = "UPDATE bench_two_phase_keys SET status = 201, body = $3 \
+         WHERE scope = $1 AND key = $2";
+    /// Releases a claim whose work failed. Binds scope, key.
+    const RELEASE: &'static str = "DELETE FROM bench_two_phase_keys WHERE scope = $1 AND key = $2";
+    /// A taken key's status, fingerprint and body. Binds scope, key.
+    const REPLAY: &'static str = "SELECT status, fingerprint, body FROM bench_two_phase_keys \
+         WHERE scope = $1 AND key = $2";
+    /// `work`'s charge; its id. Binds account, amount, currency.
+    const INSERT_CHARGE: &'static str =
+        "INSERT INTO bench_charges (account, amount, currency) VALUES ($1, $2, $3) RETURNING id";
+    /// `work`'s balance update. Binds account, amount (positional: amount,
+    /// account).
+    const UPDATE_ACCOUNT: &'static str = "UPDATE bench_accounts SET balance = balance + $2, charges = charges + 1 WHERE account = $1";
+    /// `work`'s ledger line. Binds charge id, account, amount.
+    const INSERT_LEDGER: &'static str =
+        "INSERT INTO bench_ledger (charge_id, account, amount) VALUES ($1, $2, $3)";
+    /// A pending payment; its id. Binds account, amount, currency.
+    const INSERT_PAYMENT: &'static str = "INSERT INTO bench_payments (account, amount, currency, status) \
+         VALUES ($1, $2, $3, 'pending') RETURNING id";
+    /// Marks a payment paid. Binds provider id, payment id.
+    const MARK_PAID: &'static str =
+        "UPDATE bench_payments SET status = 'succeeded', provider_id = $1 WHERE id = $2";
 }
 
 impl Dialect for sqlx::Postgres {
     const BEGIN: &'static str = "BEGIN";
+    const POSITIONAL: bool = false;
     const CLAIM: &'static str = "INSERT INTO bench_two_phase_keys (scope, key, fingerprint, expires_at) \
          VALUES ($1, $2, $3, now() + interval '24 hours') ON CONFLICT (scope, key) DO NOTHING";
 }
 
 impl Dialect for sqlx::Sqlite {
     const BEGIN: &'static str = "BEGIN IMMEDIATE";
+    const POSITIONAL: bool = false;
     /// `expires_at` is in Unix seconds: SQLite has no timestamp type.
     const CLAIM: &'static str = "INSERT INTO bench_two_phase_keys (scope, key, fingerprint, expires_at) \
          VALUES ($1, $2, $3, unixepoch() + 86400) ON CONFLICT (scope, key) DO NOTHING";
+}
+
+/// MariaDB (10.5+ for `INSERT ... RETURNING`; MySQL proper has none): `?`
+/// placeholders, `key` quoted (a reserved word).
+#[cfg(feature = "mysql")]
+impl Dialect for sqlx::MySql {
+    const BEGIN: &'static str = "BEGIN";
+    const POSITIONAL: bool = true;
+    /// `INSERT IGNORE`, not `ON DUPLICATE KEY UPDATE`: sqlx's connections
+    /// count a row found unchanged as affected, so only an ignored insert
+    /// reports a taken key as 0 rows. `expires_at` is UTC, as the runtime's.
+    const CLAIM: &'static str = "INSERT IGNORE INTO bench_two_phase_keys \
+         (scope, `key`, fingerprint, expires_at) \
+         VALUES (?, ?, ?, UTC_TIMESTAMP(6) + INTERVAL 24 HOUR)";
+    const STORE: &'static str = "UPDATE bench_two_phase_keys SET status = 201, body = ? \
+         WHERE scope = ? AND `key` = ?";
+    const RELEASE: &'static str = "DELETE FROM bench_two_phase_keys WHERE scope = ? AND `key` = ?";
+    const REPLAY: &'static str = "SELECT status, fingerprint, body FROM bench_two_phase_keys \
+         WHERE scope = ? AND `key` = ?";
+    const INSERT_CHARGE: &'static str =
+        "INSERT INTO bench_charges (account, amount, currency) VALUES (?, ?, ?) RETURNING id";
+    const UPDATE_ACCOUNT: &'static str =
+        "UPDATE bench_accounts SET balance = balance + ?, charges = charges + 1 WHERE account = ?";
+    const INSERT_LEDGER: &'static str =
+        "INSERT INTO bench_ledger (charge_id, account, amount) VALUES (?, ?, ?)";
+    const INSERT_PAYMENT: &'static str = "INSERT INTO bench_payments (account, amount, currency, status) \
+         VALUES (?, ?, ?, 'pending') RETURNING id";
+    const MARK_PAID: &'static str =
+        "UPDATE bench_payments SET status = 'succeeded', provider_id = ? WHERE id = ?";
 }
 
 /// The service on one engine: its state, the handlers and `router`.
@@ -162,15 +225,7 @@ macro_rules! service {
                     let mut tx = Connection::begin_with(&mut *conn, <$db as Dialect>::BEGIN).await?;
                     let charge = work::<$db>(&mut tx, &account.0, &new, statements).await?;
                     let stored = serde_json::to_vec(&charge).expect("serializable");
-                    sqlx::query(
-                        "UPDATE bench_two_phase_keys SET status = 201, body = $3 \
-                         WHERE scope = $1 AND key = $2",
-                    )
-                    .bind(&account.0)
-                    .bind(key)
-                    .bind(stored)
-                    .execute(&mut *tx)
-                    .await?;
+                    store(&mut tx, &account.0, key, stored).await?;
                     tx.commit().await?;
                     Ok::<_, sqlx::Error>(charge)
                 }
@@ -179,13 +234,11 @@ macro_rules! service {
                     Ok(charge) => Ok(created(charge)),
                     Err(error) => {
                         // Release the claim so a retry can run.
-                        sqlx::query(
-                            "DELETE FROM bench_two_phase_keys WHERE scope = $1 AND key = $2",
-                        )
-                        .bind(&account.0)
-                        .bind(key)
-                        .execute(&mut *conn)
-                        .await?;
+                        sqlx::query(<$db as Dialect>::RELEASE)
+                            .bind(&account.0)
+                            .bind(key)
+                            .execute(&mut *conn)
+                            .await?;
                         Err(error.into())
                     }
                 }
@@ -284,15 +337,8 @@ macro_rules! service {
                 // Phase 2: the mark and the response.
                 let mut tx = pool.begin_with(<$db as Dialect>::BEGIN).await?;
                 mark_paid::<$db>(&mut tx, &payment.provider_id, id).await?;
-                sqlx::query(
-                    "UPDATE bench_two_phase_keys SET status = 201, body = $3 \
-                     WHERE scope = $1 AND key = $2",
-                )
-                .bind(&account.0)
-                .bind(key)
-                .bind(serde_json::to_vec(&payment).expect("serializable"))
-                .execute(&mut *tx)
-                .await?;
+                let stored = serde_json::to_vec(&payment).expect("serializable");
+                store(&mut tx, &account.0, key, stored).await?;
                 tx.commit().await?;
                 Ok(provider::created(&payment))
             }
@@ -321,6 +367,23 @@ macro_rules! service {
                 Ok(provider::created(&Payment::paid(id, &account.0, &new, charge)))
             }
 
+            /// Stores a claimed two-phase key's response: 201 and `body`.
+            async fn store(
+                conn: &mut <$db as sqlx::Database>::Connection,
+                scope: &str,
+                key: &str,
+                body: Vec<u8>,
+            ) -> Result<(), sqlx::Error> {
+                let query = sqlx::query(<$db as Dialect>::STORE);
+                let query = if <$db as Dialect>::POSITIONAL {
+                    query.bind(body).bind(scope).bind(key)
+                } else {
+                    query.bind(scope).bind(key).bind(body)
+                };
+                query.execute(conn).await?;
+                Ok(())
+            }
+
             /// A two-phase key row: status, fingerprint, body.
             type StoredRow = (Option<i16>, Vec<u8>, Option<Vec<u8>>);
 
@@ -332,14 +395,11 @@ macro_rules! service {
                 key: &str,
                 fingerprint: &Fingerprint,
             ) -> Result<Response, ApiError> {
-                let row: Option<StoredRow> = sqlx::query_as(
-                    "SELECT status, fingerprint, body FROM bench_two_phase_keys \
-                     WHERE scope = $1 AND key = $2",
-                )
-                .bind(scope)
-                .bind(key)
-                .fetch_optional(conn)
-                .await?;
+                let row: Option<StoredRow> = sqlx::query_as(<$db as Dialect>::REPLAY)
+                    .bind(scope)
+                    .bind(key)
+                    .fetch_optional(conn)
+                    .await?;
                 Ok(match row {
                     Some((Some(status), stored, Some(body)))
                         if stored == fingerprint.as_bytes() =>
@@ -366,6 +426,8 @@ service!(
     "/{statements}/optimistic" => crate::optimistic::optimistic,
 );
 service!(sqlite, sqlx::Sqlite);
+#[cfg(feature = "mysql")]
+service!(mysql, sqlx::MySql);
 
 /// The `peer` scenario's route, on PostgreSQL alone: `baseline`, unchanged,
 /// behind the middleware a team writes around the `idempotent` crate

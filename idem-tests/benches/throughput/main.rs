@@ -3,7 +3,9 @@
 //! request), answered from the store (`replay`), and the hand-written
 //! claim-commit-then-work recipe (`two_phase`); 1 and 3 statements, 16 and
 //! 64 concurrent clients, over real HTTP on loopback, on PostgreSQL and on
-//! SQLite (a WAL file). Also, when named in `IDEM_BENCH_SCENARIOS`, the
+//! SQLite (a WAL file), and on MariaDB when asked for; PostgreSQL (and
+//! MariaDB) also across a network, at the round-trip times of
+//! `IDEM_BENCH_RTT_MS` (`network.rs`). Also, when named in `IDEM_BENCH_SCENARIOS`, the
 //! provider scenarios (`provider.rs`): a payment that inserts a pending
 //! row, calls a fake provider over HTTP on loopback and marks the row paid,
 //! written without idempotency (`plain_provider`), in the atomic mode
@@ -37,13 +39,16 @@
 //! | `IDEM_BENCH_CONCURRENCY` | `16,64` | concurrent clients |
 //! | `IDEM_BENCH_STATEMENTS` | `1,3` | statements per handler |
 //! | `IDEM_BENCH_SCENARIOS` | the four | a subset, or also the diagnostics `read_floor` (`floor.rs`), `optimistic` (`optimistic.rs`), `two_phase_tx` (`handlers.rs`) and `peer` (the `idempotent` crate with Redis, `idem_tests::peer`), and the provider scenarios `plain_provider`, `atomic_provider`, `two_phase_provider` and `phased` (`provider.rs`); a list with none of the four or the diagnostics runs no statement-count shape |
-//! | `IDEM_BENCH_ENGINES` | `postgres,sqlite` | `postgres` alone skips SQLite (PostgreSQL always runs) |
+//! | `IDEM_BENCH_RTT_MS` | 0 | round-trip times to PostgreSQL (and the peer's Redis), each a pass of PostgreSQL's scenarios: at 0 the server connects directly; above, through delay proxies (`network.rs`); every pass lands in the JSON's `network` array, and with two or more, a chart per shape (`network-*.svg` beside the JSON) |
+//! | `IDEM_BENCH_ENGINES` | `postgres,sqlite` | `postgres` alone skips SQLite (PostgreSQL always runs); `mysql` adds MariaDB |
 //! | `IDEM_BENCH_REDIS_URL` | `redis://127.0.0.1:6379` | the `peer` scenario's Redis |
 //! | `IDEM_BENCH_ADVISORY_LOCKS` | 1 | 0: the claim without advisory locks, as on a server without them (diagnostic) |
 //! | `IDEM_BENCH_POOL` | 16 | the server's connection pool (all scenarios) |
 //! | `IDEM_BENCH_SERVER_THREADS` | cores | the server's tokio workers |
 //! | `IDEM_BENCH_FILLFACTOR` | 100 | fillfactor of the key tables (diagnostic) |
 //! | `IDEM_BENCH_TEST_BEFORE_ACQUIRE` | 1 | 0: the server's pool skips sqlx's ping before handing out a connection (diagnostic) |
+//! | `IDEM_BENCH_MEMORY` | 1 | 0: no memory report at the end |
+//! | `IDEM_BENCH_MYSQL_URL` | `mysql://root@127.0.0.1:3306/idem_bench` | with `mysql` in `IDEM_BENCH_ENGINES` (and the bench built with `--features mysql`): the MariaDB server and the benchmark's own database there, created if missing |
 //! | `IDEM_BENCH_LOG` | `warn,sqlx::query=error` | the server's log filter |
 //! | `IDEM_BENCH_JSON` | `<target>/idem-bench/throughput.json` | the JSON file |
 //! | `IDEM_BENCH_ONLY` | | `memory`: only the memory report (`memory.rs`), its JSON in `memory.json` beside the other |
@@ -55,6 +60,9 @@ mod floor;
 mod handlers;
 mod load;
 mod memory;
+#[cfg(feature = "mysql")]
+mod mysql;
+mod network;
 mod optimistic;
 mod provider;
 mod report;
@@ -101,6 +109,8 @@ pub const PLAIN_PROVIDER: usize = 0;
 pub const ATOMIC_PROVIDER: usize = 1;
 pub const TWO_PHASE_PROVIDER: usize = 2;
 pub const PHASED: usize = 3;
+/// `IDEM_BENCH_ROLE` of the delay proxies' process (`network`).
+pub const ROLE_DELAY: &str = "delay";
 /// Finished keys per client that a replay run cycles through.
 const REPLAY_KEYS: usize = 16;
 
@@ -109,6 +119,7 @@ fn main() {
         Ok("server") => return app::serve_child(),
         // The tables alone, for `benches/instructions.sh`'s own cluster.
         Ok("setup") => return app::setup_child(),
+        Ok(ROLE_DELAY) => return network::delay_child(),
         _ => {}
     }
     // `cargo test --benches` runs this binary without `--bench`: nothing to test.
@@ -132,6 +143,8 @@ struct Settings {
     statements: Vec<u32>,
     scenarios: Vec<String>,
     engines: Vec<String>,
+    /// Round-trip times to PostgreSQL, in milliseconds (0: direct).
+    rtts: Vec<f64>,
     server: ServerConfig,
 }
 
@@ -149,7 +162,15 @@ impl Settings {
             statements: env_list("IDEM_BENCH_STATEMENTS", "1,3"),
             scenarios: env_list("IDEM_BENCH_SCENARIOS", &SCENARIOS.join(",")),
             engines: env_list("IDEM_BENCH_ENGINES", "postgres,sqlite"),
+            rtts: env_list("IDEM_BENCH_RTT_MS", "0"),
         };
+        assert!(
+            settings
+                .rtts
+                .iter()
+                .all(|rtt| rtt.is_finite() && *rtt >= 0.0),
+            "IDEM_BENCH_RTT_MS: round-trip times are milliseconds, 0 or more"
+        );
         for scenario in &settings.scenarios {
             assert!(
                 SCENARIOS
@@ -284,45 +305,75 @@ async fn bench() {
         None
     };
 
-    let server = ServerProcess::start(&settings.server).await;
-    let mut runs = Vec::new();
-    let mut provider_runs = Vec::new();
-    // The statement counts, unless only provider scenarios were selected.
-    let counts: &[u32] = if settings.shapes() {
-        print_header();
-        &settings.statements
-    } else {
-        &[]
-    };
-    for &statements in counts {
-        for &concurrency in &settings.concurrency {
-            let results = group(&settings, &server, &admin, statements, concurrency).await;
-            let extra = trips
-                .iter()
-                .find(|t| t.statements_per_handler == statements)
-                .map(|t| t.extra_round_trips);
-            runs.push(report::run_json(
-                "postgres",
-                statements,
-                concurrency,
-                &results,
-                extra,
-            ));
+    let mut out = Collected::default();
+    for &rtt in &settings.rtts {
+        if rtt > 0.0 || !out.runs.is_empty() {
+            // Every pass starts alike, and no pass meets another's keys.
+            app::setup(&admin)
+                .await
+                .expect("empty the benchmark tables");
+        }
+        let net = network::Network::start(
+            rtt,
+            &[(&settings.url, 5432), (&settings.server.redis_url, 6379)],
+        )
+        .await;
+        let measured = network::measured_rtt_ms::<sqlx::Postgres>(&net.urls[0]).await;
+        let config = ServerConfig {
+            database_url: net.urls[0].clone(),
+            redis_url: net.urls[1].clone(),
+            ..settings.server.clone()
+        };
+        let placed = Placed {
+            net: &net,
+            measured,
+        };
+        pass(
+            &settings,
+            &admin,
+            &config,
+            Some(placed),
+            &trips,
+            provider_trips.as_ref(),
+            &mut out,
+        )
+        .await;
+    }
+
+    // MariaDB: the same service, at each round-trip time too.
+    if settings.engines.iter().any(|engine| engine == "mysql") {
+        #[cfg(not(feature = "mysql"))]
+        panic!("IDEM_BENCH_ENGINES=mysql: build the benchmark with `--features mysql`");
+        #[cfg(feature = "mysql")]
+        for &rtt in &settings.rtts {
+            let url = std::env::var("IDEM_BENCH_MYSQL_URL")
+                .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/idem_bench".to_owned());
+            mysql::setup(&url)
+                .await
+                .expect("create the MariaDB benchmark database");
+            let net = network::Network::start(rtt, &[(&url, 3306)]).await;
+            let measured = network::measured_rtt_ms::<sqlx::MySql>(&net.urls[0]).await;
+            let config = ServerConfig {
+                engine: "mysql",
+                database_url: net.urls[0].clone(),
+                ..settings.server.clone()
+            };
+            let placed = Placed {
+                net: &net,
+                measured,
+            };
+            pass(
+                &settings,
+                &admin,
+                &config,
+                Some(placed),
+                &[],
+                None,
+                &mut out,
+            )
+            .await;
         }
     }
-    if settings.payments() {
-        print_provider_header();
-        for &concurrency in &settings.concurrency {
-            let results = provider_group(&settings, &server, &admin, concurrency).await;
-            provider_runs.push(report::provider_json(
-                "postgres",
-                concurrency,
-                &results,
-                provider_trips.as_ref(),
-            ));
-        }
-    }
-    drop(server);
 
     // SQLite: the same service on a WAL file, in its own server process.
     let sqlite_file = json_path().with_file_name("bench.sqlite3");
@@ -335,37 +386,24 @@ async fn bench() {
         sqlite::setup(&sqlite.database_url)
             .await
             .expect("create the SQLite benchmark database");
-        let server = ServerProcess::start(&sqlite).await;
-        if settings.shapes() {
-            print_header();
-        }
-        for &statements in counts {
-            for &concurrency in &settings.concurrency {
-                let results = group(&settings, &server, &admin, statements, concurrency).await;
-                runs.push(report::run_json(
-                    "sqlite",
-                    statements,
-                    concurrency,
-                    &results,
-                    None,
-                ));
-            }
-        }
-        if settings.payments() {
-            print_provider_header();
-            for &concurrency in &settings.concurrency {
-                let results = provider_group(&settings, &server, &admin, concurrency).await;
-                provider_runs.push(report::provider_json("sqlite", concurrency, &results, None));
-            }
-        }
-        drop(server);
+        pass(&settings, &admin, &sqlite, None, &[], None, &mut out).await;
     }
+    let Collected {
+        runs,
+        provider_runs,
+        points,
+    } = out;
 
-    let memory = memory::report(&settings.server).await;
+    let memory = if app::env_number("IDEM_BENCH_MEMORY", 1) == 1 {
+        memory::report(&settings.server).await
+    } else {
+        Vec::new()
+    };
 
     println!();
     if settings.shapes() {
         report::targets(&runs, &trips);
+        network::targets(&points);
     }
     if settings.payments() {
         report::provider_summary(&provider_runs);
@@ -379,11 +417,13 @@ async fn bench() {
         "extra_round_trips": trips.iter().map(|t| t.extra_round_trips).max(),
         "round_trips": trips,
         "runs": runs,
+        "network": points,
         "provider_round_trips": provider_trips,
         "provider_runs": provider_runs,
         "memory": memory,
         "sqlite_file": sqlite_file,
         "settings": {
+            "rtt_ms": settings.rtts,
             "secs": settings.secs,
             "warmup_ms": settings.warmup.as_millis() as u64,
             "rounds": settings.rounds,
@@ -398,7 +438,101 @@ async fn bench() {
     std::fs::create_dir_all(path.parent().expect("a directory"))
         .expect("create the JSON directory");
     std::fs::write(&path, serde_json::to_string_pretty(&report).unwrap()).expect("write the JSON");
+    for chart in network::charts(&report, &path) {
+        println!("{}", chart.display());
+    }
     println!("{}", path.display());
+}
+
+/// Every run's JSON object so far.
+#[derive(Default)]
+struct Collected {
+    runs: Vec<serde_json::Value>,
+    provider_runs: Vec<serde_json::Value>,
+    /// The runs' points for the network table and chart (`network::point`).
+    points: Vec<serde_json::Value>,
+}
+
+/// Where a pass's database is: at which round-trip time, through which
+/// delay proxies (whose CPU each run reports), and the round trip measured.
+struct Placed<'a> {
+    net: &'a network::Network,
+    measured: f64,
+}
+
+/// One engine's scenarios, every shape and concurrency, in one server
+/// process started with `config`; each run is labelled with the engine
+/// and, when `placed`, where its database was (and becomes a point).
+async fn pass(
+    settings: &Settings,
+    admin: &sqlx::PgPool,
+    config: &ServerConfig,
+    placed: Option<Placed<'_>>,
+    trips: &[count::RoundTrips],
+    provider_trips: Option<&count::ProviderTrips>,
+    out: &mut Collected,
+) {
+    let engine = config.engine;
+    if let Some(placed) = &placed {
+        println!(
+            "\n{engine}: round-trip time {} ms ({}), measured {:.3} ms per SELECT 1",
+            placed.net.rtt_ms,
+            if placed.net.rtt_ms > 0.0 {
+                "through delay proxies"
+            } else {
+                "direct"
+            },
+            placed.measured
+        );
+    }
+    let server = ServerProcess::start(config).await;
+    // Runs the scenarios, then adds where the database was and how much
+    // of a core the delay proxies used meanwhile.
+    let cpu = || placed.as_ref().map_or(0.0, |placed| placed.net.cpu_secs());
+    let place = |mut run: serde_json::Value, cpu_before: f64, started: std::time::Instant| {
+        if let Some(placed) = &placed {
+            let fields = run.as_object_mut().expect("a run is an object");
+            fields.insert("rtt_ms".into(), json!(placed.net.rtt_ms));
+            fields.insert("measured_rtt_ms".into(), json!(placed.measured));
+            let wall = started.elapsed().as_secs_f64();
+            fields.insert("delay_cpu_cores".into(), json!((cpu() - cpu_before) / wall));
+        }
+        run
+    };
+    if settings.shapes() {
+        print_header();
+        for &statements in &settings.statements {
+            for &concurrency in &settings.concurrency {
+                let (before, started) = (cpu(), std::time::Instant::now());
+                let results = group(settings, &server, admin, statements, concurrency).await;
+                let extra = trips
+                    .iter()
+                    .find(|t| t.statements_per_handler == statements)
+                    .map(|t| t.extra_round_trips);
+                let run = place(
+                    report::run_json(engine, statements, concurrency, &results, extra),
+                    before,
+                    started,
+                );
+                if placed.is_some() {
+                    out.points.push(network::point(&run));
+                }
+                out.runs.push(run);
+            }
+        }
+    }
+    if settings.payments() {
+        print_provider_header();
+        for &concurrency in &settings.concurrency {
+            let (before, started) = (cpu(), std::time::Instant::now());
+            let results = provider_group(settings, &server, admin, concurrency).await;
+            out.provider_runs.push(place(
+                report::provider_json(engine, concurrency, &results, provider_trips),
+                before,
+                started,
+            ));
+        }
+    }
 }
 
 /// One shape's scenarios, in the order of `SCENARIOS` then `DIAGNOSTICS`,
@@ -691,30 +825,11 @@ pub struct ServerProcess {
 
 impl ServerProcess {
     pub async fn start(config: &ServerConfig) -> ServerProcess {
-        let mut child = tokio::process::Command::new(std::env::current_exe().unwrap())
-            .envs(config.to_env())
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("start the server process");
-        let stdout = child.stdout.take().unwrap();
-        let mut lines = BufReader::new(stdout).lines();
-        let addr = loop {
-            let line = lines
-                .next_line()
-                .await
-                .expect("server output")
-                .expect("the server exited before listening");
-            if let Some(addr) = line.strip_prefix("LISTENING ") {
-                break addr.parse().expect("server address");
-            }
-        };
-        let pid = child.id().expect("server running");
+        let (child, addr) = spawn_listening(config.to_env()).await;
         ServerProcess {
             engine: config.engine,
-            addr,
-            pid,
+            addr: addr.parse().expect("server address"),
+            pid: child.id().expect("server running"),
             _child: child,
         }
     }
@@ -729,5 +844,29 @@ impl ServerProcess {
             .and_then(|rest| rest.split_whitespace().next())
             .and_then(|kib| kib.parse().ok())
             .unwrap_or(0)
+    }
+}
+
+/// This executable again as a child process with `envs` (its role among
+/// them), killed when dropped and ended when its stdin closes; returns it
+/// once it prints `LISTENING <what>`, with `<what>`.
+pub async fn spawn_listening(envs: Vec<(&'static str, String)>) -> (tokio::process::Child, String) {
+    let mut child = tokio::process::Command::new(std::env::current_exe().unwrap())
+        .envs(envs)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start a child process");
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    loop {
+        let line = lines
+            .next_line()
+            .await
+            .expect("child output")
+            .expect("the child exited before listening");
+        if let Some(rest) = line.strip_prefix("LISTENING ") {
+            return (child, rest.to_owned());
+        }
     }
 }

@@ -6,7 +6,8 @@
 //! and answers 201. Written four ways in `handlers` (`plain_provider`
 //! without idempotency, `atomic_provider` with `#[idempotent]` and `Tx`,
 //! the transaction held over the call, `two_phase_provider` the
-//! hand-written recipe, `phased` with `Phases`), with the SQL below.
+//! hand-written recipe, `phased` with `Phases`), with the statements below
+//! (their text per engine in `handlers::Dialect`).
 //!
 //! The fake provider runs in the server's process (its CPU is the
 //! server's): `POST /v1/payments` with an `Idempotency-Key` answers 201
@@ -26,6 +27,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::app::NewCharge;
+use crate::handlers::Dialect;
 
 /// The external step's label: what the provider's key is derived for.
 pub const STEP: &str = "provider";
@@ -150,14 +152,14 @@ pub fn created(payment: &Payment) -> Response {
 }
 
 /// A pending payment, on the handler's transaction; its id. The same SQL
-/// on both engines.
+/// on every engine, in its [`Dialect`].
 pub async fn insert_pending<DB>(
     conn: &mut DB::Connection,
     account: &str,
     new: &NewCharge,
 ) -> Result<i64, sqlx::Error>
 where
-    DB: sqlx::Database,
+    DB: Dialect,
     for<'e> &'e mut DB::Connection: sqlx::Executor<'e, Database = DB>,
     DB::Arguments: sqlx::IntoArguments<DB>,
     for<'q> &'q str: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
@@ -165,15 +167,12 @@ where
     for<'q, 'r> i64: sqlx::Encode<'q, DB> + sqlx::Decode<'r, DB> + sqlx::Type<DB>,
     for<'r> (i64,): sqlx::FromRow<'r, DB::Row>,
 {
-    sqlx::query_scalar(
-        "INSERT INTO bench_payments (account, amount, currency, status) \
-         VALUES ($1, $2, $3, 'pending') RETURNING id",
-    )
-    .bind(account)
-    .bind(new.amount)
-    .bind(&new.currency)
-    .fetch_one(&mut *conn)
-    .await
+    sqlx::query_scalar(DB::INSERT_PAYMENT)
+        .bind(account)
+        .bind(new.amount)
+        .bind(&new.currency)
+        .fetch_one(&mut *conn)
+        .await
 }
 
 /// Marks payment `id` paid by the provider's charge `provider_id`.
@@ -183,13 +182,13 @@ pub async fn mark_paid<DB>(
     id: i64,
 ) -> Result<(), sqlx::Error>
 where
-    DB: sqlx::Database,
+    DB: Dialect,
     for<'e> &'e mut DB::Connection: sqlx::Executor<'e, Database = DB>,
     DB::Arguments: sqlx::IntoArguments<DB>,
     for<'q> &'q str: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
     for<'q> i64: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
 {
-    sqlx::query("UPDATE bench_payments SET status = 'succeeded', provider_id = $1 WHERE id = $2")
+    sqlx::query(DB::MARK_PAID)
         .bind(provider_id)
         .bind(id)
         .execute(&mut *conn)

@@ -108,6 +108,53 @@ async fn a_first_attempt_adds_seven_statements_and_a_replay_through_the_claim_tw
     fixture.stop().await;
 }
 
+/// The advisory claim (PostgreSQL proper, the default): a first attempt's
+/// claim is one round trip with no lock timeout to set or reset, the
+/// advisory lock taken inside its one statement; the rest is the portable
+/// claim's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_advisory_claim_is_one_round_trip_with_no_lock_timeout() {
+    let fixture = Proxied::start_configured("advisory", |idem| idem.advisory_locks(true)).await;
+    let Proxied { pool, service, .. } = &fixture;
+    // Statements prepared, and the once-per-server probe made.
+    for route in ["/baseline", "/idempotent"] {
+        let status = service.post(route, &unique("warm"), 1).await.status();
+        assert_eq!(status, 201, "warm-up {route}");
+    }
+
+    let claim = [
+        "BEGIN",
+        "SET LOCAL idle_in_transaction_session_timeout",
+        "EXECUTE try",
+    ];
+    let key = unique("k");
+    let (response, first) = sent(&fixture, service, "/idempotent", &key).await;
+    assert_eq!(response.status(), 201);
+    assert_eq!(
+        first,
+        [
+            claim.to_vec(),
+            vec!["EXECUTE finish", "COMMIT", "BEGIN"],
+            vec!["ROLLBACK"],
+        ]
+    );
+
+    let mut other =
+        Service::start_configured(pool.clone(), &fixture.keys, &fixture.table, |idem| {
+            idem.advisory_locks(true)
+        })
+        .await;
+    other.account.clone_from(&service.account);
+    let (replay, replayed) = sent(&fixture, &other, "/idempotent", &key).await;
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    assert_eq!(
+        replayed,
+        [claim.to_vec(), vec!["ROLLBACK", "EXECUTE select"]]
+    );
+    drop(other);
+    fixture.stop().await;
+}
+
 /// The read that answers a retry this process saw finish is only a hint's
 /// fast path: when the server refuses it, the claim answers instead, the
 /// same replay, and the next retry reads again.
