@@ -1,5 +1,6 @@
 //! Where the CPU goes: this process (the load generator), the server
-//! process, and the PostgreSQL backends serving it, from `/proc`. On a machine whose
+//! process, and the database serving it (PostgreSQL's backends of the
+//! server's pool, or the whole `mariadbd`), from `/proc`. On a machine whose
 //! cores are all busy, throughput is cores / CPU per request, so these
 //! figures say which part of a request limits it.
 
@@ -13,7 +14,7 @@ const TICKS_PER_SEC: f64 = 100.0;
 pub struct Sample {
     client: f64,
     server: f64,
-    postgres: f64,
+    database: f64,
     idle: f64,
 }
 
@@ -22,27 +23,29 @@ pub struct Sample {
 pub struct PerRequest {
     pub client_us: f64,
     pub server_us: f64,
-    pub postgres_us: f64,
+    /// The database's processes (see [`sample`]).
+    pub database_us: f64,
     /// Share of the machine's CPU time left idle in the window.
     pub idle_share: f64,
 }
 
 impl PerRequest {
-    /// Load generator, server and PostgreSQL together.
+    /// Load generator, server and database together.
     pub fn total_us(&self) -> f64 {
-        self.client_us + self.server_us + self.postgres_us
+        self.client_us + self.server_us + self.database_us
     }
 }
 
-/// Samples CPU: this process, the server process, and the PostgreSQL
-/// backends serving the server's pool (`backends`; other sessions on the
-/// same PostgreSQL, such as other test suites, are not counted).
+/// Samples CPU: this process, the server process, and the database's
+/// processes `backends`: PostgreSQL's backends serving the server's pool
+/// (other sessions on the same PostgreSQL, such as other test suites, are
+/// not counted), or the one `mariadbd` (everything it serves).
 pub fn sample(server: Option<u32>, backends: &[u32]) -> Sample {
     let cpu = process_secs;
     Sample {
         client: stat("/proc/self/stat".as_ref()).map_or(0.0, |(_, secs)| secs),
         server: server.map_or(0.0, cpu),
-        postgres: backends.iter().copied().map(cpu).sum(),
+        database: backends.iter().copied().map(cpu).sum(),
         idle: idle_secs(),
     }
 }
@@ -55,7 +58,7 @@ impl Sample {
         PerRequest {
             client_us: per(self.client, later.client),
             server_us: per(self.server, later.server),
-            postgres_us: per(self.postgres, later.postgres),
+            database_us: per(self.database, later.database),
             idle_share: ((later.idle - self.idle) / (wall * cores)).clamp(0.0, 1.0),
         }
     }
@@ -90,4 +93,16 @@ fn idle_secs() -> f64 {
             Some(idle / TICKS_PER_SEC)
         })
         .unwrap_or(0.0)
+}
+
+/// The local MariaDB (or MySQL) server's process, if one runs here.
+pub fn mariadb_pid() -> Option<u32> {
+    std::fs::read_dir("/proc")
+        .ok()?
+        .flatten()
+        .find_map(|entry| {
+            let pid: u32 = entry.file_name().to_str()?.parse().ok()?;
+            let comm = std::fs::read_to_string(entry.path().join("comm")).ok()?;
+            matches!(comm.trim(), "mariadbd" | "mysqld").then_some(pid)
+        })
 }

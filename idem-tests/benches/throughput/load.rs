@@ -39,7 +39,8 @@ pub struct Load {
     pub body: Bytes,
     /// The server process, for its CPU time.
     pub server_pid: Option<u32>,
-    /// The PostgreSQL backends of the server's pool, for their CPU time.
+    /// The database's processes serving the server, for their CPU time
+    /// (see `cpu::sample`).
     pub backends: Vec<u32>,
 }
 

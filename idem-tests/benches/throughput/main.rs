@@ -307,21 +307,24 @@ async fn bench() {
 
     let mut out = Collected::default();
     for &rtt in &settings.rtts {
-        if rtt > 0.0 || !out.runs.is_empty() {
-            // Every pass starts alike, and no pass meets another's keys.
-            app::setup(&admin)
-                .await
-                .expect("empty the benchmark tables");
+        // Every pass starts alike, and no pass meets another's keys.
+        app::setup(&admin)
+            .await
+            .expect("empty the benchmark tables");
+        // Redis is behind the same delay, when the peer runs.
+        let mut upstreams = vec![(settings.url.as_str(), 5432)];
+        if settings.selected("peer") {
+            upstreams.push((&settings.server.redis_url, 6379));
         }
-        let net = network::Network::start(
-            rtt,
-            &[(&settings.url, 5432), (&settings.server.redis_url, 6379)],
-        )
-        .await;
+        let net = network::Network::start(rtt, &upstreams).await;
         let measured = network::measured_rtt_ms::<sqlx::Postgres>(&net.urls[0]).await;
         let config = ServerConfig {
             database_url: net.urls[0].clone(),
-            redis_url: net.urls[1].clone(),
+            redis_url: net
+                .urls
+                .get(1)
+                .unwrap_or(&settings.server.redis_url)
+                .clone(),
             ..settings.server.clone()
         };
         let placed = Placed {
@@ -486,19 +489,24 @@ async fn pass(
         );
     }
     let server = ServerProcess::start(config).await;
-    // Runs the scenarios, then adds where the database was and how much
-    // of a core the delay proxies used meanwhile.
-    let cpu = || placed.as_ref().map_or(0.0, |placed| placed.net.cpu_secs());
-    let place = |mut run: serde_json::Value, cpu_before: f64, started: std::time::Instant| {
-        if let Some(placed) = &placed {
-            let fields = run.as_object_mut().expect("a run is an object");
-            fields.insert("rtt_ms".into(), json!(placed.net.rtt_ms));
-            fields.insert("measured_rtt_ms".into(), json!(placed.measured));
-            let wall = started.elapsed().as_secs_f64();
-            fields.insert("delay_cpu_cores".into(), json!((cpu() - cpu_before) / wall));
-        }
-        run
-    };
+    // Adds to a run where the database was and how much of a core the
+    // delay proxies used over its group (warm-ups included; null when
+    // direct).
+    let cpu = || placed.as_ref().and_then(|placed| placed.net.cpu_secs());
+    let place =
+        |mut run: serde_json::Value, cpu_before: Option<f64>, started: std::time::Instant| {
+            if let Some(placed) = &placed {
+                let fields = run.as_object_mut().expect("a run is an object");
+                fields.insert("rtt_ms".into(), json!(placed.net.rtt_ms));
+                fields.insert("measured_rtt_ms".into(), json!(placed.measured));
+                let wall = started.elapsed().as_secs_f64();
+                let cores = cpu()
+                    .zip(cpu_before)
+                    .map(|(after, before)| (after - before) / wall);
+                fields.insert("delay_cpu_cores".into(), json!(cores));
+            }
+            run
+        };
     if settings.shapes() {
         print_header();
         for &statements in &settings.statements {
@@ -574,7 +582,7 @@ fn print_header() {
         "p50 ms",
         "p99 ms",
         "vs base",
-        "CPU us/req: load srv pg all",
+        "CPU us/req: load srv db all",
         "idle"
     );
 }
@@ -591,7 +599,7 @@ fn print_provider_header() {
         "p99 ms",
         "vs plain",
         "phased/it",
-        "CPU us/req: load srv pg all",
+        "CPU us/req: load srv db all",
         "idle"
     );
 }
@@ -638,7 +646,7 @@ async fn group(
             group.ratio(i, 0),
             cpu.client_us,
             cpu.server_us,
-            cpu.postgres_us,
+            cpu.database_us,
             cpu.total_us(),
             cpu.idle_share * 100.0
         );
@@ -705,7 +713,7 @@ async fn provider_group(
             group.ratio(PHASED, i),
             cpu.client_us,
             cpu.server_us,
-            cpu.postgres_us,
+            cpu.database_us,
             cpu.total_us(),
             cpu.idle_share * 100.0
         );
@@ -776,10 +784,10 @@ async fn rounds(
                 prefix: format!("{scenario}-{shape}-{concurrency}-{round}"),
                 body: Bytes::from_static(load::CHARGE.as_bytes()),
                 server_pid: Some(server.pid),
-                backends: if engine == "postgres" {
-                    app::server_backends(admin).await
-                } else {
-                    Vec::new()
+                backends: match engine {
+                    "postgres" => app::server_backends(admin).await,
+                    "mysql" => cpu::mariadb_pid().into_iter().collect(),
+                    _ => Vec::new(),
                 },
             };
             if replays {

@@ -28,6 +28,10 @@ const RTT: &str = "IDEM_BENCH_DELAY_RTT_MS";
 /// separated), printed in order on one `LISTENING` line; serves until the
 /// parent closes our stdin.
 pub fn delay_child() {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter("warn")
+        .init();
     let upstreams = std::env::var(UPSTREAMS).expect("started by the benchmark");
     let rtt: f64 = crate::app::env_number(RTT, 0.0);
     let proxies: Vec<Delay> = upstreams
@@ -44,12 +48,15 @@ pub fn delay_child() {
     for _ in std::io::stdin().lines() {}
 }
 
+/// The first of `host_port`'s addresses that accepts a connection (a
+/// `localhost` may resolve to `::1` first where the server listens on
+/// 127.0.0.1 only).
 fn resolve(host_port: &str) -> SocketAddr {
     host_port
         .to_socket_addrs()
-        .ok()
-        .and_then(|mut addrs| addrs.next())
-        .unwrap_or_else(|| panic!("cannot resolve {host_port}"))
+        .unwrap_or_else(|error| panic!("cannot resolve {host_port}: {error}"))
+        .find(|addr| std::net::TcpStream::connect_timeout(addr, Duration::from_secs(2)).is_ok())
+        .unwrap_or_else(|| panic!("nothing listens at {host_port}"))
 }
 
 /// The databases as the server reaches them at one round-trip time.
@@ -102,11 +109,11 @@ impl Network {
         }
     }
 
-    /// CPU seconds the proxies have used so far (0 when direct).
-    pub fn cpu_secs(&self) -> f64 {
+    /// CPU seconds the proxies have used so far (`None` when direct).
+    pub fn cpu_secs(&self) -> Option<f64> {
         self.proxies
             .as_ref()
-            .map_or(0.0, |&(_, pid)| crate::cpu::process_secs(pid))
+            .map(|&(_, pid)| crate::cpu::process_secs(pid))
     }
 }
 
