@@ -241,8 +241,12 @@ pub fn provider_json(
 pub fn provider_summary(runs: &[Value]) {
     for run in runs {
         let get = |field: &str| run[field].as_f64().unwrap_or(f64::NAN);
+        let rtt = run["rtt_ms"]
+            .as_f64()
+            .map(|rtt| format!(", RTT {rtt} ms"))
+            .unwrap_or_default();
         println!(
-            "provider scenarios, {}, {} clients: phased/atomic_provider {:.2}, \
+            "provider scenarios, {}, {} clients{rtt}: phased/atomic_provider {:.2}, \
              phased/two_phase_provider {:.2}, phased/plain_provider {:.2}; by CPU per request \
              {:.2}, {:.2}, {:.2}",
             run["engine"].as_str().unwrap_or("?"),
