@@ -151,14 +151,21 @@ impl Drop for Network {
     }
 }
 
-/// One run's point for the chart and the network table: its req/s and
-/// ratios, from a run's JSON (`report::run_json` with the network fields).
+/// One run's point for the chart and the network table: its req/s,
+/// median latencies and ratios, from a run's JSON (`report::run_json` with
+/// the network fields).
 pub fn point(run: &Value) -> Value {
     let rps = |scenario: &str| {
         run[format!("{scenario}_rps")]
             .as_f64()
             .or_else(|| run[format!("diagnostic_{scenario}_rps")].as_f64())
             .filter(|rps| *rps > 0.0)
+    };
+    // The diagnostics (the peer) keep no latency of their own in a run.
+    let p50 = |scenario: &str| {
+        run[format!("{scenario}_p50_ms")]
+            .as_f64()
+            .filter(|_| rps(scenario).is_some())
     };
     json!({
         "engine": run["engine"],
@@ -173,6 +180,12 @@ pub fn point(run: &Value) -> Value {
             "replay": rps("replay"),
             "two_phase": rps("two_phase"),
             "peer": rps("peer"),
+        },
+        "p50_ms": {
+            "baseline": p50("baseline"),
+            "idempotent": p50("idempotent"),
+            "replay": p50("replay"),
+            "two_phase": p50("two_phase"),
         },
         "ratios": {
             "idempotent_to_baseline": run["ratio_idempotent_to_baseline"],
@@ -263,8 +276,12 @@ pub fn charts(report: &Value, json: &Path) -> Vec<PathBuf> {
         let path = json.with_file_name(format!(
             "network-{engine}-{statements}stmt-{concurrency}c.svg"
         ));
-        let title =
-            format!("{engine}, {statements} statement(s) per handler, {concurrency} clients");
+        let name = match engine.as_str() {
+            "postgres" => "PostgreSQL",
+            "mysql" => "MariaDB",
+            other => other,
+        };
+        let title = format!("{name}, {statements} statement(s) per handler, {concurrency} clients");
         match chart::write_svg(&path, &title, &series) {
             Ok(()) => written.push(path),
             Err(error) => eprintln!("chart {}: {error}", path.display()),
