@@ -464,6 +464,34 @@ pub async fn consumers_apply_each_message_once<DB: OutboxDb>() {
     assert_eq!((applied, duplicates), (1, 7), "{at_once:?}");
     let rows = DB::count(&fixture.pool, &ledger).await;
     assert_eq!(rows, 3, "m1, m2 and m3 once each");
+    // Past its retention a record counts as absent: a delivery that late
+    // is processed as new, the record taken over.
+    let brief = fixture
+        .idem
+        .clone()
+        .consumed_retention(Duration::from_millis(1));
+    let late = |idem: Idem<DB>| {
+        let ledger = ledger.clone();
+        async move {
+            idem.consume("ledger", "m4", async |tx| {
+                DB::insert_ledger(tx, &ledger, "m4").await?;
+                Ok::<_, sqlx::Error>("m4")
+            })
+            .await
+        }
+    };
+    assert!(matches!(late(brief).await, Ok(Consumed::Applied("m4"))));
+    // Waits out the 1 ms retention (expiry is by the clock, not an event).
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let again = late(fixture.idem.clone()).await;
+    assert!(matches!(again, Ok(Consumed::Applied("m4"))), "{again:?}");
+    // Taken over with the usual retention: remembered again.
+    let once_more = late(fixture.idem.clone()).await;
+    assert!(
+        matches!(once_more, Ok(Consumed::Duplicate)),
+        "{once_more:?}"
+    );
+    assert_eq!(DB::count(&fixture.pool, &ledger).await, 5);
     assert!(matches!(
         fixture
             .idem

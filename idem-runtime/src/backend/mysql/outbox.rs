@@ -242,9 +242,40 @@ impl OutboxStore for MySql {
         id: &str,
         retention: Duration,
     ) -> Result<bool, sqlx::Error> {
+        // The insert comes first: a `DELETE` of a row not there yet would
+        // take a gap lock, and two deliveries of one message each holding
+        // one would deadlock on their inserts. (An upsert cannot tell an
+        // insert from a duplicate here: sqlx connects with
+        // `CLIENT_FOUND_ROWS`, which counts both as one row.) The lengths
+        // were checked before: `IGNORE` only skips a duplicate.
+        let insert = format!(
+            "INSERT IGNORE INTO {consumed} (scope, id, consumed_at, expires_at) \
+             VALUES (?, ?, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6) + INTERVAL ? * 1000 MICROSECOND)"
+        );
+        let inserted = sqlx::query(AssertSqlSafe(insert.clone()))
+            .bind(scope.as_bytes())
+            .bind(id.as_bytes())
+            .bind(millis(retention))
+            .execute(&mut *conn)
+            .await?;
+        if inserted.rows_affected() == 1 {
+            return Ok(true);
+        }
         // A record past its retention counts as absent: it is taken over.
-        // (An upsert cannot tell an insert from a duplicate here: sqlx
-        // connects with `CLIENT_FOUND_ROWS`, which counts both as one row.)
+        // The usual duplicate is told by a plain read, which takes no lock
+        // (deliveries at once each holding the row's shared lock would
+        // deadlock on a locking `DELETE`).
+        let expired: Option<i64> = sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT CAST(expires_at <= UTC_TIMESTAMP(6) AS SIGNED) FROM {consumed} \
+             WHERE scope = ? AND id = ?"
+        )))
+        .bind(scope.as_bytes())
+        .bind(id.as_bytes())
+        .fetch_optional(&mut *conn)
+        .await?;
+        if expired != Some(1) {
+            return Ok(false);
+        }
         sqlx::query(AssertSqlSafe(format!(
             "DELETE FROM {consumed} WHERE scope = ? AND id = ? AND expires_at <= UTC_TIMESTAMP(6)"
         )))
@@ -252,17 +283,13 @@ impl OutboxStore for MySql {
         .bind(id.as_bytes())
         .execute(&mut *conn)
         .await?;
-        // The lengths were checked before: `IGNORE` only skips a duplicate.
-        let done = sqlx::query(AssertSqlSafe(format!(
-            "INSERT IGNORE INTO {consumed} (scope, id, consumed_at, expires_at) \
-             VALUES (?, ?, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6) + INTERVAL ? * 1000 MICROSECOND)"
-        )))
-        .bind(scope.as_bytes())
-        .bind(id.as_bytes())
-        .bind(millis(retention))
-        .execute(conn)
-        .await?;
-        Ok(done.rows_affected() == 1)
+        let taken = sqlx::query(AssertSqlSafe(insert))
+            .bind(scope.as_bytes())
+            .bind(id.as_bytes())
+            .bind(millis(retention))
+            .execute(conn)
+            .await?;
+        Ok(taken.rows_affected() == 1)
     }
 
     async fn sweep_consumed(
