@@ -16,7 +16,7 @@ impl Proxied for MySql {
     const QUEUED_ROLLBACK_ROUND_TRIPS: u64 = 1;
     const PING: &'static str = "PING";
     // The claim batch stops inside its transaction on the taken key (error
-    // 1172); one more round trip reads the row `FOR UPDATE` and ends it.
+    // 1690); one more round trip reads the row `FOR UPDATE` and ends it.
     const TAKEN_KEY_READ: &'static str = "QUERY SELECT status";
     const SELECT_PARAMETER: &'static str = "SELECT ?";
     const CHARGES_DDL: &'static str = "CREATE TABLE {table} (id BIGINT AUTO_INCREMENT PRIMARY KEY, \

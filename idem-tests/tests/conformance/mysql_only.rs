@@ -41,7 +41,8 @@ async fn session_pool(set: String) -> sqlx::MySqlPool {
 
 /// The handler runs with the session's own `innodb_lock_wait_timeout`, and
 /// the connection goes back to the pool with it, whatever the claim set
-/// for its insert and whether the claim won (`Claimed`) or lost (`InUse`).
+/// for its insert and whether the claim won (`Claimed`), lost (`InUse`) or
+/// found the key finished (its batch stopped before the restore).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_claim_restores_the_sessions_lock_wait() {
     let _slot = crate::harness::slot::<MySql>().await;
@@ -82,8 +83,27 @@ async fn the_claim_restores_the_sessions_lock_wait() {
     assert_eq!(in_transaction, 0, "the lost claim's transaction ended");
     drop(other);
 
-    MySql::rollback(&mut held).await.unwrap();
+    let response = created("{\"id\":7}");
+    MySql::finish(&mut held, "idem_keys", Some(&claim), Some(&response))
+        .await
+        .unwrap();
     held.release();
+    let replay = MySql::claim(&pool, Acquire::default(), "idem_keys", &claim)
+        .await
+        .unwrap();
+    assert!(
+        matches!(replay, ClaimOutcome::Finished { .. }),
+        "{replay:?}"
+    );
+    // The pool's two connections, whichever the replay's claim used.
+    let (mut first, mut second) = (pool.acquire().await.unwrap(), pool.acquire().await.unwrap());
+    for conn in [&mut first, &mut second] {
+        assert_eq!(
+            lock_wait(conn).await,
+            SESSION_LOCK_WAIT,
+            "after a claim that found the key finished"
+        );
+    }
 }
 
 /// Log lines written while a test runs, for it to read.
@@ -216,23 +236,29 @@ async fn without_autocommit_a_rolled_back_claim_is_not_a_success() {
     );
 }
 
-/// A session's `sql_select_limit` cannot defeat the claim's check: with a
-/// limit of 1 (every two-row check would pass) or 0 (no status read), a
-/// fresh key is still claimed and a finished one still replayed, never
+/// A session's settings cannot defeat the claim's check: with a
+/// `sql_select_limit` of 1 or 0 (the read of a finished key's row has its
+/// own `LIMIT`), or an `sql_mode` without strictness (where many errors
+/// are warnings; the check's overflow stays an error),
+/// a fresh key is still claimed and a finished one still replayed, never
 /// claimed again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_sessions_select_limit_cannot_defeat_the_claim() {
+async fn a_sessions_settings_cannot_defeat_the_claim() {
     let _slot = crate::harness::slot::<MySql>().await;
     MySql::connect().await;
-    for limit in [1, 0] {
-        let pool = session_pool(format!("SET SESSION sql_select_limit = {limit}")).await;
-        let scope = unique("selectlimit");
+    for setting in [
+        "sql_select_limit = 1",
+        "sql_select_limit = 0",
+        "sql_mode = 'NO_UNSIGNED_SUBTRACTION'",
+    ] {
+        let pool = session_pool(format!("SET SESSION {setting}")).await;
+        let scope = unique("sessionsettings");
         let claim = claim(&scope, 6, Duration::ZERO);
-        let mut held = claimed(&pool, &claim, &format!("limit {limit}")).await;
+        let mut held = claimed(&pool, &claim, setting).await;
         let response = created("{\"id\":1}");
         MySql::finish(&mut held, "idem_keys", Some(&claim), Some(&response))
             .await
-            .unwrap_or_else(|error| panic!("limit {limit}: {error}"));
+            .unwrap_or_else(|error| panic!("{setting}: {error}"));
         held.release();
         match MySql::claim(&pool, Acquire::default(), "idem_keys", &claim)
             .await
@@ -240,8 +266,8 @@ async fn a_sessions_select_limit_cannot_defeat_the_claim() {
         {
             ClaimOutcome::Finished {
                 response: stored, ..
-            } => assert_eq!(stored, response, "limit {limit}"),
-            other => panic!("limit {limit}: a finished key must replay: {other:?}"),
+            } => assert_eq!(stored, response, "{setting}"),
+            other => panic!("{setting}: a finished key must replay: {other:?}"),
         }
     }
 }

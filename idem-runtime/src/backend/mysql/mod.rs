@@ -2,11 +2,12 @@
 //!
 //! The claim is one multi-statement round trip, run as sqlx's own `BEGIN`
 //! so that sqlx counts the transaction: set the lock wait, `START
-//! TRANSACTION`, `INSERT ... ON DUPLICATE KEY UPDATE`, restore the lock
-//! wait, read the row's status back with `SELECT ... FOR UPDATE`, and fail
-//! if it is set (another attempt finished the key), since sqlx hands back
-//! no results of a `BEGIN`. Values are inlined as hex literals (`X'..'`) or
-//! integers we formatted, as on PostgreSQL.
+//! TRANSACTION`, `INSERT ... ON DUPLICATE KEY UPDATE` (which records in
+//! `LAST_INSERT_ID()` whether it took the key), then restore the lock wait
+//! in a `SET` that fails if it did not (another attempt holds or finished
+//! the key), since sqlx hands back no results of a `BEGIN`. Values are
+//! inlined as hex literals (`X'..'`) or integers we formatted, as on
+//! PostgreSQL.
 //!
 //! InnoDB facts this relies on (checked on MariaDB 10.11):
 //!
@@ -15,10 +16,11 @@
 //!   on the primary key (no gap lock), so the duplicate queues behind the
 //!   first attempt and, after its commit, takes the committed row over if
 //!   it expired or leaves it alone; after its rollback it inserts.
-//! - Under REPEATABLE READ a plain `SELECT` would read the snapshot of the
-//!   transaction's first read, which may predate the commit it waited for;
-//!   the read back is a locking read (`FOR UPDATE`), which always sees the
-//!   latest committed row, and the lock is already ours, so it never waits.
+//! - The update clause reads the latest committed row (under its lock),
+//!   whatever the transaction's snapshot. A key the claim did not take is
+//!   read back with `SELECT ... FOR UPDATE`, which also sees the latest
+//!   committed row (a plain `SELECT` under REPEATABLE READ might not), and
+//!   the lock is already the claim's, so it never waits.
 //! - The lock wait ends with error 1205 when `innodb_lock_wait_timeout`
 //!   (whole seconds) runs out; that becomes 409. The claim sets it for its
 //!   own insert only and restores the session's value before the handler
@@ -83,26 +85,38 @@ const SAVED_LOCK_WAIT: &str = "@idem_saved_lock_wait";
 /// claim set its own.
 const SAVED_IDLE: &str = "@idem_saved_idle_transaction_timeout";
 /// Puts the session's `idle_transaction_timeout` back once the claim's
-/// transaction has ended, so later transactions on the pooled connection
-/// (keyless ones, the application's own) do not inherit it. A `SET` of its
-/// own on MySQL, which skips the executable comment: an empty statement
-/// would be an error.
-const RESTORE_IDLE: &str = "SET @idem_idle_restored = 1 \
-     /*M!100300 , SESSION idle_transaction_timeout = \
-     CAST(COALESCE(@idem_saved_idle_transaction_timeout, @@SESSION.idle_transaction_timeout) \
-     AS UNSIGNED) */";
-/// The claimed row's status, as the claim's locking read found it.
-const STATUS: &str = "@idem_claimed_status";
-/// Whether that row carries this claim's token (see [`claim_sql`]).
-const OURS: &str = "@idem_claimed_ours";
-/// `SELECT ... INTO` found more than one row: how the claim says the key
-/// is another attempt's, and the finish that its `UPDATE` missed.
-const ER_TOO_MANY_ROWS: u16 = 1172;
-/// Two rows, of which a condition keeps one (`o = 1`) or both: selected
-/// `INTO` a variable, both fail the statement, and the batch stops there.
-/// The `LIMIT`s are explicit, so a session's `sql_select_limit` cannot cut
-/// them (a limit of 1 would pass every check, one of 0 read no status).
-const TWO_ROWS: &str = "(SELECT 1 AS o UNION ALL SELECT 2) AS two_rows";
+/// transaction is over, so later transactions on the pooled connection
+/// (keyless ones, the application's own) do not inherit it: assignments
+/// for a `SET`, the first of them a user variable's, because MySQL skips
+/// the executable comment and a `SET` of nothing would be an error.
+macro_rules! restore_idle {
+    () => {
+        "@idem_idle_restored = 1 \
+         /*M!100300 , SESSION idle_transaction_timeout = \
+         CAST(COALESCE(@idem_saved_idle_transaction_timeout, @@SESSION.idle_transaction_timeout) \
+         AS UNSIGNED) */"
+    };
+}
+/// [`restore_idle!`] as the assignments of a larger `SET`.
+const RESTORE_IDLE_ASSIGNMENTS: &str = restore_idle!();
+/// [`restore_idle!`] as a statement.
+const RESTORE_IDLE: &str = concat!("SET ", restore_idle!());
+/// BIGINT UNSIGNED out of range: how [`fail_if`] stops a batch, so the
+/// claim says the key is another attempt's, and the finish that its
+/// `UPDATE` missed. No other statement of those batches does arithmetic
+/// that could overflow.
+const ER_DATA_OUT_OF_RANGE: u16 = 1690;
+
+/// An expression that fails its statement, with [`ER_DATA_OUT_OF_RANGE`],
+/// where `condition` holds: `~0 + 1` overflows, and an overflow is an error
+/// whatever the session's `sql_mode`. `condition` must never be `NULL`
+/// (`NULL` would pass). A `SET` evaluates all its expressions before it
+/// assigns any, so a failing one leaves every variable of its statement as
+/// it was. It replaced a `SELECT ... INTO` of two rows, whose derived
+/// table cost the server a temporary table per request.
+fn fail_if(condition: &str) -> String {
+    format!("~0 + ({condition})")
+}
 
 impl Backend for MySql {
     async fn migrate(pool: &Pool<Self>, table: &str) -> Result<(), Error> {
@@ -253,31 +267,23 @@ impl Backend for MySql {
             // `CLIENT_FOUND_ROWS`: rows matched, not changed). It cannot
             // miss it in the request's own transaction; it does in one a
             // session with `autocommit` off opened after a deadlock's
-            // rollback, where the check above passes: then the same two-row
-            // `SELECT ... INTO` as the claim's fails the batch before its
-            // `COMMIT`, which would carry what the handler wrote after the
-            // error.
+            // rollback, where the check above passes: then [`fail_if`], as
+            // in the claim, fails the batch before its `COMMIT`, which would
+            // carry what the handler wrote after the error.
             sql.push_str(store);
-            // (`ROW_COUNT()` is read first: inside the `SELECT` it would be
-            // its derived table's.)
-            // (The check writes into another variable than it reads: a
-            // server evaluating the condition row by row after the first
-            // row's assignment would otherwise pass a miss.)
             sql.push_str(&format!(
-                "; SET @idem_stored = ROW_COUNT(); \
-                 SELECT 1 INTO @idem_checked FROM {TWO_ROWS} WHERE o = 1 OR @idem_stored <> 1 \
-                 LIMIT 2; "
+                "; SET @idem_stored = {}, ",
+                fail_if("ROW_COUNT() <> 1")
             ));
+        } else {
+            sql.push_str("SET ");
         }
-        // The empty transaction after the commit stands for the one sqlx
-        // counts; sqlx's rollback of it is queued. Its MySQL driver sends
-        // that `ROLLBACK` and waits for it before the pool's return ping
-        // (PostgreSQL's sends both at once): the one round trip the wrapper
-        // adds here (`idem-tests/tests/round_trips`), the least that keeps
-        // sqlx's count right, since every way to lower it is a statement.
-        sql.push_str("COMMIT; ");
-        sql.push_str(RESTORE_IDLE);
-        sql.push_str("; START TRANSACTION");
+        // The session's idle timeout is put back before the `COMMIT`, in
+        // the check's own statement: between the statements of one batch
+        // no session idles. If the check fails, nothing in its statement is
+        // assigned, and the caller's rollback restores the timeout.
+        sql.push_str(RESTORE_IDLE_ASSIGNMENTS);
+        sql.push_str("; COMMIT; START TRANSACTION");
         let error = match sqlx::raw_sql(AssertSqlSafe(sql))
             .execute(&mut ***conn)
             .await
@@ -289,7 +295,7 @@ impl Backend for MySql {
             Err(error) if number(&error) == Some(ER_SP_DOES_NOT_EXIST) => error,
             // The `UPDATE` missed the claim's row: the transaction open now
             // is not the request's. Rolled back by the caller.
-            Err(error) if number(&error) == Some(ER_TOO_MANY_ROWS) => {
+            Err(error) if number(&error) == Some(ER_DATA_OUT_OF_RANGE) => {
                 return Err(FinishError::Ended(error.into()));
             }
             Err(error) => return Err(FinishError::Store(error.into())),
@@ -300,10 +306,12 @@ impl Backend for MySql {
         // response on it (in autocommit, as the handler's later writes
         // ran) lets retries replay it, instead of claiming the row as
         // theirs and running the handler again. Otherwise the server rolled
-        // the transaction back, and there is nothing to store.
+        // the transaction back, and there is nothing to store. (The batch
+        // stopped before it restored the idle timeout; the `SET` after the
+        // `UPDATE` does, and counts no rows.)
         if let (Some(store), Some(claim)) = (&store, claim) {
             let stored = sqlx::raw_sql(AssertSqlSafe(format!(
-                "{store} AND fingerprint = X'{}'",
+                "{store} AND fingerprint = X'{}'; {RESTORE_IDLE}",
                 hex(claim.fingerprint.as_bytes()),
             )))
             .execute(&mut ***conn)
@@ -430,8 +438,8 @@ impl super::claim::ClaimAttempt<MySql> for MySqlClaim<'_> {
     /// MySQL a second `BEGIN` would commit the request's transaction
     /// half-way. sqlx hands back no results of that statement, so the
     /// batch answers by succeeding (the key is ours) or failing: on a key
-    /// another attempt finished, with "result consisted of more than one
-    /// row" (see [`claim_sql`]); the row is then read, still locked (a
+    /// the upsert did not take, with [`ER_DATA_OUT_OF_RANGE`] (see
+    /// [`claim_sql`]); the row is then read, still locked (a
     /// locking read sees the latest commit whatever the snapshot), and the
     /// transaction rolled back, in one more round trip.
     async fn attempt(
@@ -448,7 +456,7 @@ impl super::claim::ClaimAttempt<MySql> for MySqlClaim<'_> {
             Ok(()) => return Ok(ClaimOutcome::Claimed(conn)),
             Err(error) => error,
         };
-        if number(&error) != Some(ER_TOO_MANY_ROWS) {
+        if number(&error) != Some(ER_DATA_OUT_OF_RANGE) {
             // A connection that was gone is closed (dropped), not reset.
             if !super::connection::is_gone::<MySql>(&error) {
                 reset(conn).await;
@@ -456,12 +464,14 @@ impl super::claim::ClaimAttempt<MySql> for MySqlClaim<'_> {
             return Err(failure(error));
         }
         // The batch stopped at its last statement, in the transaction it
-        // opened (sqlx did not count it), the lock wait already restored.
+        // opened (sqlx did not count it), the lock wait still the claim's
+        // (the read cannot wait: the row's lock is ours).
         let read = format!(
             "SELECT status, fingerprint, headers, body FROM {} \
-             WHERE {} AND expires_at > UTC_TIMESTAMP(6) LIMIT 1 FOR UPDATE; ROLLBACK; {RESTORE_IDLE}",
+             WHERE {} AND expires_at > UTC_TIMESTAMP(6) LIMIT 1 FOR UPDATE; {}",
             self.table,
-            matches(self.claim)
+            matches(self.claim),
+            end_claim(),
         );
         let rows = sqlx::raw_sql(AssertSqlSafe(read))
             .fetch_all(&mut **conn)
@@ -518,15 +528,24 @@ fn failure(error: sqlx::Error) -> Failure {
 /// error, so the session's lock wait may still be the claim's. A connection
 /// that cannot be reset is closed (`OpenTx` drop).
 async fn reset(mut conn: OpenTx<MySql>) {
-    let sql = format!(
-        "ROLLBACK; SET SESSION innodb_lock_wait_timeout = {SAVED_LOCK_WAIT}; {RESTORE_IDLE}"
-    );
-    match sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut **conn).await {
+    match sqlx::raw_sql(AssertSqlSafe(end_claim()))
+        .execute(&mut **conn)
+        .await
+    {
         Ok(_) => conn.release(),
         Err(error) => {
             tracing::warn!(%error, "resetting a failed claim failed; closing the connection")
         }
     }
+}
+
+/// Ends a claim's transaction that the claim batch left open, and puts
+/// back the session's lock wait and idle timeout, which a failed batch may
+/// have left as the claim's.
+fn end_claim() -> String {
+    format!(
+        "ROLLBACK; SET SESSION innodb_lock_wait_timeout = {SAVED_LOCK_WAIT}, {RESTORE_IDLE_ASSIGNMENTS}"
+    )
 }
 
 /// `None`: the row is ours (just inserted or taken over, status unset).

@@ -1,7 +1,7 @@
 //! MySQL/MariaDB's statements. Every value is inlined as hex (`X'..'`)
 //! or as an integer we formatted: no client-controlled character reaches SQL.
 
-use super::{OURS, SAVED_IDLE, SAVED_LOCK_WAIT, STATUS, TWO_ROWS};
+use super::{SAVED_IDLE, SAVED_LOCK_WAIT, fail_if};
 use crate::backend::Claim;
 use crate::backend::sql::push_hex;
 use crate::response::StoredResponse;
@@ -45,16 +45,19 @@ pub(super) fn delete_statements(
 /// MySQL applies the assignments left to right, so `expires_at` goes last
 /// and every condition before it still sees the old expiry.
 ///
-/// The row the upsert writes carries a token of this claim's in `headers`
-/// until the finish stores the real ones: an unfinished row without it was
-/// left alone by the upsert, because an earlier attempt committed it (its
-/// handler's own `COMMIT`, or a statement that commits implicitly) and
-/// then failed, with its effects in and no response. That key is in use
-/// until it expires, as on every engine: running the handler again could
-/// do its effects twice. (The row count cannot tell: sqlx's connections
-/// count a row found unchanged as one, like a row inserted.)
+/// Whether the key is this claim's is what the upsert did, kept in the
+/// session's `LAST_INSERT_ID()`: set to 1 before it, left so by an insert
+/// (the table has no `AUTO_INCREMENT` column), and set by the update
+/// clause's first assignment to whether the row it found had expired. The
+/// update clause runs on the latest committed row, under its lock, so no
+/// read of the row follows. A live row the upsert left alone is another
+/// attempt's: finished, or unfinished because an earlier attempt committed
+/// it (its handler's own `COMMIT`, or a statement that commits implicitly)
+/// and then failed, with its effects in and no response. That key is in
+/// use until it expires, as on every engine: running the handler again
+/// could do its effects twice. (The row count cannot tell: sqlx's
+/// connections count a row found unchanged as one, like a row inserted.)
 pub(super) fn claim_sql(table: &str, claim: &Claim<'_>) -> String {
-    let token = hex(&rand::random::<[u8; 16]>());
     let now = "UTC_TIMESTAMP(6)";
     let expires = format!("{now} + INTERVAL {} MICROSECOND", claim.ttl.as_micros());
     let expired = format!("expires_at <= {now}");
@@ -76,28 +79,24 @@ pub(super) fn claim_sql(table: &str, claim: &Claim<'_>) -> String {
     let bound = claim.orphan_bound();
     let orphan_secs = bound.as_secs() + u64::from(bound.subsec_nanos() > 0);
     format!(
-        "SET {SAVED_LOCK_WAIT} = @@SESSION.innodb_lock_wait_timeout, {STATUS} = NULL, \
-             {OURS} = FALSE, SESSION innodb_lock_wait_timeout = {lock_wait_secs} \
+        "SET {SAVED_LOCK_WAIT} = @@SESSION.innodb_lock_wait_timeout, \
+             @idem_claim = LAST_INSERT_ID(1), SESSION innodb_lock_wait_timeout = {lock_wait_secs} \
              /*M!100300 , {SAVED_IDLE} = @@SESSION.idle_transaction_timeout, \
              SESSION idle_transaction_timeout = {orphan_secs} */; \
          START TRANSACTION; \
-         {bounded}INSERT INTO {table} (scope, `key`, fingerprint, headers, created_at, expires_at) \
-             VALUES (X'{scope}', X'{key}', X'{fingerprint}', X'{token}', {now}, {expires}) \
+         {bounded}INSERT INTO {table} (scope, `key`, fingerprint, created_at, expires_at) \
+             VALUES (X'{scope}', X'{key}', X'{fingerprint}', {now}, {expires}) \
              ON DUPLICATE KEY UPDATE \
-             fingerprint = IF({expired}, X'{fingerprint}', fingerprint), \
+             fingerprint = IF(LAST_INSERT_ID({expired}), X'{fingerprint}', fingerprint), \
              status = IF({expired}, NULL, status), \
-             headers = IF({expired}, X'{token}', headers), \
+             headers = IF({expired}, NULL, headers), \
              body = IF({expired}, NULL, body), \
              created_at = IF({expired}, {now}, created_at), \
              expires_at = IF({expired}, {expires}, expires_at); \
-         SET SESSION innodb_lock_wait_timeout = {SAVED_LOCK_WAIT}; \
-         SELECT status, headers <=> X'{token}' INTO {STATUS}, {OURS} FROM {table} \
-             WHERE {matches} LIMIT 1 FOR UPDATE; \
-         SELECT 1 INTO @idem_taken FROM {TWO_ROWS} \
-             WHERE o = 1 OR {STATUS} IS NOT NULL OR NOT {OURS} LIMIT 2",
+         SET SESSION innodb_lock_wait_timeout = {SAVED_LOCK_WAIT}, @idem_taken = {taken}",
         scope = hex(claim.scope.as_bytes()),
         key = hex(claim.key.as_bytes()),
-        matches = matches(claim),
+        taken = fail_if("LAST_INSERT_ID() = 0"),
     )
 }
 
