@@ -1,8 +1,8 @@
 //! The database across a network: at each round-trip time of
 //! `IDEM_BENCH_RTT_MS` above 0, PostgreSQL and the peer's Redis (or
-//! MariaDB) are reached
-//! through [`idem_tests::delay`] proxies, which hold every chunk each way
-//! for half that time (this machine's kernel has no `netem`). The proxies
+//! MariaDB) are reached through [`idem_tests::delay`] proxies, which hold
+//! every chunk each way for half that time (this machine's kernel has no
+//! `netem`). The proxies
 //! run in a child process of their own, so their CPU is neither the load
 //! generator's nor the server's; each run reports the share of a core they
 //! used. At 0, the server connects directly, as on loopback.

@@ -401,3 +401,45 @@ async fn a_claim_that_waited_keeps_its_connection() {
         .await
         .unwrap();
 }
+
+/// The statements a new key costs the server, as docs/engines.md counts
+/// them: the claim's batch 4 (set the session's timeouts, `START
+/// TRANSACTION`, the upsert, the check that restores them), the finish's 6
+/// (a savepoint and its release, the response's `UPDATE`, its check,
+/// `COMMIT`, the empty transaction sqlx counts) and sqlx's `ROLLBACK` of
+/// that transaction. Counted by the session's `Questions`, on a pool of one
+/// connection that is not pinged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_key_costs_eleven_statements() {
+    let _slot = crate::harness::slot::<MySql>().await;
+    MySql::connect().await;
+    let pool = MySqlPoolOptions::new()
+        .max_connections(1)
+        .test_before_acquire(false)
+        .connect(&crate::engines::mysql::url())
+        .await
+        .unwrap();
+    async fn questions(pool: &sqlx::MySqlPool) -> u64 {
+        use sqlx::Row as _;
+        // A text-protocol statement: one question, no statement prepared.
+        let row = sqlx::raw_sql("SHOW SESSION STATUS LIKE 'Questions'")
+            .fetch_one(pool)
+            .await
+            .unwrap();
+        row.get::<String, _>(1).parse().unwrap()
+    }
+    let scope = unique("statements");
+    let claim = claim(&scope, 8, Duration::ZERO);
+    let before = questions(&pool).await;
+    let mut held = claimed(&pool, &claim, "the claim").await;
+    MySql::finish(&mut held, "idem_keys", Some(&claim), Some(&created("{}")))
+        .await
+        .unwrap();
+    held.release();
+    // The second `SHOW` counts itself.
+    let statements = questions(&pool).await - before - 1;
+    assert_eq!(
+        statements, 11,
+        "statements of a claim, its finish and sqlx's rollback"
+    );
+}
