@@ -416,12 +416,18 @@ mod tests {
         got
     }
 
+    /// A client of the proxy at `addr`, each write sent at once.
+    fn client(addr: SocketAddr) -> TcpStream {
+        let stream = TcpStream::connect(addr).unwrap();
+        stream.set_nodelay(true).unwrap();
+        stream
+    }
+
     #[test]
     fn a_round_trip_takes_at_least_the_delay() {
         let rtt = Duration::from_millis(20);
         let delay = Delay::start(echo(), rtt).unwrap();
-        let mut stream = TcpStream::connect(delay.addr()).unwrap();
-        stream.set_nodelay(true).unwrap();
+        let mut stream = client(delay.addr());
         for _ in 0..3 {
             let started = Instant::now();
             stream.write_all(b"ping").unwrap();
@@ -434,8 +440,7 @@ mod tests {
     fn chunks_back_to_back_share_one_delay_and_keep_their_order() {
         let rtt = Duration::from_millis(40);
         let delay = Delay::start(echo(), rtt).unwrap();
-        let mut stream = TcpStream::connect(delay.addr()).unwrap();
-        stream.set_nodelay(true).unwrap();
+        let mut stream = client(delay.addr());
         let messages = 50;
         let started = Instant::now();
         let mut sent = Vec::new();
@@ -456,7 +461,7 @@ mod tests {
     #[test]
     fn a_large_payload_crosses_intact_both_ways() {
         let delay = Delay::start(echo(), Duration::from_millis(2)).unwrap();
-        let mut stream = TcpStream::connect(delay.addr()).unwrap();
+        let mut stream = client(delay.addr());
         let payload: Vec<u8> = (0..2_000_000u32).map(|i| (i % 251) as u8).collect();
         let writer = {
             let mut stream = stream.try_clone().unwrap();
@@ -473,12 +478,11 @@ mod tests {
         let delay = Delay::start(echo(), rtt).unwrap();
         let addr = delay.addr();
         let clients: Vec<_> = (0..16)
-            .map(|client| {
+            .map(|n| {
                 thread::spawn(move || {
-                    let mut stream = TcpStream::connect(addr).unwrap();
-                    stream.set_nodelay(true).unwrap();
+                    let mut stream = client(addr);
                     for round in 0..10 {
-                        let message = format!("client {client:02} round {round}");
+                        let message = format!("client {n:02} round {round}");
                         let started = Instant::now();
                         stream.write_all(message.as_bytes()).unwrap();
                         assert_eq!(read_exactly(&mut stream, message.len()), message.as_bytes());
@@ -499,7 +503,7 @@ mod tests {
         let upstream = sink.local_addr().unwrap();
         let held = thread::spawn(move || sink.accept().unwrap());
         let delay = Delay::start(upstream, Duration::from_millis(2)).unwrap();
-        let mut stream = TcpStream::connect(delay.addr()).unwrap();
+        let mut stream = client(delay.addr());
         stream
             .set_write_timeout(Some(Duration::from_millis(500)))
             .unwrap();
@@ -524,7 +528,7 @@ mod tests {
     #[test]
     fn dropping_the_proxy_ends_its_connections() {
         let delay = Delay::start(echo(), Duration::from_millis(2)).unwrap();
-        let mut stream = TcpStream::connect(delay.addr()).unwrap();
+        let mut stream = client(delay.addr());
         stream.write_all(b"x").unwrap();
         assert_eq!(read_exactly(&mut stream, 1), b"x");
         drop(delay);

@@ -299,13 +299,11 @@ where
         .fetch_one(&mut *conn)
         .await?;
     if statements >= 3 {
-        let update = sqlx::query(DB::UPDATE_ACCOUNT);
-        let update = if DB::POSITIONAL {
-            update.bind(new.amount).bind(account)
-        } else {
-            update.bind(account).bind(new.amount)
-        };
-        update.execute(&mut *conn).await?;
+        sqlx::query(DB::UPDATE_ACCOUNT)
+            .bind(new.amount)
+            .bind(account)
+            .execute(&mut *conn)
+            .await?;
         sqlx::query(DB::INSERT_LEDGER)
             .bind(id)
             .bind(account)

@@ -19,25 +19,21 @@ use idem_tests::peer::{self as idem_peer, Leases, Peer};
 
 /// What the handlers' SQL looks like on one engine. The statements with a
 /// default are PostgreSQL's and SQLite's (`$n` placeholders, `RETURNING`);
-/// MySQL overrides every one. Each statement's doc names its binds in
-/// their `$n` order.
+/// MySQL overrides every one. Each statement's doc names its binds, in
+/// text order on every engine, so MySQL's `?`s bind alike.
 pub trait Dialect: sqlx::Database {
     /// Opens every write transaction. PostgreSQL: `BEGIN`, the statement
     /// sqlx's `begin()` sends. SQLite serializes writers: `BEGIN IMMEDIATE`
     /// takes the write lock up front, as the runtime's claim does (a
     /// deferred `BEGIN` would fail with `SQLITE_BUSY` under load).
     const BEGIN: &'static str;
-    /// Whether placeholders are `?`s, bound in text order (MySQL), rather
-    /// than numbered: then the statements whose `$n`s are out of text order
-    /// ([`Self::UPDATE_ACCOUNT`], [`Self::STORE`]) bind in that order.
-    const POSITIONAL: bool;
     /// Phase 1 of `two_phase`: claims `(scope, key)` with its fingerprint
     /// for 24 hours, autocommitted; no row is affected if the key is taken.
     const CLAIM: &'static str;
     /// Phase 2 of `two_phase`: the claimed key's response, 201 and
-    /// `body`. Binds scope, key, body (positional: body, scope, key).
-    const STORE: &'static str = "UPDATE bench_two_phase_keys SET status = 201, body = $3 \
-         WHERE scope = $1 AND key = $2";
+    /// `body`. Binds body, scope, key.
+    const STORE: &'static str = "UPDATE bench_two_phase_keys SET status = 201, body = $1 \
+         WHERE scope = $2 AND key = $3";
     /// Releases a claim whose work failed. Binds scope, key.
     const RELEASE: &'static str = "DELETE FROM bench_two_phase_keys WHERE scope = $1 AND key = $2";
     /// A taken key's status, fingerprint and body. Binds scope, key.
@@ -46,9 +42,8 @@ pub trait Dialect: sqlx::Database {
     /// `work`'s charge; its id. Binds account, amount, currency.
     const INSERT_CHARGE: &'static str =
         "INSERT INTO bench_charges (account, amount, currency) VALUES ($1, $2, $3) RETURNING id";
-    /// `work`'s balance update. Binds account, amount (positional: amount,
-    /// account).
-    const UPDATE_ACCOUNT: &'static str = "UPDATE bench_accounts SET balance = balance + $2, charges = charges + 1 WHERE account = $1";
+    /// `work`'s balance update. Binds amount, account.
+    const UPDATE_ACCOUNT: &'static str = "UPDATE bench_accounts SET balance = balance + $1, charges = charges + 1 WHERE account = $2";
     /// `work`'s ledger line. Binds charge id, account, amount.
     const INSERT_LEDGER: &'static str =
         "INSERT INTO bench_ledger (charge_id, account, amount) VALUES ($1, $2, $3)";
@@ -62,14 +57,12 @@ pub trait Dialect: sqlx::Database {
 
 impl Dialect for sqlx::Postgres {
     const BEGIN: &'static str = "BEGIN";
-    const POSITIONAL: bool = false;
     const CLAIM: &'static str = "INSERT INTO bench_two_phase_keys (scope, key, fingerprint, expires_at) \
          VALUES ($1, $2, $3, now() + interval '24 hours') ON CONFLICT (scope, key) DO NOTHING";
 }
 
 impl Dialect for sqlx::Sqlite {
     const BEGIN: &'static str = "BEGIN IMMEDIATE";
-    const POSITIONAL: bool = false;
     /// `expires_at` is in Unix seconds: SQLite has no timestamp type.
     const CLAIM: &'static str = "INSERT INTO bench_two_phase_keys (scope, key, fingerprint, expires_at) \
          VALUES ($1, $2, $3, unixepoch() + 86400) ON CONFLICT (scope, key) DO NOTHING";
@@ -80,7 +73,6 @@ impl Dialect for sqlx::Sqlite {
 #[cfg(feature = "mysql")]
 impl Dialect for sqlx::MySql {
     const BEGIN: &'static str = "BEGIN";
-    const POSITIONAL: bool = true;
     /// `INSERT IGNORE`, not `ON DUPLICATE KEY UPDATE`: sqlx's connections
     /// count a row found unchanged as affected, so only an ignored insert
     /// reports a taken key as 0 rows. `expires_at` is UTC, as the runtime's.
@@ -374,13 +366,12 @@ macro_rules! service {
                 key: &str,
                 body: Vec<u8>,
             ) -> Result<(), sqlx::Error> {
-                let query = sqlx::query(<$db as Dialect>::STORE);
-                let query = if <$db as Dialect>::POSITIONAL {
-                    query.bind(body).bind(scope).bind(key)
-                } else {
-                    query.bind(scope).bind(key).bind(body)
-                };
-                query.execute(conn).await?;
+                sqlx::query(<$db as Dialect>::STORE)
+                    .bind(body)
+                    .bind(scope)
+                    .bind(key)
+                    .execute(conn)
+                    .await?;
                 Ok(())
             }
 

@@ -348,9 +348,10 @@ async fn bench() {
         #[cfg(not(feature = "mysql"))]
         panic!("IDEM_BENCH_ENGINES=mysql: build the benchmark with `--features mysql`");
         #[cfg(feature = "mysql")]
+        let url = std::env::var("IDEM_BENCH_MYSQL_URL")
+            .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/idem_bench".to_owned());
+        #[cfg(feature = "mysql")]
         for &rtt in &settings.rtts {
-            let url = std::env::var("IDEM_BENCH_MYSQL_URL")
-                .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/idem_bench".to_owned());
             mysql::setup(&url)
                 .await
                 .expect("create the MariaDB benchmark database");

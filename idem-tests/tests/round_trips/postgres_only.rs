@@ -3,6 +3,7 @@
 //! them), the claim's fallback for a refused read, and the lock timeout
 //! the handler runs under.
 
+use idem::Idem;
 use idem_tests::engines::postgres as engine;
 use idem_tests::round_trip_service::{Service, Wired, drop_table, settle, unique};
 
@@ -52,83 +53,29 @@ async fn sent(
     (response, verbs(&proxy.recorded_queries()))
 }
 
-/// What the server parses for a first attempt, beyond the baseline's
-/// `BEGIN` and `COMMIT`: the claim and the stored response, each one
-/// `EXECUTE` of a prepared statement, the claim's lock timeout set and
-/// reset, the bound on a session whose client vanishes, and the empty
-/// transaction that keeps sqlx's transaction depth
-/// right (opened after the commit, rolled back with the pool's ping).
-/// Statements, not round trips, are most of the wrapper's database cost
-/// (`benches/instructions.sh`): this pins their number.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_first_attempt_adds_seven_statements_and_a_replay_through_the_claim_two() {
-    let fixture = Proxied::start("verbs").await;
-    let Proxied { pool, service, .. } = &fixture;
-    // Statements prepared on the connection, sqlx's cached.
+/// One request to each route, so that the connection has prepared its
+/// statements and sqlx cached its own.
+async fn warm_up(service: &Service) {
     for route in ["/baseline", "/idempotent"] {
         let status = service.post(route, &unique("warm"), 1).await.status();
         assert_eq!(status, 201, "warm-up {route}");
     }
-
-    let (response, baseline) = sent(&fixture, service, "/baseline", &unique("b")).await;
-    assert_eq!(response.status(), 201);
-    assert_eq!(baseline, [vec!["BEGIN"], vec!["COMMIT"]]);
-
-    let claim = [
-        "BEGIN",
-        "SET LOCAL lock_timeout",
-        "SET LOCAL idle_in_transaction_session_timeout",
-        "EXECUTE claim",
-        "SET LOCAL lock_timeout",
-    ];
-    let key = unique("k");
-    let (response, first) = sent(&fixture, service, "/idempotent", &key).await;
-    assert_eq!(response.status(), 201);
-    assert_eq!(
-        first,
-        [
-            claim.to_vec(),
-            vec!["EXECUTE finish", "COMMIT", "BEGIN"],
-            vec!["ROLLBACK"],
-        ]
-    );
-
-    // Another instance, which never saw the key finish: the claim fails on
-    // the taken key, and one more round trip ends the transaction and
-    // reads the row.
-    let mut other = Service::start(pool.clone(), &fixture.keys, &fixture.table).await;
-    other.account.clone_from(&service.account);
-    let (replay, replayed) = sent(&fixture, &other, "/idempotent", &key).await;
-    assert_eq!(replay.headers()["idempotent-replayed"], "true");
-    assert_eq!(
-        replayed,
-        [claim.to_vec(), vec!["ROLLBACK", "EXECUTE select"],]
-    );
-    drop(other);
-    fixture.stop().await;
 }
 
-/// The advisory claim (PostgreSQL proper, the default): a first attempt's
-/// claim is one round trip with no lock timeout to set or reset, the
-/// advisory lock taken inside its one statement; the rest is the portable
-/// claim's.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_advisory_claim_is_one_round_trip_with_no_lock_timeout() {
-    let fixture = Proxied::start_configured("advisory", |idem| idem.advisory_locks(true)).await;
-    let Proxied { pool, service, .. } = &fixture;
-    // Statements prepared, and the once-per-server probe made.
-    for route in ["/baseline", "/idempotent"] {
-        let status = service.post(route, &unique("warm"), 1).await.status();
-        assert_eq!(status, 201, "warm-up {route}");
-    }
-
-    let claim = [
-        "BEGIN",
-        "SET LOCAL idle_in_transaction_session_timeout",
-        "EXECUTE try",
-    ];
+/// A first attempt at a fresh key sends `claim`, then the stored response
+/// with the `COMMIT` and the empty transaction sqlx counts, then sqlx's
+/// `ROLLBACK` of it. Another instance of the service (its store configured
+/// by `configure`, as the fixture's), which never saw the key finish, then
+/// replays it through the same claim, which fails on the taken key: one
+/// more round trip ends the transaction and reads the row.
+async fn first_attempt_and_replay_elsewhere(
+    fixture: &Proxied,
+    claim: &[&str],
+    configure: impl FnOnce(Idem<Postgres>) -> Idem<Postgres>,
+) {
+    let Proxied { pool, service, .. } = fixture;
     let key = unique("k");
-    let (response, first) = sent(&fixture, service, "/idempotent", &key).await;
+    let (response, first) = sent(fixture, service, "/idempotent", &key).await;
     assert_eq!(response.status(), 201);
     assert_eq!(
         first,
@@ -140,18 +87,61 @@ async fn the_advisory_claim_is_one_round_trip_with_no_lock_timeout() {
     );
 
     let mut other =
-        Service::start_configured(pool.clone(), &fixture.keys, &fixture.table, |idem| {
-            idem.advisory_locks(true)
-        })
-        .await;
+        Service::start_configured(pool.clone(), &fixture.keys, &fixture.table, configure).await;
     other.account.clone_from(&service.account);
-    let (replay, replayed) = sent(&fixture, &other, "/idempotent", &key).await;
+    let (replay, replayed) = sent(fixture, &other, "/idempotent", &key).await;
     assert_eq!(replay.headers()["idempotent-replayed"], "true");
     assert_eq!(
         replayed,
         [claim.to_vec(), vec!["ROLLBACK", "EXECUTE select"]]
     );
-    drop(other);
+}
+
+/// What the server parses for a first attempt, beyond the baseline's
+/// `BEGIN` and `COMMIT`: the claim and the stored response, each one
+/// `EXECUTE` of a prepared statement, the claim's lock timeout set and
+/// reset, the bound on a session whose client vanishes, and the empty
+/// transaction that keeps sqlx's transaction depth
+/// right (opened after the commit, rolled back with the pool's ping).
+/// Statements, not round trips, are most of the wrapper's database cost
+/// (`benches/instructions.sh`): this pins their number.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_attempt_adds_seven_statements_and_a_replay_through_the_claim_two() {
+    let fixture = Proxied::start("verbs").await;
+    warm_up(&fixture.service).await;
+
+    let (response, baseline) = sent(&fixture, &fixture.service, "/baseline", &unique("b")).await;
+    assert_eq!(response.status(), 201);
+    assert_eq!(baseline, [vec!["BEGIN"], vec!["COMMIT"]]);
+
+    let claim = [
+        "BEGIN",
+        "SET LOCAL lock_timeout",
+        "SET LOCAL idle_in_transaction_session_timeout",
+        "EXECUTE claim",
+        "SET LOCAL lock_timeout",
+    ];
+    first_attempt_and_replay_elsewhere(&fixture, &claim, |idem| idem).await;
+    fixture.stop().await;
+}
+
+/// The advisory claim (PostgreSQL proper, the default): a first attempt's
+/// claim is one round trip with no lock timeout to set or reset, the
+/// advisory lock taken inside its one statement; the rest is the portable
+/// claim's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_advisory_claim_is_one_round_trip_with_no_lock_timeout() {
+    let advisory = |idem: Idem<Postgres>| idem.advisory_locks(true);
+    let fixture = Proxied::start_configured("advisory", advisory).await;
+    // The once-per-server probe made, too.
+    warm_up(&fixture.service).await;
+
+    let claim = [
+        "BEGIN",
+        "SET LOCAL idle_in_transaction_session_timeout",
+        "EXECUTE try",
+    ];
+    first_attempt_and_replay_elsewhere(&fixture, &claim, advisory).await;
     fixture.stop().await;
 }
 
