@@ -12,6 +12,10 @@
 //!   `charges.db` in the working directory (created on first start, path
 //!   printed); `postgres://...`, `mysql://...` (`--features mysql`) or
 //!   `sqlite:...` choose the database instead.
+//! - `DATABASE_POOLER`: `transaction` when `DATABASE_URL` is a
+//!   transaction-mode pooler (PgBouncer's `pool_mode = transaction`):
+//!   every statement, `idem`'s and the example's, then keeps nothing in the
+//!   session (no statement prepared by name, reads inside a transaction).
 //! - `ADDR`: where to listen, default `127.0.0.1:3000`.
 //! - `CHARGE_DELAY_MS`: the handler waits this long after its insert, to
 //!   watch a concurrent retry get 409.
@@ -275,6 +279,7 @@ impl Dialect for sqlx::Postgres {
         .bind(account)
         .bind(charge.amount)
         .bind(&charge.currency)
+        .persistent(crate::database::persistent())
         .fetch_one(conn)
         .await
     }
@@ -299,6 +304,7 @@ impl Dialect for sqlx::Sqlite {
         .bind(account)
         .bind(charge.amount)
         .bind(&charge.currency)
+        .persistent(crate::database::persistent())
         .fetch_one(conn)
         .await
     }
@@ -323,6 +329,7 @@ impl Dialect for sqlx::MySql {
             .bind(account)
             .bind(charge.amount)
             .bind(&charge.currency)
+            .persistent(crate::database::persistent())
             .execute(conn)
             .await?;
         i64::try_from(done.last_insert_id()).map_err(|error| sqlx::Error::Decode(error.into()))
@@ -368,6 +375,7 @@ impl Payments for sqlx::Postgres {
         .bind(account)
         .bind(payment.amount)
         .bind(&payment.currency)
+        .persistent(crate::database::persistent())
         .fetch_one(conn)
         .await
     }
@@ -396,6 +404,7 @@ impl Payments for sqlx::Sqlite {
         .bind(account)
         .bind(payment.amount)
         .bind(&payment.currency)
+        .persistent(crate::database::persistent())
         .fetch_one(conn)
         .await
     }
@@ -424,6 +433,7 @@ impl Payments for sqlx::MySql {
         .bind(account)
         .bind(payment.amount)
         .bind(&payment.currency)
+        .persistent(crate::database::persistent())
         .execute(conn)
         .await?;
         i64::try_from(done.last_insert_id()).map_err(|error| sqlx::Error::Decode(error.into()))
@@ -478,6 +488,7 @@ macro_rules! payments_api {
                 sqlx::query(<$db as Payments>::MARK_PAID)
                     .bind(&charge.id)
                     .bind(id)
+                    .persistent(crate::database::persistent())
                     .execute(tx)
                     .await?;
                 let payment = Payment {
@@ -499,12 +510,18 @@ macro_rules! payments_api {
                 State(pool): State<Pool<$db>>,
                 Path(id): Path<i64>,
             ) -> Result<Response, ApiError> {
+                // In a transaction: behind a transaction-mode pooler, a
+                // bound statement outside one may be parsed on one server
+                // session and run on another.
+                let mut tx = pool.begin().await?;
                 let payment: Option<(i64, i64, String, String, Option<String>)> =
                     sqlx::query_as(<$db as Payments>::SELECT_PAYMENT)
                         .bind(id)
                         .bind(&account.0)
-                        .fetch_optional(&pool)
+                        .persistent(crate::database::persistent())
+                        .fetch_optional(&mut *tx)
                         .await?;
+                tx.commit().await?;
                 Ok(match payment {
                     Some((id, amount, currency, status, provider_id)) => Json(Payment {
                         id,
@@ -607,12 +624,16 @@ macro_rules! charges_api {
                 State(pool): State<Pool<$db>>,
                 Path(id): Path<i64>,
             ) -> Result<Response, ApiError> {
+                // In a transaction, as `get_payment` reads.
+                let mut tx = pool.begin().await?;
                 let charge: Option<(i64, i64, String)> =
                     sqlx::query_as(<$db as Dialect>::SELECT_CHARGE)
                         .bind(id)
                         .bind(&account.0)
-                        .fetch_optional(&pool)
+                        .persistent(crate::database::persistent())
+                        .fetch_optional(&mut *tx)
                         .await?;
+                tx.commit().await?;
                 Ok(match charge {
                     Some((id, amount, currency)) => Json(Charge {
                         id,
@@ -631,7 +652,7 @@ macro_rules! charges_api {
                 delay: Duration,
                 provider: Provider,
             ) -> Result<(), Box<dyn std::error::Error>> {
-                let idem = Idem::new(pool.clone());
+                let idem = crate::database::idem(&pool);
                 idem.migrate().await?;
                 sqlx::raw_sql(<$db as Dialect>::CREATE_CHARGES)
                     .execute(&pool)

@@ -25,6 +25,9 @@
 //! - `DATABASE_URL`: unset, the ledger is the SQLite file `ledger.db` in the
 //!   working directory; `postgres://...`, `mysql://...` (`--features mysql`)
 //!   or `sqlite:...` choose the database instead.
+//! - `DATABASE_POOLER`: `transaction` when `DATABASE_URL` is a
+//!   transaction-mode pooler (PgBouncer): the ledger's statements then keep
+//!   nothing in the session.
 //! - `CONSUMER_ACK_WAIT_MS`: how long the broker waits for an
 //!   acknowledgement before it delivers a message again, default 30000.
 //!   Taken when the durable consumer is created.
@@ -44,7 +47,7 @@ use database::Database;
 use async_nats::jetstream::AckKind;
 use async_nats::jetstream::consumer::{AckPolicy, pull};
 use futures::StreamExt;
-use idem::{Consumed, Idem};
+use idem::Consumed;
 use serde::Deserialize;
 
 /// A `charge.created` message, as the charges example writes it.
@@ -90,6 +93,7 @@ macro_rules! ledger {
                     .bind(&charge.account)
                     .bind(charge.amount)
                     .bind(&charge.currency)
+                    .persistent(database::persistent())
                     .execute(conn)
                     .await?;
                 Ok(())
@@ -174,7 +178,7 @@ async fn run<DB: Ledger>(pool: sqlx::Pool<DB>) -> Result<(), Box<dyn std::error:
     let ack_wait = Duration::from_millis(number("CONSUMER_ACK_WAIT_MS")?.unwrap_or(30_000));
     let name = std::env::var("CONSUMER_NAME").unwrap_or_else(|_| "ledger".into());
 
-    let idem = Idem::new(pool.clone());
+    let idem = database::idem(&pool);
     idem.migrate_outbox().await?;
     DB::create(&pool).await?;
 

@@ -1,8 +1,40 @@
 //! The examples' database, from `DATABASE_URL`: `sqlite:...`,
 //! `postgres://...` or `mysql://...` (with `--features mysql`); unset, an
-//! SQLite file in the current directory.
+//! SQLite file in the current directory. `DATABASE_POOLER=transaction`
+//! says the URL is a transaction-mode pooler (PgBouncer): `idem` and the
+//! examples' own statements then keep nothing in the session.
 
 use std::error::Error;
+use std::sync::OnceLock;
+
+use idem::{Backend, Idem, Pooler};
+
+/// `DATABASE_POOLER`: `session` (or unset) or `transaction`.
+fn pooler() -> Result<Pooler, String> {
+    static POOLER: OnceLock<Result<Pooler, String>> = OnceLock::new();
+    POOLER
+        .get_or_init(|| match std::env::var("DATABASE_POOLER").as_deref() {
+            Err(_) | Ok("" | "session") => Ok(Pooler::Session),
+            Ok("transaction") => Ok(Pooler::Transaction),
+            Ok(other) => Err(format!(
+                "DATABASE_POOLER={other:?}: use `transaction` (a transaction-mode pooler such as \
+                 PgBouncer) or `session`"
+            )),
+        })
+        .clone()
+}
+
+/// Whether the examples' own statements may be prepared and kept by name
+/// in the session (sqlx's default): not behind a transaction-mode pooler,
+/// which hands each transaction any server session.
+pub fn persistent() -> bool {
+    pooler() != Ok(Pooler::Transaction)
+}
+
+/// `idem` on `pool`, told what sits in front of the database.
+pub fn idem<DB: Backend>(pool: &sqlx::Pool<DB>) -> Idem<DB> {
+    Idem::new(pool.clone()).pooler(pooler().unwrap_or_default())
+}
 
 /// A pool on the engine `DATABASE_URL` names.
 pub enum Database {
@@ -17,6 +49,9 @@ pub enum Database {
 /// Connects to `DATABASE_URL`, or, unset, to the SQLite file
 /// `default_file` in the current directory (logged as keeping `what`).
 pub async fn connect(default_file: &str, what: &str) -> Result<Database, Box<dyn Error>> {
+    if pooler()? == Pooler::Transaction {
+        tracing::info!("DATABASE_POOLER=transaction: statements keep nothing in the session");
+    }
     let url = std::env::var("DATABASE_URL").ok();
     let scheme = url
         .as_deref()
@@ -43,9 +78,18 @@ pub async fn connect(default_file: &str, what: &str) -> Result<Database, Box<dyn
             Ok(Database::Sqlite(SqlitePool::connect_with(options).await?))
         }
         #[cfg(feature = "postgres")]
-        "postgres" | "postgresql" => Ok(Database::Postgres(
-            sqlx::PgPool::connect(url.as_deref().unwrap_or_default()).await?,
-        )),
+        "postgres" | "postgresql" => {
+            let mut options: sqlx::postgres::PgConnectOptions =
+                url.as_deref().unwrap_or_default().parse()?;
+            if pooler()? == Pooler::Transaction {
+                // A stock PgBouncer refuses startup parameters it does not
+                // track, and sqlx sends `extra_float_digits` by default.
+                options = options.extra_float_digits(None);
+            }
+            Ok(Database::Postgres(
+                sqlx::PgPool::connect_with(options).await?,
+            ))
+        }
         #[cfg(feature = "mysql")]
         "mysql" | "mariadb" => Ok(Database::MySql(
             sqlx::MySqlPool::connect(url.as_deref().unwrap_or_default()).await?,

@@ -8,6 +8,7 @@ use sqlx::Pool;
 
 use crate::Error;
 use crate::backend::{Acquire, Backend};
+use crate::pooler::Pooler;
 use crate::recent::FinishedKeys;
 use crate::response::{DEFAULT_REPLAY_HEADERS, IDEMPOTENT_REPLAYED, is_forbidden};
 
@@ -67,6 +68,7 @@ pub(crate) struct Inner<DB: Backend> {
     body_timeout: Duration,
     acquire: Acquire,
     advisory_locks: bool,
+    pooler: Pooler,
     finished: FinishedKeys,
     replay_marker: HeaderName,
     problem_type_base: Option<Arc<str>>,
@@ -90,6 +92,7 @@ impl<DB: Backend> std::fmt::Debug for Idem<DB> {
             .field("body_timeout", &self.inner.body_timeout)
             .field("checked_acquire", &(self.inner.acquire == Acquire::Checked))
             .field("advisory_locks", &self.inner.advisory_locks)
+            .field("pooler", &self.inner.pooler)
             .field("replay_marker", &self.inner.replay_marker)
             .field("problem_type_base", &self.inner.problem_type_base)
             .finish_non_exhaustive()
@@ -108,6 +111,7 @@ impl<DB: Backend> Idem<DB> {
                 body_timeout: DEFAULT_BODY_TIMEOUT,
                 acquire: Acquire::Idle,
                 advisory_locks: true,
+                pooler: Pooler::Session,
                 finished: FinishedKeys::new(),
                 replay_marker: IDEMPOTENT_REPLAYED,
                 problem_type_base: None,
@@ -125,6 +129,7 @@ impl<DB: Backend> Idem<DB> {
             body_timeout: shared.body_timeout,
             acquire: shared.acquire,
             advisory_locks: shared.advisory_locks,
+            pooler: shared.pooler,
             finished: FinishedKeys::new(),
             replay_marker: shared.replay_marker.clone(),
             problem_type_base: shared.problem_type_base.clone(),
@@ -292,6 +297,31 @@ impl<DB: Backend> Idem<DB> {
 
     pub(crate) fn advisory(&self) -> bool {
         self.inner.advisory_locks
+    }
+
+    /// Says what sits between the service and its database (default
+    /// [`Pooler::Session`]). Behind a transaction-mode pooler such as
+    /// PgBouncer's `pool_mode = transaction`, set [`Pooler::Transaction`]:
+    /// the claim and finish then keep nothing in the session (PostgreSQL
+    /// parses them per request instead of running statements prepared
+    /// once per connection). Every other statement of `idem`'s holds
+    /// nothing in the session on any setting. The application's own
+    /// queries need `.persistent(false)` there: sqlx names every statement
+    /// it prepares otherwise.
+    ///
+    /// ```
+    /// # use idem_runtime as idem;
+    /// # async fn demo(pool: sqlx::PgPool) {
+    /// let idem = idem::Idem::new(pool).pooler(idem::Pooler::Transaction);
+    /// # }
+    /// ```
+    pub fn pooler(self, pooler: Pooler) -> Self {
+        self.with(|inner| inner.pooler = pooler)
+    }
+
+    /// Whether statements must keep nothing in the session.
+    pub(crate) fn pooled(&self) -> bool {
+        self.inner.pooler == Pooler::Transaction
     }
 
     pub(crate) fn body_read_timeout(&self) -> Duration {

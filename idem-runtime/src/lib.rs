@@ -31,6 +31,7 @@ mod outbox;
 mod phased;
 mod phases;
 mod policy;
+mod pooler;
 mod problem;
 mod protocol;
 mod recent;
@@ -54,6 +55,7 @@ pub use outbox::{
 };
 pub use phases::{FromScope, PhaseError, Phases, Resumed};
 pub use policy::{IdempotentHandler, Policy};
+pub use pooler::Pooler;
 pub use problem::Problem;
 pub use response::{DEFAULT_REPLAY_HEADERS, IDEMPOTENT_REPLAYED};
 pub use scope::{MAX_SCOPE_LEN, Scope};

@@ -77,6 +77,7 @@ async fn run_dyn<'f, DB: Phased>(
             wait: Duration::ZERO,
             timeout_ms: config.timeout_ms(),
             advisory: idem.advisory(),
+            pooled: idem.pooled(),
         },
         lease: config.lease.unwrap_or(Duration::from_secs(30)),
         request: prepared.request.as_deref().unwrap_or_default(),

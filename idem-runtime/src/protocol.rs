@@ -329,6 +329,7 @@ async fn run_dyn<'f, DB: Backend>(
                 wait: prepared.config.wait,
                 timeout_ms: prepared.config.timeout_ms(),
                 advisory: idem.advisory(),
+                pooled: idem.pooled(),
             };
             run_keyed(&idem, &claim, handler)
                 .instrument(span.clone())
@@ -828,6 +829,7 @@ mod tests {
                 wait: Duration::ZERO,
                 timeout_ms: 30_000,
                 advisory: true,
+                pooled: false,
             };
             let acquire = std::mem::size_of_val(&idem.pool().acquire());
             let mut answer = |_tx| -> HandlerFuture<'static> {

@@ -5,6 +5,7 @@
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::io::{AsyncBufReadExt, BufReader};
@@ -36,9 +37,19 @@ pub fn binary(name: &str) -> PathBuf {
 /// (what it returns is returned), then drained in the background so the
 /// process never blocks on a full pipe. Killed when the child is dropped.
 pub async fn start_until<T>(
+    command: Command,
+    what: &str,
+    found: impl FnMut(&str) -> Option<T>,
+) -> (Child, T) {
+    start_logged(command, what, found, None).await
+}
+
+/// As [`start_until`], every line of stdout also kept in `log`.
+pub async fn start_logged<T>(
     mut command: Command,
     what: &str,
     mut found: impl FnMut(&str) -> Option<T>,
+    log: Option<Arc<Mutex<Vec<String>>>>,
 ) -> (Child, T) {
     let mut child = command
         .env("RUST_LOG", "info")
@@ -50,8 +61,14 @@ pub async fn start_until<T>(
         .spawn()
         .unwrap_or_else(|error| panic!("{what} starts: {error}"));
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let keep = move |line: &str| {
+        if let Some(log) = &log {
+            log.lock().unwrap().push(line.to_owned());
+        }
+    };
     let reading = async {
         while let Some(line) = lines.next_line().await.expect("the process's output") {
+            keep(&line);
             if let Some(value) = found(&line) {
                 return value;
             }
@@ -61,7 +78,11 @@ pub async fn start_until<T>(
     let value = tokio::time::timeout(STARTUP_LIMIT, reading)
         .await
         .unwrap_or_else(|_| panic!("{what} listening within {STARTUP_LIMIT:?}"));
-    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    tokio::spawn(async move {
+        while let Ok(Some(line)) = lines.next_line().await {
+            keep(&line);
+        }
+    });
     (child, value)
 }
 
@@ -102,6 +123,16 @@ pub fn free_port() -> SocketAddr {
 /// file, once it listens. `env` sets variables (`Some`) or keeps them
 /// from the test's environment out (`None`).
 pub async fn charges(dir: &Path, addr: SocketAddr, env: &[(&str, Option<&str>)]) -> Child {
+    charges_logged(dir, addr, env, None).await
+}
+
+/// As [`charges`], every line it prints also kept in `log`.
+pub async fn charges_logged(
+    dir: &Path,
+    addr: SocketAddr,
+    env: &[(&str, Option<&str>)],
+    log: impl Into<Option<Arc<Mutex<Vec<String>>>>>,
+) -> Child {
     let mut command = Command::new(binary("charges"));
     command.current_dir(dir).env("ADDR", addr.to_string()).env(
         "DATABASE_URL",
@@ -114,7 +145,7 @@ pub async fn charges(dir: &Path, addr: SocketAddr, env: &[(&str, Option<&str>)])
         };
     }
     let listening = |line: &str| line.contains("charges API listening on").then_some(());
-    start_until(command, "the charges example", listening)
+    start_logged(command, "the charges example", listening, log.into())
         .await
         .0
 }

@@ -15,6 +15,8 @@ pub mod mysql_proxy;
 pub mod nats;
 pub mod peer;
 pub mod pg_proxy;
+#[cfg(feature = "postgres")]
+pub mod pgbouncer;
 pub mod phased;
 pub mod proxied;
 pub mod proxy;

@@ -215,7 +215,14 @@ fn describe(kind: u8, body: &[u8]) -> String {
     };
     match kind {
         b'Q' => format!("QUERY {}", sql(body)),
-        b'P' => format!("PARSE {}", sql(parsed_sql(body))),
+        b'P' => match body.split(|&b| b == 0).next().unwrap_or_default() {
+            [] => format!("PARSE {}", sql(parsed_sql(body))),
+            name => format!(
+                "PARSE NAMED {} {}",
+                String::from_utf8_lossy(name),
+                sql(parsed_sql(body))
+            ),
+        },
         b'B' => "BIND".to_owned(),
         b'D' => "DESCRIBE".to_owned(),
         b'E' => "EXECUTE".to_owned(),

@@ -318,11 +318,15 @@ macro_rules! phased_queries {
             account: &str,
         ) -> Vec<$crate::phased::PaymentRow> {
             let sql = <Self as $crate::phased::PhasedDb>::DIALECT.payments(table);
-            sqlx::query_as(sqlx::AssertSqlSafe(sql))
+            let mut tx = pool.begin().await.unwrap();
+            let rows = sqlx::query_as(sqlx::AssertSqlSafe(sql))
                 .bind(account)
-                .fetch_all(pool)
+                .persistent($crate::service::persistent())
+                .fetch_all(&mut *tx)
                 .await
-                .unwrap()
+                .unwrap();
+            tx.commit().await.unwrap();
+            rows
         }
 
         async fn key_row(
@@ -332,12 +336,16 @@ macro_rules! phased_queries {
             key: &str,
         ) -> Option<$crate::phased::KeyRow> {
             let sql = <Self as $crate::phased::PhasedDb>::DIALECT.key_row(keys);
-            sqlx::query_as(sqlx::AssertSqlSafe(sql))
+            let mut tx = pool.begin().await.unwrap();
+            let row = sqlx::query_as(sqlx::AssertSqlSafe(sql))
                 .bind(scope.as_bytes())
                 .bind(key.as_bytes())
-                .fetch_optional(pool)
+                .persistent($crate::service::persistent())
+                .fetch_optional(&mut *tx)
                 .await
-                .unwrap()
+                .unwrap();
+            tx.commit().await.unwrap();
+            row
         }
     };
 }
@@ -377,6 +385,7 @@ macro_rules! phased_app {
                             .bind(&account.0)
                             .bind(new.amount)
                             .bind(&new.currency)
+                            .persistent($crate::service::persistent())
                             .fetch_one(tx)
                             .await?;
                         if refuse {
@@ -398,6 +407,7 @@ macro_rules! phased_app {
                     .bind(&charge.id)
                     .bind(&attempt)
                     .bind(id)
+                    .persistent($crate::service::persistent())
                     .execute(tx)
                     .await?;
                 marks.reach(Boundary::Final).await;
@@ -530,7 +540,8 @@ pub async fn state<DB: PhasedDb>(
     let pool = DB::open(&config.database, SERVICE_POOL).await;
     let idem = Idem::new(pool.clone())
         .table(&config.keys)
-        .expect("a plain table name");
+        .expect("a plain table name")
+        .pooler(crate::service::pooler());
     idem.migrate().await.expect("migrate");
     DB::create_payments(&pool, &config.payments).await;
     PhasedState {

@@ -167,6 +167,7 @@ macro_rules! test_db_queries {
             let mut tx = pool.begin().await.unwrap();
             sqlx::query(Self::TOUCH_EFFECT)
                 .bind(id)
+                .persistent($crate::service::persistent())
                 .execute(&mut *tx)
                 .await
                 .unwrap();
@@ -179,18 +180,26 @@ macro_rules! test_db_queries {
         );
 
         async fn count_effects(pool: &Pool<Self>, scope: &str) -> i64 {
-            sqlx::query_scalar(Self::COUNT_EFFECTS)
+            // In a transaction, unnamed: what every topology runs (see
+            // `persistent`).
+            let mut tx = pool.begin().await.unwrap();
+            let count = sqlx::query_scalar(Self::COUNT_EFFECTS)
                 .bind(scope.as_bytes())
-                .fetch_one(pool)
+                .persistent($crate::service::persistent())
+                .fetch_one(&mut *tx)
                 .await
-                .unwrap()
+                .unwrap();
+            tx.commit().await.unwrap();
+            count
         }
 
         async fn rows_in(pool: &Pool<Self>, table: &str) -> i64 {
-            sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT count(*) FROM {table}")))
+            let sql = format!("SELECT count(*) FROM {table}");
+            let row = sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
                 .fetch_one(pool)
                 .await
-                .unwrap()
+                .unwrap();
+            sqlx::Row::get(&row, 0)
         }
 
         async fn drop_table(pool: &Pool<Self>, table: &str) {
@@ -201,16 +210,40 @@ macro_rules! test_db_queries {
         }
 
         async fn count_keys(pool: &Pool<Self>, scope: &str) -> i64 {
-            sqlx::query_scalar(concat!(
+            let mut tx = pool.begin().await.unwrap();
+            let count = sqlx::query_scalar(concat!(
                 "SELECT count(*) FROM idem_keys WHERE scope = ",
                 $placeholder
             ))
             .bind(scope.as_bytes())
-            .fetch_one(pool)
+            .persistent($crate::service::persistent())
+            .fetch_one(&mut *tx)
             .await
-            .unwrap()
+            .unwrap();
+            tx.commit().await.unwrap();
+            count
         }
     };
+}
+
+/// What the suites' service sits behind: `IDEM_TEST_POOLER=transaction`
+/// runs them through a transaction-mode pooler (`tests/pooler.rs` sets it
+/// for the suites it runs again through PgBouncer).
+pub fn pooler() -> idem::Pooler {
+    match std::env::var("IDEM_TEST_POOLER").as_deref() {
+        Ok("transaction") => idem::Pooler::Transaction,
+        Err(_) | Ok("" | "session") => idem::Pooler::Session,
+        Ok(other) => panic!("IDEM_TEST_POOLER={other:?}: `transaction` or `session`"),
+    }
+}
+
+/// Whether the tests' own statements may be kept by name in the session
+/// (sqlx's default): not behind a transaction-mode pooler, where they are
+/// also run inside a transaction (a bound statement outside one is parsed
+/// and run in two exchanges, which such a pooler may send to two server
+/// sessions).
+pub fn persistent() -> bool {
+    pooler() != idem::Pooler::Transaction
 }
 
 /// `name` from the environment, else `default`.
@@ -611,6 +644,7 @@ macro_rules! define_app {
                     .bind(key)
                     .bind(note)
                     .bind(nonce)
+                    .persistent(app::persistent())
                     .fetch_one(conn)
                     .await
             }
@@ -660,6 +694,7 @@ macro_rules! define_app {
                     m if m.starts_with("read-then-hold:") => {
                         let _count: i64 = sqlx::query_scalar(<$db as TestDb>::COUNT_EFFECTS)
                             .bind(caller.0.as_bytes())
+                            .persistent(app::persistent())
                             .fetch_one(&mut **tx)
                             .await?;
                         let hold = holds.get(&m[15..]);
@@ -689,6 +724,7 @@ macro_rules! define_app {
                         let (target, name) = m[20..].split_once(':').unwrap();
                         let blocked = sqlx::query(<$db as TestDb>::TOUCH_EFFECT)
                             .bind(target.parse::<i64>().unwrap())
+                            .persistent(app::persistent())
                             .execute(&mut **tx)
                             .now_or_never()
                             .is_some();
@@ -719,6 +755,7 @@ macro_rules! define_app {
                         let target: i64 = m[6..].parse().unwrap();
                         sqlx::query(<$db as TestDb>::TOUCH_EFFECT)
                             .bind(target)
+                            .persistent(app::persistent())
                             .execute(&mut **tx)
                             .await?;
                     }
@@ -750,6 +787,7 @@ macro_rules! define_app {
                     // included: the write after it would commit on its own.
                     "savepoint-after-error" => {
                         let _caught = sqlx::query("SELECT * FROM idem_no_such_table")
+                            .persistent(app::persistent())
                             .execute(&mut **tx)
                             .await;
                         let _ignored = sqlx::Connection::begin(&mut **tx).await.map(drop);
@@ -761,6 +799,7 @@ macro_rules! define_app {
                     "savepoint-after-error-held" => {
                         let conn: &mut <$db as sqlx::Database>::Connection = &mut **tx;
                         let _caught = sqlx::query("SELECT * FROM idem_no_such_table")
+                            .persistent(app::persistent())
                             .execute(&mut *conn)
                             .await;
                         let _ignored = sqlx::Connection::begin(&mut *conn).await.map(drop);

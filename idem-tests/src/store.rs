@@ -17,6 +17,7 @@ pub fn claim(scope: &str, fill: u8, wait: Duration) -> Claim<'_> {
         wait,
         timeout_ms: 30_000,
         advisory: true,
+        pooled: false,
     }
 }
 

@@ -35,6 +35,10 @@ pub struct Claim<'a> {
     /// lock on the key, where the server offers them
     /// ([`Idem::advisory_locks`](crate::Idem::advisory_locks)).
     pub advisory: bool,
+    /// Whether a transaction-mode pooler sits in front of the database
+    /// ([`Idem::pooler`](crate::Idem::pooler)): no statement may then rely
+    /// on the session outliving the transaction.
+    pub pooled: bool,
 }
 
 /// How long after a handler's deadline the server ends a session whose

@@ -21,6 +21,7 @@ pub(crate) fn claim_of<'a>(scope: &'a str, key: &'a str, fill: u8, wait: Duratio
         wait,
         timeout_ms: 30_000,
         advisory: true,
+        pooled: false,
     }
 }
 

@@ -87,16 +87,18 @@ impl TestDb for Postgres {
         // is unique to one test. Were the values ever bound instead, no
         // statement would match: the caller's bounded poll then fails
         // loudly, it never passes by accident.
-        let count = sqlx::query_scalar(
+        let sql = format!(
             "SELECT count(*) FROM pg_stat_activity \
              WHERE datname = current_database() AND wait_event_type = 'Lock' \
-             AND strpos(lower(query), $1) > 0 AND strpos(lower(query), $2) > 0",
-        )
-        .bind(hex::encode(scope))
-        .bind(hex::encode(key))
-        .fetch_one(pool)
-        .await
-        .unwrap();
+             AND strpos(lower(query), '{}') > 0 AND strpos(lower(query), '{}') > 0",
+            hex::encode(scope),
+            hex::encode(key)
+        );
+        let row = sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+            .fetch_one(pool)
+            .await
+            .unwrap();
+        let count: i64 = sqlx::Row::get(&row, 0);
         Some(count)
     }
 
@@ -108,6 +110,7 @@ impl TestDb for Postgres {
             "SELECT count(DISTINCT pid) FROM pg_locks \
              WHERE NOT granted AND pg_backend_pid() = ANY (pg_blocking_pids(pid))",
         )
+        .persistent(app::persistent())
         .fetch_one(holder)
         .await
         .unwrap();
@@ -121,6 +124,7 @@ impl TestDb for Postgres {
         let mut ids = Vec::new();
         for _ in 0..2 {
             match sqlx::query_scalar::<_, String>("SELECT pg_current_xact_id()::text")
+                .persistent(app::persistent())
                 .fetch_one(&mut *conn)
                 .await
             {
@@ -143,6 +147,7 @@ impl TestDb for Postgres {
              SELECT id, scope, key, note, nonce FROM idem_service_effects WHERE id = $1",
         )
         .bind(id)
+        .persistent(app::persistent())
         .execute(conn)
         .await
         .expect_err("the effect's id is taken")
@@ -150,6 +155,7 @@ impl TestDb for Postgres {
 
     async fn session_id(conn: &mut sqlx::PgConnection) -> Option<i64> {
         let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+            .persistent(app::persistent())
             .fetch_one(conn)
             .await
             .unwrap();
@@ -159,20 +165,22 @@ impl TestDb for Postgres {
     async fn end_session(admin: &Pool<Self>, id: i64) {
         // The backend sends its client `FATAL` (57P01) and exits; the
         // timeout makes the call wait for the exit.
-        let ended: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1, 10000)")
-            .bind(i32::try_from(id).unwrap())
+        let sql = format!("SELECT pg_terminate_backend({id}, 10000)");
+        let row = sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
             .fetch_one(admin)
             .await
             .unwrap();
+        let ended: bool = sqlx::Row::get(&row, 0);
         assert!(ended, "backend {id} did not end");
     }
 
     async fn session_open(admin: &Pool<Self>, id: i64) -> bool {
-        sqlx::query_scalar("SELECT EXISTS (SELECT FROM pg_stat_activity WHERE pid = $1)")
-            .bind(i32::try_from(id).unwrap())
+        let sql = format!("SELECT EXISTS (SELECT FROM pg_stat_activity WHERE pid = {id})");
+        let row = sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
             .fetch_one(admin)
             .await
-            .unwrap()
+            .unwrap();
+        sqlx::Row::get(&row, 0)
     }
 
     async fn connect() -> Pool<Self> {

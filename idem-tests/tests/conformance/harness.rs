@@ -66,7 +66,11 @@ pub async fn start_configured<DB: TestDb>(
     configure: impl FnOnce(idem::Idem<DB>) -> idem::Idem<DB>,
 ) -> Server<DB> {
     let state = AppState {
-        idem: configure(idem::Idem::new(pool).max_response_bytes(RESPONSE_CAP)),
+        idem: configure(
+            idem::Idem::new(pool)
+                .max_response_bytes(RESPONSE_CAP)
+                .pooler(idem_tests::service::pooler()),
+        ),
         holds: Holds::default(),
     };
     let (addr, task) = idem_tests::service::serve(state.clone()).await;

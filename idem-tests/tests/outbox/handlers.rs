@@ -72,12 +72,18 @@ macro_rules! handlers {
                     ) -> Result<(), sqlx::Error> {
                         let placeholder = if <$db as idem_tests::service::TestDb>::ENGINE == "mysql" { "?" } else { "$1" };
                         let sql = format!("INSERT INTO {table} (id) VALUES ({placeholder})");
-                        sqlx::query(sqlx::AssertSqlSafe(sql)).bind(id).execute(conn).await.map(drop)
+                        sqlx::query(sqlx::AssertSqlSafe(sql))
+                            .bind(id)
+                            .persistent(idem_tests::service::persistent())
+                            .execute(conn)
+                            .await
+                            .map(drop)
                     }
 
                     async fn count(pool: &sqlx::Pool<$db>, table: &str) -> i64 {
                         let sql = format!("SELECT COUNT(*) FROM {table}");
-                        sqlx::query_scalar(sqlx::AssertSqlSafe(sql)).fetch_one(pool).await.unwrap()
+                        let row = sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).fetch_one(pool).await.unwrap();
+                        sqlx::Row::get(&row, 0)
                     }
                 }
             }

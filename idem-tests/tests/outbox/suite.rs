@@ -50,7 +50,8 @@ impl<DB: OutboxDb> Fixture<DB> {
         let pool = DB::open(&database, 8).await;
         let idem = Idem::new(pool.clone())
             .table(&keys)
-            .expect("a plain table name");
+            .expect("a plain table name")
+            .pooler(idem_tests::service::pooler());
         idem.migrate().await.expect("migrate");
         idem.migrate_outbox().await.expect("migrate the outbox");
         Self {
@@ -548,7 +549,10 @@ impl Child {
 pub async fn serve_as_child<DB: OutboxDb>() {
     let var = |name: &str| std::env::var(name).unwrap_or_else(|_| panic!("{name} is not set"));
     let pool = DB::open(&var(CHILD_DATABASE), 4).await;
-    let idem = Idem::new(pool).table(&var(CHILD_KEYS)).unwrap();
+    let idem = Idem::new(pool)
+        .table(&var(CHILD_KEYS))
+        .unwrap()
+        .pooler(idem_tests::service::pooler());
     if let Ok(url) = std::env::var(CHILD_RECORDER) {
         let http = reqwest::Client::new();
         idem.relay(sink_fn(move |message: Message| {

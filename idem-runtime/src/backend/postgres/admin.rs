@@ -1,8 +1,12 @@
-//! PostgreSQL's key operations for operators: plain bound statements, the
-//! times read as milliseconds by the server's clock.
+//! PostgreSQL's key operations for operators: statements with their values
+//! inlined (`super::simple`), the times read as milliseconds by the
+//! server's clock.
 
 use sqlx::postgres::PgRow;
-use sqlx::{AssertSqlSafe, Pool, Postgres, Row};
+use sqlx::{Pool, Postgres, Row};
+
+use super::simple;
+use super::sql::Arg;
 
 use crate::backend::admin::{Admin, Forgotten, KeyRow};
 
@@ -36,14 +40,15 @@ impl Admin for Postgres {
         key: &str,
     ) -> Result<Option<KeyRow>, sqlx::Error> {
         let sql = format!("SELECT {COLUMNS} FROM {table} WHERE scope = $1 AND key = $2");
-        sqlx::query(AssertSqlSafe(sql))
-            .bind(scope.as_bytes())
-            .bind(key.as_bytes())
-            .fetch_optional(pool)
-            .await?
-            .as_ref()
-            .map(key_row)
-            .transpose()
+        simple(
+            &sql,
+            &[Arg::Bytes(scope.as_bytes()), Arg::Bytes(key.as_bytes())],
+        )
+        .fetch_optional(pool)
+        .await?
+        .as_ref()
+        .map(key_row)
+        .transpose()
     }
 
     async fn recent(
@@ -56,14 +61,15 @@ impl Admin for Postgres {
             "SELECT {COLUMNS} FROM {table} WHERE scope = $1 \
              ORDER BY created_at DESC, key DESC LIMIT $2"
         );
-        sqlx::query(AssertSqlSafe(sql))
-            .bind(scope.as_bytes())
-            .bind(i64::from(limit))
-            .fetch_all(pool)
-            .await?
-            .iter()
-            .map(key_row)
-            .collect()
+        simple(
+            &sql,
+            &[Arg::Bytes(scope.as_bytes()), Arg::Int(limit.into())],
+        )
+        .fetch_all(pool)
+        .await?
+        .iter()
+        .map(key_row)
+        .collect()
     }
 
     async fn forget(
@@ -78,11 +84,12 @@ impl Admin for Postgres {
             "DELETE FROM {table} WHERE scope = $1 AND key = $2 \
              AND (status IS NOT NULL OR expires_at <= clock_timestamp())"
         );
-        let done = sqlx::query(AssertSqlSafe(sql))
-            .bind(scope.as_bytes())
-            .bind(key.as_bytes())
-            .execute(pool)
-            .await?;
+        let done = simple(
+            &sql,
+            &[Arg::Bytes(scope.as_bytes()), Arg::Bytes(key.as_bytes())],
+        )
+        .execute(pool)
+        .await?;
         Ok(if done.rows_affected() == 1 {
             Forgotten::Deleted
         } else {

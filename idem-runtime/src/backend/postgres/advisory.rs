@@ -5,7 +5,9 @@
 use std::sync::{Mutex, PoisonError};
 
 use sqlx::postgres::{PgConnectOptions, PgConnection};
-use sqlx::{Connection, Pool, Postgres};
+use sqlx::{Connection, Pool, Postgres, Row};
+
+use super::sql::Arg;
 
 /// A server and database, and whether it offers advisory locks.
 struct Answer {
@@ -51,14 +53,16 @@ pub(super) async fn probe(pool: &Pool<Postgres>) -> bool {
         return false;
     };
     // The lock taken is released when the probe's own transaction ends.
-    let probe =
-        sqlx::query_as::<_, (String, bool)>("SELECT version(), pg_try_advisory_xact_lock($1)")
-            .bind(super::sql::lock_id("", "idem", "probe"))
-            .fetch_one(&mut conn)
-            .await;
+    let probe = super::simple(
+        "SELECT version() AS version, pg_try_advisory_xact_lock($1)",
+        &[Arg::Signed(super::sql::lock_id("", "idem", "probe"))],
+    )
+    .fetch_one(&mut conn)
+    .await
+    .and_then(|row| row.try_get::<String, _>("version"));
     let _ = conn.close().await;
     let offered = match probe {
-        Ok((version, _)) => !version.contains("CockroachDB"),
+        Ok(version) => !version.contains("CockroachDB"),
         Err(sqlx::Error::Database(error)) => {
             tracing::debug!(%error, "no advisory locks: idem claims without them");
             false

@@ -8,6 +8,9 @@ use std::time::Duration;
 
 use sqlx::postgres::{PgRow, PgTransactionManager};
 use sqlx::{AssertSqlSafe, PgConnection, Pool, Postgres, Row};
+
+use super::simple;
+use super::sql::Arg;
 use sqlx_core::transaction::TransactionManager;
 
 use crate::backend::lease::{
@@ -56,16 +59,16 @@ impl Phased for Postgres {
         );
         let upsert = &upsert;
         let owned = in_autocommit(pool, acquire, |mut conn| async move {
-            let row = sqlx::query(AssertSqlSafe(upsert.clone()))
-                .bind(claim.scope.as_bytes())
-                .bind(claim.key.as_bytes())
-                .bind(&claim.fingerprint.as_bytes()[..])
-                .bind(ms(claim.ttl))
-                .bind(ms(lease.lease))
-                .bind(lease.request)
-                .bind(lease.reserved.unwrap_or(0))
-                .fetch_optional(&mut **conn)
-                .await;
+            let args = [
+                Arg::Bytes(claim.scope.as_bytes()),
+                Arg::Bytes(claim.key.as_bytes()),
+                Arg::Bytes(claim.fingerprint.as_bytes()),
+                Arg::Signed(ms(claim.ttl)),
+                Arg::Signed(ms(lease.lease)),
+                Arg::Bytes(lease.request),
+                Arg::Signed(lease.reserved.unwrap_or(0)),
+            ];
+            let row = simple(upsert, &args).fetch_optional(&mut **conn).await;
             (conn, row)
         })
         .await?;
@@ -83,11 +86,11 @@ impl Phased for Postgres {
         );
         let select = &select;
         let row = in_autocommit(pool, acquire, |mut conn| async move {
-            let row = sqlx::query(AssertSqlSafe(select.clone()))
-                .bind(claim.scope.as_bytes())
-                .bind(claim.key.as_bytes())
-                .fetch_optional(&mut **conn)
-                .await;
+            let args = [
+                Arg::Bytes(claim.scope.as_bytes()),
+                Arg::Bytes(claim.key.as_bytes()),
+            ];
+            let row = simple(select, &args).fetch_optional(&mut **conn).await;
             (conn, row)
         })
         .await?
@@ -115,14 +118,14 @@ impl Phased for Postgres {
             "UPDATE {table} SET recovery = $1, lease_until = {until} \
              WHERE scope = $3 AND key = $4 AND lease_token = $5 AND status IS NULL"
         );
-        let done = sqlx::query(AssertSqlSafe(sql))
-            .bind(recovery)
-            .bind(ms(lease))
-            .bind(holder.scope.as_bytes())
-            .bind(holder.key.as_bytes())
-            .bind(holder.token)
-            .execute(conn)
-            .await?;
+        let args = [
+            Arg::Bytes(recovery),
+            Arg::Signed(ms(lease)),
+            Arg::Bytes(holder.scope.as_bytes()),
+            Arg::Bytes(holder.key.as_bytes()),
+            Arg::Signed(holder.token),
+        ];
+        let done = simple(&sql, &args).execute(conn).await?;
         Ok(done.rows_affected() == 1)
     }
 
@@ -168,15 +171,16 @@ impl Phased for Postgres {
                  recovery = NULL, request = NULL, lease_until = NULL \
              WHERE scope = $4 AND key = $5 AND lease_token = $6 AND status IS NULL"
         );
-        let done = sqlx::query(AssertSqlSafe(sql))
-            .bind(i16::try_from(response.status.as_u16()).unwrap_or(i16::MAX))
-            .bind(response.encode_headers())
-            .bind(&response.body[..])
-            .bind(holder.scope.as_bytes())
-            .bind(holder.key.as_bytes())
-            .bind(holder.token)
-            .execute(conn)
-            .await?;
+        let headers = response.encode_headers();
+        let args = [
+            Arg::Int(response.status.as_u16().into()),
+            Arg::Bytes(&headers),
+            Arg::Bytes(&response.body),
+            Arg::Bytes(holder.scope.as_bytes()),
+            Arg::Bytes(holder.key.as_bytes()),
+            Arg::Signed(holder.token),
+        ];
+        let done = simple(&sql, &args).execute(conn).await?;
         Ok(done.rows_affected() == 1)
     }
 
@@ -193,14 +197,17 @@ impl Phased for Postgres {
                 format!("UPDATE {table} SET lease_until = {} WHERE {row}", after(4))
             }
         };
-        let mut query = sqlx::query(AssertSqlSafe(sql))
-            .bind(holder.scope.as_bytes())
-            .bind(holder.key.as_bytes())
-            .bind(holder.token);
-        if let Release::Keep(after) = how {
-            query = query.bind(ms(after));
-        }
-        Ok(query.execute(conn).await?.rows_affected() == 1)
+        let kept = match how {
+            Release::Keep(after) => ms(after),
+            Release::Delete => 0,
+        };
+        let args = [
+            Arg::Bytes(holder.scope.as_bytes()),
+            Arg::Bytes(holder.key.as_bytes()),
+            Arg::Signed(holder.token),
+            Arg::Signed(kept),
+        ];
+        Ok(simple(&sql, &args).execute(conn).await?.rows_affected() == 1)
     }
 
     async fn abandoned(
@@ -214,7 +221,7 @@ impl Phased for Postgres {
                  AND lease_until <= clock_timestamp() AND expires_at > clock_timestamp() \
              ORDER BY lease_until LIMIT {limit}"
         );
-        let rows = sqlx::query(AssertSqlSafe(sql)).fetch_all(pool).await?;
+        let rows = simple(&sql, &[]).fetch_all(pool).await?;
         rows.iter().map(abandoned).collect()
     }
 
@@ -232,13 +239,17 @@ impl Phased for Postgres {
              RETURNING lease_token",
             after(1)
         );
-        sqlx::query_scalar(AssertSqlSafe(sql))
-            .bind(ms(lease))
-            .bind(holder.scope.as_bytes())
-            .bind(holder.key.as_bytes())
-            .bind(holder.token)
+        let args = [
+            Arg::Signed(ms(lease)),
+            Arg::Bytes(holder.scope.as_bytes()),
+            Arg::Bytes(holder.key.as_bytes()),
+            Arg::Signed(holder.token),
+        ];
+        simple(&sql, &args)
             .fetch_optional(pool)
-            .await
+            .await?
+            .map(|row| row.try_get("lease_token"))
+            .transpose()
     }
 }
 

@@ -13,14 +13,12 @@
 //! transaction-mode pooler), the same statements run with inlined
 //! arguments.
 
-use std::future::Future;
-
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgRow, PgTransactionManager};
 use sqlx::{AssertSqlSafe, Pool, Postgres, Row, SqlSafeStr};
 use sqlx_core::transaction::TransactionManager;
 
-use self::sql::{ClaimRow, PEEK, fnv1a};
+use self::sql::{Arg, ClaimRow, PEEK, fnv1a, inline};
 use super::claim::Failure;
 use super::contract::decode_finished;
 use super::{Acquire, Backend, Claim, ClaimOutcome, FinishError, OpenTx, StoreError};
@@ -98,16 +96,16 @@ impl Backend for Postgres {
         // it looks for the index: on a live table it would wait for every
         // open claim and queue every new claim behind it. The catalog read
         // locks nothing, so a migrated table costs a start-up nothing.
-        let migrated: bool = sqlx::query_scalar(
-            "SELECT to_regclass($1) IS NOT NULL AND to_regclass($2) IS NOT NULL \
-             AND to_regclass($3) IS NOT NULL",
+        if regclasses_exist(
+            pool,
+            &[
+                table,
+                &qualified(table, &index),
+                &qualified(table, &lease_index),
+            ],
         )
-        .bind(table)
-        .bind(qualified(table, &index))
-        .bind(qualified(table, &lease_index))
-        .fetch_one(pool)
-        .await?;
-        if migrated {
+        .await?
+        {
             return Ok(());
         }
         run_ddl(pool, &ddl).await
@@ -139,14 +137,27 @@ impl Backend for Postgres {
         table: &str,
         claim: &Claim<'_>,
     ) -> Result<Option<ClaimOutcome<Self>>, StoreError> {
-        // An ordinary sqlx query: prepared and cached by sqlx per
-        // connection, as the pool's own configuration says.
+        // Without a pooler, an ordinary sqlx query, prepared and cached
+        // by sqlx per connection; behind one, its values inlined.
         let row = super::connection::on_connection(pool, acquire, |mut conn| async move {
-            let row = sqlx::query(AssertSqlSafe(PEEK.replace("{table}", table)))
-                .bind(claim.scope.as_bytes())
-                .bind(claim.key.as_bytes())
+            let row = if claim.pooled {
+                let args = [
+                    Arg::Bytes(claim.scope.as_bytes()),
+                    Arg::Bytes(claim.key.as_bytes()),
+                ];
+                sqlx::raw_sql(AssertSqlSafe(inline(
+                    &PEEK.replace("{table}", table),
+                    &args,
+                )))
                 .fetch_optional(&mut **conn)
-                .await;
+                .await
+            } else {
+                sqlx::query(AssertSqlSafe(PEEK.replace("{table}", table)))
+                    .bind(claim.scope.as_bytes())
+                    .bind(claim.key.as_bytes())
+                    .fetch_optional(&mut **conn)
+                    .await
+            };
             conn.release_unless_gone(&row);
             row
         })
@@ -213,13 +224,19 @@ impl Backend for Postgres {
         Ok(())
     }
 
-    fn stranded(
+    async fn stranded(
         conn: &mut PoolConnection<Self>,
         table: &str,
         claim: &Claim<'_>,
-    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send {
-        let sql = format!("SELECT 1 FROM {table} WHERE scope = $1 AND key = $2 AND status IS NULL");
-        super::connection::row_exists(conn, sql, claim)
+    ) -> Result<bool, sqlx::Error> {
+        let sql = simple(
+            &format!("SELECT 1 FROM {table} WHERE scope = $1 AND key = $2 AND status IS NULL"),
+            &[
+                Arg::Bytes(claim.scope.as_bytes()),
+                Arg::Bytes(claim.key.as_bytes()),
+            ],
+        );
+        Ok(sql.fetch_optional(&mut **conn).await?.is_some())
     }
 
     async fn rollback(conn: &mut PoolConnection<Self>) -> Result<(), sqlx::Error> {
@@ -515,6 +532,29 @@ async fn run_ddl(pool: &Pool<Postgres>, ddl: &str) -> Result<(), Error> {
         }
     }
     unreachable!()
+}
+
+/// `text` with its `$n` replaced by `args`, for the simple query protocol:
+/// one message, no statement named in the session, so a transaction-mode
+/// pooler may run it on any server connection, in or out of a transaction
+/// (sqlx's bound statements are two exchanges, parse then execute, which
+/// such a pooler may send to two different servers outside a
+/// transaction). Every statement of this engine outside the claim and
+/// finish runs so.
+fn simple(text: &str, args: &[Arg<'_>]) -> sqlx::RawSql {
+    sqlx::raw_sql(AssertSqlSafe(inline(text, args)))
+}
+
+/// Whether every relation named in `names` exists (`to_regclass`).
+async fn regclasses_exist(pool: &Pool<Postgres>, names: &[&str]) -> Result<bool, sqlx::Error> {
+    let checks: Vec<String> = (1..=names.len())
+        .map(|n| format!("to_regclass(${n}) IS NOT NULL"))
+        .collect();
+    let args: Vec<Arg<'_>> = names.iter().map(|name| Arg::Text(name)).collect();
+    let row = simple(&format!("SELECT {} AS found", checks.join(" AND ")), &args)
+        .fetch_one(pool)
+        .await?;
+    row.try_get("found")
 }
 
 /// The name of `table`'s index `suffix`, within PostgreSQL's 63 bytes: a

@@ -1,13 +1,13 @@
-//! PostgreSQL's outbox and consumed-messages tables: plain bound
-//! statements, times by the server's clock. Relays serialise their leases
+//! PostgreSQL's outbox and consumed-messages tables: statements with
+//! their values inlined (`super::simple`), times by the server's clock. Relays serialise their leases
 //! with a transaction-scoped advisory lock on the outbox's name.
 
 use std::time::Duration;
 
-use sqlx::{AssertSqlSafe, Pool, Postgres};
+use sqlx::{Pool, Postgres, Row};
 
-use super::sql::fnv1a;
-use super::{index_name, qualified, run_ddl};
+use super::sql::{Arg, fnv1a};
+use super::{index_name, qualified, regclasses_exist, run_ddl, simple};
 use crate::Error;
 use crate::backend::outbox::{
     MESSAGE_COLUMNS, MessageRow, NewMessage, OutboxStore, message_row, millis, seq_list,
@@ -23,15 +23,15 @@ impl OutboxStore for Postgres {
         );
         // As for keys: a catalog read locks nothing, `CREATE INDEX IF NOT
         // EXISTS` would wait for every open transaction writing a message.
-        let migrated: bool = sqlx::query_scalar(
-            "SELECT to_regclass($1) IS NOT NULL AND to_regclass($2) IS NOT NULL \
-             AND to_regclass($3) IS NOT NULL AND to_regclass($4) IS NOT NULL",
+        let migrated = regclasses_exist(
+            pool,
+            &[
+                outbox,
+                &qualified(outbox, &delivered),
+                consumed,
+                &qualified(consumed, &expires),
+            ],
         )
-        .bind(outbox)
-        .bind(qualified(outbox, &delivered))
-        .bind(consumed)
-        .bind(qualified(consumed, &expires))
-        .fetch_one(pool)
         .await?;
         if migrated {
             return Ok(());
@@ -73,13 +73,13 @@ impl OutboxStore for Postgres {
     ) -> Result<(), sqlx::Error> {
         let sql =
             format!("INSERT INTO {outbox} (id, scope, topic, payload) VALUES ($1, $2, $3, $4)");
-        sqlx::query(AssertSqlSafe(sql))
-            .bind(message.id)
-            .bind(message.scope.as_bytes())
-            .bind(message.topic)
-            .bind(message.payload)
-            .execute(conn)
-            .await?;
+        let args = [
+            Arg::Text(message.id),
+            Arg::Bytes(message.scope.as_bytes()),
+            Arg::Text(message.topic),
+            Arg::Bytes(message.payload),
+        ];
+        simple(&sql, &args).execute(conn).await?;
         Ok(())
     }
 
@@ -108,16 +108,16 @@ impl OutboxStore for Postgres {
              RETURNING {MESSAGE_COLUMNS}"
         );
         let mut tx = pool.begin().await?;
-        sqlx::query("SELECT pg_advisory_xact_lock($1)")
-            .bind(fnv1a(outbox.bytes()).cast_signed())
+        let lock = fnv1a(outbox.bytes()).cast_signed();
+        simple("SELECT pg_advisory_xact_lock($1)", &[Arg::Signed(lock)])
             .execute(&mut *tx)
             .await?;
-        let rows = sqlx::query(AssertSqlSafe(sql))
-            .bind(token)
-            .bind(millis(lease))
-            .bind(i64::from(batch))
-            .fetch_all(&mut *tx)
-            .await?;
+        let args = [
+            Arg::Signed(token),
+            Arg::Signed(millis(lease)),
+            Arg::Int(batch.into()),
+        ];
+        let rows = simple(&sql, &args).fetch_all(&mut *tx).await?;
         tx.commit().await?;
         let mut messages = rows
             .iter()
@@ -138,10 +138,7 @@ impl OutboxStore for Postgres {
              WHERE lease_token = $1 AND delivered_at IS NULL AND seq IN ({})",
             seq_list(seqs)
         );
-        let done = sqlx::query(AssertSqlSafe(sql))
-            .bind(token)
-            .execute(pool)
-            .await?;
+        let done = simple(&sql, &[Arg::Signed(token)]).execute(pool).await?;
         Ok(done.rows_affected())
     }
 
@@ -164,11 +161,11 @@ impl OutboxStore for Postgres {
              WHERE lease_token = $1 AND seq IN ({})",
             seq_list(seqs)
         );
-        let mut query = sqlx::query(AssertSqlSafe(sql)).bind(token);
-        if let Some(after) = retry_after {
-            query = query.bind(millis(after));
-        }
-        Ok(query.execute(pool).await?.rows_affected())
+        let after = Arg::Signed(retry_after.map_or(0, millis));
+        Ok(simple(&sql, &[Arg::Signed(token), after])
+            .execute(pool)
+            .await?
+            .rows_affected())
     }
 
     async fn sweep_delivered(
@@ -181,19 +178,14 @@ impl OutboxStore for Postgres {
             "DELETE FROM {outbox} WHERE seq IN (SELECT seq FROM {outbox} \
              WHERE delivered_at <= now() - $1 * interval '1 millisecond' LIMIT $2)"
         );
-        let done = sqlx::query(AssertSqlSafe(sql))
-            .bind(millis(retention))
-            .bind(i64::from(batch))
-            .execute(pool)
-            .await?;
+        let args = [Arg::Signed(millis(retention)), Arg::Int(batch.into())];
+        let done = simple(&sql, &args).execute(pool).await?;
         Ok(done.rows_affected())
     }
 
     async fn pending_messages(pool: &Pool<Self>, outbox: &str) -> Result<u64, sqlx::Error> {
         let sql = format!("SELECT count(*) FROM {outbox} WHERE delivered_at IS NULL");
-        let count: i64 = sqlx::query_scalar(AssertSqlSafe(sql))
-            .fetch_one(pool)
-            .await?;
+        let count: i64 = simple(&sql, &[]).fetch_one(pool).await?.try_get(0)?;
         Ok(count.unsigned_abs())
     }
 
@@ -213,12 +205,12 @@ impl OutboxStore for Postgres {
                  SET consumed_at = now(), expires_at = excluded.expires_at \
                  WHERE c.expires_at <= now()"
         );
-        let done = sqlx::query(AssertSqlSafe(sql))
-            .bind(scope.as_bytes())
-            .bind(id.as_bytes())
-            .bind(millis(retention))
-            .execute(conn)
-            .await?;
+        let args = [
+            Arg::Bytes(scope.as_bytes()),
+            Arg::Bytes(id.as_bytes()),
+            Arg::Signed(millis(retention)),
+        ];
+        let done = simple(&sql, &args).execute(conn).await?;
         Ok(done.rows_affected() == 1)
     }
 
@@ -231,8 +223,7 @@ impl OutboxStore for Postgres {
             "DELETE FROM {consumed} WHERE (scope, id) IN (SELECT scope, id FROM {consumed} \
              WHERE expires_at <= now() LIMIT $1)"
         );
-        let done = sqlx::query(AssertSqlSafe(sql))
-            .bind(i64::from(batch))
+        let done = simple(&sql, &[Arg::Int(batch.into())])
             .execute(pool)
             .await?;
         Ok(done.rows_affected())

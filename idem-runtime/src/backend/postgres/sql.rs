@@ -105,10 +105,13 @@ const FINISH_LATE: Statement = Statement {
 /// the finish spares a finished row).
 const STATEMENTS_REVISION: &str = "4:";
 
-/// One argument of a statement.
+/// One argument of a statement, written into its text as a literal.
 #[derive(Clone, Copy)]
-enum Arg<'a> {
+pub(super) enum Arg<'a> {
     Bytes(&'a [u8]),
+    /// Text, sent as its UTF-8 bytes in hex and converted by the server:
+    /// no character of it reaches the statement as such.
+    Text(&'a str),
     Int(u128),
     Signed(i64),
 }
@@ -117,10 +120,43 @@ impl Arg<'_> {
     fn push(self, out: &mut String) {
         match self {
             Arg::Bytes(bytes) => push_bytea(out, bytes),
+            Arg::Text(text) => {
+                out.push_str("convert_from(");
+                push_bytea(out, text.as_bytes());
+                out.push_str(", 'UTF8')");
+            }
             Arg::Int(int) => write!(out, "{int}").expect("writing to a String"),
             Arg::Signed(int) => write!(out, "{int}").expect("writing to a String"),
         }
     }
+}
+
+/// `text` with every `$n` replaced by `args[n - 1]` as a literal: a
+/// statement for the simple query protocol, which names nothing in the
+/// session (no prepared statement), so any server connection of a
+/// transaction-mode pooler runs it alike, in or out of a transaction. A
+/// `$n` beyond `args` stays as written (the server then refuses it).
+pub(super) fn inline(text: &str, args: &[Arg<'_>]) -> String {
+    let mut out = String::with_capacity(text.len() + 64);
+    let mut rest = text;
+    while let Some(at) = rest.find('$') {
+        out.push_str(&rest[..at]);
+        let digits = rest[at + 1..]
+            .find(|c: char| !c.is_ascii_digit())
+            .unwrap_or(rest.len() - at - 1);
+        let arg = rest[at + 1..at + 1 + digits]
+            .parse::<usize>()
+            .ok()
+            .and_then(|n| n.checked_sub(1))
+            .and_then(|index| args.get(index));
+        match arg {
+            Some(arg) => arg.push(&mut out),
+            None => out.push_str(&rest[at..at + 1 + digits]),
+        }
+        rest = &rest[at + 1 + digits..];
+    }
+    out.push_str(rest);
+    out
 }
 
 /// The statements of one key table, named after it: `Idem`s on different
@@ -218,18 +254,7 @@ impl<'t> Statements<'t> {
             out.push(')');
             return;
         }
-        // The fallback: from the last parameter down, so `$1` never
-        // matches inside `$10`.
-        let text =
-            args.iter()
-                .enumerate()
-                .rev()
-                .fold(self.text(statement), |text, (index, arg)| {
-                    let mut literal = String::new();
-                    arg.push(&mut literal);
-                    text.replace(&format!("${}", index + 1), &literal)
-                });
-        out.push_str(&text);
+        out.push_str(&inline(&self.text(statement), args));
     }
 }
 
@@ -248,7 +273,7 @@ impl<'c> ClaimRow<'c> {
     pub(super) fn new(table: &'c str, claim: &Claim<'c>) -> Self {
         Self {
             statements: Statements::new(table),
-            prepared: true,
+            prepared: !claim.pooled,
             claim: *claim,
         }
     }
@@ -490,7 +515,27 @@ mod tests {
             wait: Duration::ZERO,
             timeout_ms: 30_000,
             advisory: false,
+            pooled: false,
         }
+    }
+
+    /// `$n` is the whole number after the sign (`$1` never matches inside
+    /// `$10`); text goes as hex bytes the server converts; a `$n` without
+    /// an argument, or a lone `$`, stays as written.
+    #[test]
+    fn inline_replaces_each_parameter_by_its_literal() {
+        let args: Vec<Arg<'_>> = (0..10)
+            .map(Arg::Int)
+            .chain([Arg::Text("it's"), Arg::Bytes(&[0, 0xff]), Arg::Signed(-5)])
+            .collect();
+        assert_eq!(
+            inline(
+                "SELECT $11, $1, $10, $12 WHERE a = $13 AND b = $14 AND c = '$'",
+                &args
+            ),
+            r"SELECT convert_from(E'\\x69742773', 'UTF8'), 0, 9, E'\\x00ff' WHERE a = -5 AND b = $14 AND c = '$'"
+        );
+        assert_eq!(inline("no parameters", &[]), "no parameters");
     }
 
     #[test]
@@ -567,6 +612,7 @@ mod tests {
         assert_eq!(row.names().len(), 4);
         let advisory = Claim {
             advisory: true,
+            pooled: false,
             ..claim
         };
         assert_eq!(ClaimRow::new("keys", &advisory).names().len(), 5);
@@ -576,6 +622,7 @@ mod tests {
     fn an_advisory_claim_tries_the_keys_lock_without_a_timeout() {
         let claim = Claim {
             advisory: true,
+            pooled: false,
             ..claim()
         };
         let row = ClaimRow::new("keys", &claim);

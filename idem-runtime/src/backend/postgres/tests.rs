@@ -218,6 +218,7 @@ async fn bytes_arrive_intact_whatever_standard_conforming_strings_says() {
                 wait: Duration::from_millis(100),
                 timeout_ms: 30_000,
                 advisory: true,
+                pooled: false,
             };
             let mut row = ClaimRow::new(&table, &claim);
             row.prepared = prepared;
@@ -260,6 +261,7 @@ async fn inlined_statements_claim_finish_replay_and_take_over() {
         wait: Duration::from_millis(100),
         timeout_ms: 30_000,
         advisory: true,
+        pooled: false,
     };
     let mut row = ClaimRow::new(&table, &claim);
     row.prepared = false;
