@@ -30,9 +30,11 @@
 //!   one (404 if absent) and `DELETE` forgets a finished or expired key
 //!   (204; 404 absent, 409 in flight), so that its next request runs
 //!   afresh. Unset, those routes do not exist.
-//! - `NATS_URL` (`nats://127.0.0.1:4222`): set, the outbox relay publishes
+//! - `NATS_URL` (`nats://127.0.0.1:4222`; a cluster's servers separated by
+//!   commas): set, the outbox relay publishes
 //!   each charge's `charge.created` message to NATS JetStream, in the stream
-//!   `NATS_STREAM` (default `CHARGES`, created if missing, subjects
+//!   `NATS_STREAM` (default `CHARGES`, created if missing with
+//!   `NATS_STREAM_REPLICAS` copies, default 1; subjects
 //!   `<NATS_SUBJECT_PREFIX>charge.>`), where `cargo run --example consumer`
 //!   reads them. Unset, the relay prints each message instead. A broker that
 //!   is down delays the messages, not the API.

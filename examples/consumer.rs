@@ -17,7 +17,8 @@
 //! amount=<n> <currency>`, or `duplicate <subject> <id>`.
 //!
 //! Environment:
-//! - `NATS_URL`: the broker, default `nats://127.0.0.1:4222`.
+//! - `NATS_URL`: the broker, default `nats://127.0.0.1:4222`; a cluster's
+//!   servers separated by commas.
 //! - `NATS_STREAM`, `NATS_SUBJECT_PREFIX`: the stream and the subjects'
 //!   prefix, as for the charges example (default `CHARGES`, none).
 //! - `CONSUMER_NAME`: the durable consumer's name, default `ledger`: the

@@ -2,7 +2,11 @@
 //! the consumer share: where the broker is, and the stream that keeps the
 //! charge events.
 //!
+//! - `NATS_URL`: one server, or a cluster's servers separated by commas
+//!   (`nats://127.0.0.1:4222,nats://127.0.0.1:4223`).
 //! - `NATS_STREAM`: the stream's name, default `CHARGES`.
+//! - `NATS_STREAM_REPLICAS`: the copies the cluster keeps of a stream this
+//!   example creates, default 1 (an existing stream is left as it is).
 //! - `NATS_SUBJECT_PREFIX`: put before every topic, default none: the
 //!   stream takes `<prefix>charge.>`. (The tests give each run its own.)
 
@@ -15,6 +19,8 @@ pub struct Broker {
     url: String,
     /// The stream's name.
     pub stream: String,
+    /// The copies of the stream, if this example creates it.
+    replicas: usize,
     /// What goes before each topic to make its subject.
     pub prefix: String,
 }
@@ -26,6 +32,13 @@ impl Broker {
         Self {
             url,
             stream: var("NATS_STREAM").unwrap_or_else(|| "CHARGES".into()),
+            replicas: var("NATS_STREAM_REPLICAS")
+                .map(|replicas| {
+                    replicas.parse().unwrap_or_else(|_| {
+                        panic!("NATS_STREAM_REPLICAS={replicas:?}: a number of copies, 1 to 5")
+                    })
+                })
+                .unwrap_or(1),
             prefix: var("NATS_SUBJECT_PREFIX").unwrap_or_default(),
         }
     }
@@ -38,11 +51,17 @@ impl Broker {
     /// A JetStream context on the broker. It connects in the background
     /// and reconnects for ever, so a broker that is down (now or later)
     /// delays deliveries and never the process.
-    pub async fn connect(&self) -> Result<jetstream::Context, async_nats::ConnectError> {
+    pub async fn connect(&self) -> Result<jetstream::Context, Box<dyn std::error::Error>> {
+        let servers = self
+            .url
+            .split(',')
+            .map(|url| url.trim().parse::<async_nats::ServerAddr>())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|error| format!("NATS_URL={:?}: {error}", self.url))?;
         let client = async_nats::ConnectOptions::new()
             .retry_on_initial_connect()
             .max_reconnects(None)
-            .connect(self.url.as_str())
+            .connect(servers)
             .await?;
         Ok(jetstream::new(client))
     }
@@ -53,6 +72,7 @@ impl Broker {
         let config = stream::Config {
             name: self.stream.clone(),
             subjects: vec![self.subject("charge.>")],
+            num_replicas: self.replicas,
             ..Default::default()
         };
         loop {

@@ -13,6 +13,9 @@ pub mod hardening;
 #[cfg(feature = "mysql")]
 pub mod mysql_proxy;
 pub mod nats;
+pub mod nats_cluster;
+#[cfg(feature = "postgres")]
+pub mod outbox_flow;
 pub mod peer;
 pub mod pg_proxy;
 #[cfg(feature = "postgres")]

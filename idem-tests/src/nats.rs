@@ -55,19 +55,40 @@ impl TestStream {
     /// the consumer has to find it a duplicate itself. Its messages expire
     /// after an hour, should a failed test leave it behind.
     pub async fn create(label: &str, dedupe: Duration) -> TestStream {
-        let jetstream = jetstream().await;
+        Self::create_on(jetstream().await, label, dedupe, 1, Duration::ZERO).await
+    }
+
+    /// As [`create`](Self::create), through `jetstream` (a server or a
+    /// cluster of the test's own), kept on `replicas` servers; asked again
+    /// every 250 ms for up to `patience` while the server refuses (a
+    /// cluster still electing its leaders or meeting its peers).
+    pub async fn create_on(
+        jetstream: jetstream::Context,
+        label: &str,
+        dedupe: Duration,
+        replicas: usize,
+        patience: Duration,
+    ) -> TestStream {
         let name = crate::unique::unique(label).to_uppercase();
         let prefix = format!("{}.", name.to_lowercase());
-        jetstream
-            .create_stream(stream::Config {
-                name: name.clone(),
-                subjects: vec![format!("{prefix}charge.>")],
-                duplicate_window: dedupe,
-                max_age: Duration::from_secs(3600),
-                ..Default::default()
-            })
-            .await
-            .unwrap_or_else(|error| panic!("create the NATS stream {name}: {error}"));
+        let config = stream::Config {
+            name: name.clone(),
+            subjects: vec![format!("{prefix}charge.>")],
+            duplicate_window: dedupe,
+            max_age: Duration::from_secs(3600),
+            num_replicas: replicas,
+            ..Default::default()
+        };
+        let until = tokio::time::Instant::now() + patience;
+        loop {
+            match jetstream.create_stream(config.clone()).await {
+                Ok(_) => break,
+                Err(error) if tokio::time::Instant::now() >= until => {
+                    panic!("create the NATS stream {name}: {error}")
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(250)).await,
+            }
+        }
         TestStream {
             name,
             prefix,

@@ -107,7 +107,10 @@ impl PgBouncer {
                 return;
             }
             if let Ok(Some(status)) = self.child.try_wait() {
-                panic!("pgbouncer exited ({status}) before listening:\n{}", self.log());
+                panic!(
+                    "pgbouncer exited ({status}) before listening:\n{}",
+                    self.log()
+                );
             }
             assert!(
                 Instant::now() < deadline,

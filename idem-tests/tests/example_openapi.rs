@@ -4,11 +4,13 @@
 //! idempotent route and on no other, and schemathesis, run against the
 //! server with it, finds no failure.
 //!
-//! Both need Python 3 with `schemathesis` and `openapi-spec-validator`
-//! (`.ci/run` installs the pinned versions): a missing one fails these
-//! tests, never skips them. `IDEM_TEST_PYTHON` names another interpreter.
+//! Both need Python 3 with `schemathesis` and `openapi-spec-validator` at
+//! pinned versions: the tests make a virtual environment with them under
+//! `target/` on first use (from PyPI; `python3` with its `venv` module is
+//! all the machine needs), or use the interpreter `IDEM_TEST_PYTHON` names.
+//! Missing, they fail, never skip.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
@@ -36,37 +38,103 @@ const PROBLEMS: [(&str, &[&str], bool); 4] = [
     ("503", &["idempotency_store_unavailable"], true),
 ];
 
-/// The pinned versions `.ci/run` installs, for the error message.
-const PIP_INSTALL: &str = "pip install schemathesis==4.32.5 openapi-spec-validator==0.9.0";
+/// The pinned Python tools.
+const TOOLS: [&str; 2] = ["schemathesis==4.32.5", "openapi-spec-validator==0.9.0"];
 
 /// How long schemathesis may take: its examples are bounded, this bounds a hang.
 const SCHEMATHESIS_LIMIT: Duration = Duration::from_secs(180);
 
-fn python() -> String {
-    std::env::var("IDEM_TEST_PYTHON").unwrap_or_else(|_| "python3".into())
+/// How long making the virtual environment may take (a download of the
+/// tools and their dependencies).
+const BOOTSTRAP_LIMIT: Duration = Duration::from_secs(300);
+
+/// The interpreter with the tools: `IDEM_TEST_PYTHON`, or the virtual
+/// environment under `target/` (made on first use, by one test of this
+/// binary while the other waits; a half-made one is never used: it is made
+/// aside and renamed into place).
+async fn python() -> PathBuf {
+    static PYTHON: tokio::sync::OnceCell<PathBuf> = tokio::sync::OnceCell::const_new();
+    PYTHON
+        .get_or_init(async || match std::env::var_os("IDEM_TEST_PYTHON") {
+            Some(python) => PathBuf::from(python),
+            None => tokio::time::timeout(BOOTSTRAP_LIMIT, virtual_environment())
+                .await
+                .unwrap_or_else(|_| {
+                    panic!("the Python tools installed within {BOOTSTRAP_LIMIT:?}")
+                }),
+        })
+        .await
+        .clone()
+}
+
+async fn virtual_environment() -> PathBuf {
+    let exe = std::env::current_exe().expect("the test binary has a path");
+    // target/<profile>/deps/<this binary>
+    let target = exe
+        .ancestors()
+        .nth(3)
+        .expect("test binaries live in target/<profile>/deps");
+    let name = format!(
+        "idem-test-python-{}",
+        TOOLS.join("-").replace(['=', '.'], "_")
+    );
+    let venv = target.join(&name);
+    let interpreter = venv.join("bin/python");
+    if interpreter.is_file() {
+        return interpreter;
+    }
+    let making = target.join(format!("{name}.{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&making);
+    run(
+        "python3 -m venv",
+        Command::new("python3").args(["-m", "venv"]).arg(&making),
+    )
+    .await;
+    let pip = making.join("bin/pip");
+    run(
+        "pip install",
+        Command::new(&pip)
+            .args(["install", "--quiet", "--disable-pip-version-check"])
+            .args(TOOLS),
+    )
+    .await;
+    // Another process may have made it meanwhile: theirs stands.
+    if std::fs::rename(&making, &venv).is_err() {
+        let _ = std::fs::remove_dir_all(&making);
+    }
+    assert!(
+        interpreter.is_file(),
+        "no interpreter at {}",
+        interpreter.display()
+    );
+    interpreter
+}
+
+/// Runs `command` (`what`, for the failure's message); a loud failure if
+/// it cannot run or fails.
+async fn run(what: &str, command: &mut Command) {
+    let output = command
+        .stdin(Stdio::null())
+        .output()
+        .await
+        .unwrap_or_else(|error| panic!("{what} could not run ({error}): these tests need python3"));
+    assert!(
+        output.status.success(),
+        "{what} failed (these tests install {TOOLS:?} from PyPI):\n{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
 }
 
 /// Python, with the modules these tests need: a loud failure otherwise.
 async fn require_python_modules() {
-    let output = Command::new(python())
-        .args([
-            "-c",
-            "import schemathesis, openapi_spec_validator; print(schemathesis.__version__)",
-        ])
-        .output()
-        .await
-        .unwrap_or_else(|error| {
-            panic!(
-                "{} could not run ({error}): these tests need Python 3 with schemathesis and \
-                 openapi-spec-validator: {PIP_INSTALL}",
-                python()
-            )
-        });
-    assert!(
-        output.status.success(),
-        "schemathesis or openapi-spec-validator is missing ({PIP_INSTALL}):\n{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    let python = python().await;
+    let mut check = Command::new(&python);
+    check.args([
+        "-c",
+        "import schemathesis, openapi_spec_validator; print(schemathesis.__version__)",
+    ]);
+    run(&format!("{} with the tools", python.display()), &mut check).await;
 }
 
 /// The example serving on a free port (with its operators' routes on, so
@@ -231,7 +299,7 @@ async fn validate(document: &Value, dir: &Path) {
                   from openapi_spec_validator import OpenAPIV31SpecValidator\n\
                   OpenAPIV31SpecValidator(json.load(open(sys.argv[1]))).validate()\n\
                   print('valid')";
-    let output = Command::new(python())
+    let output = Command::new(python().await)
         .args(["-c", script])
         .arg(&file)
         .output()
@@ -255,7 +323,7 @@ async fn schemathesis_finds_no_failure() {
                   from schemathesis.cli import schemathesis\n\
                   sys.argv[0] = 'schemathesis'\n\
                   schemathesis()";
-    let mut command = Command::new(python());
+    let mut command = Command::new(python().await);
     command
         .args(["-c", script, "run"])
         .arg(format!("{base}/openapi.json"))

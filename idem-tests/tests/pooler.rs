@@ -346,7 +346,10 @@ async fn workload(idem: Idem<Postgres>, direct: &PgPool, clients: usize) {
     .await
     .expect("the outbox drained");
     let ids = delivered.lock().unwrap().clone();
-    assert!(ids.len() > usize::try_from(keys).unwrap(), "every charge sent a message");
+    assert!(
+        ids.len() > usize::try_from(keys).unwrap(),
+        "every charge sent a message"
+    );
     let applied = AtomicUsize::new(0);
     for id in ids.iter().chain(ids.iter().take(3)) {
         let done = idem
@@ -768,8 +771,12 @@ fn test_binary(name: &str) -> std::path::PathBuf {
 /// suites and the storage contracts (keys' operations, leases, outbox)
 /// again, through PgBouncer in transaction mode. Left out, as about a
 /// session itself: a session-level isolation set by startup option (which
-/// PgBouncer refuses: only a pooler in session mode can keep one) and a
-/// server session ended by its pid under the pool's feet.
+/// PgBouncer refuses: only a pooler in session mode can keep one), a
+/// server session ended by its pid under the pool's feet, and a handler
+/// that writes through its connection after its transaction was lost (a
+/// bound statement outside any transaction, which such a pooler may parse
+/// on one server session and run on another: the application's own
+/// statement, not `idem`'s).
 #[test]
 fn the_suites_pass_behind_pgbouncer() {
     let bouncer = PgBouncer::start(&upstream(), 4);
@@ -782,8 +789,9 @@ fn the_suites_pass_behind_pgbouncer() {
         &[
             "serialization_failures_at_commit_are_503",
             "postgres_ended_idle_sessions_are_replaced",
+            "lost_transactions_are_not_successes",
         ],
-        39,
+        38,
     );
     passed += run_suite_behind(&url, "phased", &["postgres"], &[], 8);
     passed += run_suite_behind(&url, "outbox", &["postgres"], &[], 5);
