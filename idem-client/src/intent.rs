@@ -137,7 +137,7 @@ impl Intent {
     ///
     /// A bare token, as most clients send it, unless the server would read a
     /// bare value differently: a key that starts with `"` or holds a comma
-    /// goes as an RFC 8941 string (`"..."`, with `"` and `\` escaped).
+    /// goes as an RFC 9651 string (`"..."`, with `"` and `\` escaped).
     ///
     /// ```
     /// # use idem_client::Intent;

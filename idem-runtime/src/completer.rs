@@ -11,9 +11,9 @@ use tower::ServiceExt;
 
 use crate::backend::{Holder, OpenTx, Phased};
 use crate::key::IDEMPOTENCY_KEY;
-use crate::phased::StoredRequest;
 use crate::phases::Resumed;
 use crate::problem::Problem;
+use crate::request::StoredRequest;
 use crate::response::{StoredResponse, is_storable};
 use crate::{Error, Idem, observe};
 
@@ -248,7 +248,7 @@ impl<DB: Phased> Completer<DB> {
     }
 }
 
-/// `key` as an RFC 8941 sf-string, which `idem` reads back as the key.
+/// `key` as an RFC 9651 sf-string, which `idem` reads back as the key.
 fn quoted(key: &str) -> String {
     let mut out = String::with_capacity(key.len() + 2);
     out.push('"');

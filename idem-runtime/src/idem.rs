@@ -11,6 +11,7 @@ use crate::backend::{Acquire, Backend};
 use crate::pooler::Pooler;
 use crate::recent::FinishedKeys;
 use crate::response::{DEFAULT_REPLAY_HEADERS, IDEMPOTENT_REPLAYED, is_forbidden};
+use crate::table::{Tables, is_table_name};
 
 /// The default table name.
 pub const DEFAULT_TABLE: &str = "idem_keys";
@@ -72,7 +73,7 @@ pub(crate) struct Inner<DB: Backend> {
     finished: FinishedKeys,
     replay_marker: HeaderName,
     problem_type_base: Option<Arc<str>>,
-    pub(crate) messages: crate::outbox::Tables,
+    pub(crate) messages: Tables,
 }
 
 impl<DB: Backend> Clone for Idem<DB> {
@@ -115,7 +116,7 @@ impl<DB: Backend> Idem<DB> {
                 finished: FinishedKeys::new(),
                 replay_marker: IDEMPOTENT_REPLAYED,
                 problem_type_base: None,
-                messages: crate::outbox::Tables::beside(DEFAULT_TABLE),
+                messages: Tables::beside(DEFAULT_TABLE),
             }),
         }
     }
@@ -469,27 +470,15 @@ enum Swept {
     Consumed,
 }
 
-pub(crate) fn is_table_name(name: &str) -> bool {
-    let parts: Vec<&str> = name.split('.').collect();
-    parts.len() <= 2
-        && parts.iter().all(|part| {
-            let mut chars = part.chars();
-            part.len() <= 63
-                && chars
-                    .next()
-                    .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
-                && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
-        })
-}
-
 #[cfg(test)]
 pub(crate) mod tests {
     use std::time::Duration;
 
     use http::HeaderName;
 
-    use super::{Idem, is_table_name};
+    use super::Idem;
     use crate::Error;
+    use crate::table::is_table_name;
 
     /// A store whose pool never connects, for tests that only read its
     /// settings.

@@ -25,7 +25,7 @@ impl IdempotencyKey {
         Self { scope, key }
     }
 
-    /// The key as the client sent it (unquoted if it was an RFC 8941 string).
+    /// The key as the client sent it (unquoted if it was an RFC 9651 string).
     pub fn as_str(&self) -> &str {
         &self.key
     }
@@ -93,14 +93,14 @@ pub enum KeyError {
     /// The key has a character outside visible ASCII (`!` to `~`).
     #[error("the Idempotency-Key may contain only visible ASCII characters")]
     InvalidCharacter,
-    /// A quoted key is not a well-formed RFC 8941 string.
+    /// A quoted key is not a well-formed RFC 9651 string.
     #[error("the Idempotency-Key is not a well-formed quoted string")]
     Malformed,
 }
 
 /// Reads the key from request headers: `Ok(None)` when there is none.
 ///
-/// Accepts an RFC 8941 sf-string (`"abc"`, as the IETF draft writes it) and a
+/// Accepts an RFC 9651 sf-string (`"abc"`, as the IETF draft writes it) and a
 /// bare token (`abc`, as most client libraries send it).
 pub fn parse_key(headers: &HeaderMap) -> Result<Option<String>, KeyError> {
     let mut values = headers.get_all(IDEMPOTENCY_KEY).iter();
@@ -134,7 +134,7 @@ pub fn parse_key_value(raw: &[u8]) -> Result<String, KeyError> {
     Ok(String::from_utf8(key).expect("visible ASCII is UTF-8"))
 }
 
-/// RFC 8941 section 4.2.5: `"` chars with `\"` and `\\` escapes, then `"`.
+/// RFC 9651 section 4.2.5: `"` chars with `\"` and `\\` escapes, then `"`.
 fn unquote(raw: &[u8]) -> Result<Vec<u8>, KeyError> {
     let mut out = Vec::with_capacity(raw.len());
     let mut bytes = raw[1..].iter();

@@ -35,8 +35,10 @@ mod pooler;
 mod problem;
 mod protocol;
 mod recent;
+mod request;
 mod response;
 mod scope;
+mod table;
 mod tx;
 
 pub use backend::{Admin, Backend, Forgotten, KeyInfo, KeyState, Phased};
@@ -50,8 +52,7 @@ pub use observe::{
     PHASES_TOTAL, REQUESTS_TOTAL, RESUMES_TOTAL, redact,
 };
 pub use outbox::{
-    DEFAULT_CONSUMED_RETENTION, FnSink, MAX_TOPIC_LEN, Message, OutboxWriter, Relay, RelayRun,
-    Sink, SinkError, sink_fn,
+    FnSink, MAX_TOPIC_LEN, Message, OutboxWriter, Relay, RelayRun, Sink, SinkError, sink_fn,
 };
 pub use phases::{FromScope, PhaseError, Phases, Resumed};
 pub use policy::{IdempotentHandler, Policy};
@@ -59,6 +60,7 @@ pub use pooler::Pooler;
 pub use problem::Problem;
 pub use response::{DEFAULT_REPLAY_HEADERS, IDEMPOTENT_REPLAYED};
 pub use scope::{MAX_SCOPE_LEN, Scope};
+pub use table::DEFAULT_CONSUMED_RETENTION;
 pub use tx::Tx;
 
 /// What `#[idempotent]` expands to, and the storage contract and encoders

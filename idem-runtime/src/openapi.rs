@@ -9,7 +9,7 @@
 //! (creating the operation if the document lacks it):
 //!
 //! - the `Idempotency-Key` header parameter, required unless `key =
-//!   "optional"`, with the key's syntax as a pattern: an RFC 8941
+//!   "optional"`, with the key's syntax as a pattern: an RFC 9651
 //!   sf-string or a bare token, 1 to [`MAX_KEY_LEN`] visible ASCII
 //!   characters;
 //! - the `application/problem+json` responses `idem` answers itself, each
@@ -42,8 +42,8 @@
 //! # }
 //! ```
 //!
-//! The README's OpenAPI section has a complete service, with
-//! `#[utoipa::path]` on a handler (above `#[idempotent]`).
+//! The guide's OpenAPI chapter (`docs/guide/openapi.md`) has a complete
+//! service, with `#[utoipa::path]` on a handler (above `#[idempotent]`).
 
 use std::time::Duration;
 
@@ -70,7 +70,7 @@ use crate::{Idem, Problem};
 /// The name of the problem schema added to the document's components.
 pub const PROBLEM_SCHEMA: &str = "IdempotencyProblem";
 
-/// The `Idempotency-Key` value's syntax (RFC 8941 sf-string, or a bare
+/// The `Idempotency-Key` value's syntax (RFC 9651 sf-string, or a bare
 /// token without a comma), as `idem` parses it: 1 to 255 visible ASCII
 /// characters, counted after unquoting.
 const KEY_PATTERN: &str = concat!(
@@ -323,7 +323,7 @@ impl IdempotentRoutes {
         let mut extension = json!({
             "header": "Idempotency-Key",
             "required": policy.key_required(),
-            "keySyntax": "RFC 8941 sf-string or bare token",
+            "keySyntax": "RFC 9651 sf-string or bare token",
             "keyPattern": KEY_PATTERN,
             "maxKeyLength": MAX_KEY_LEN,
             "scope": "caller",
@@ -589,7 +589,7 @@ fn key_parameter(policy: &Policy) -> Parameter {
         .parameter_in(ParameterIn::Header)
         .required(required)
         .description(Some(format!(
-            "{lead} One key per logical operation, sent unchanged on every attempt of it: an RFC 8941 \
+            "{lead} One key per logical operation, sent unchanged on every attempt of it: an RFC 9651 \
              sf-string (`\"order-42\"`) or a bare token (`order-42`, no comma), 1 to {MAX_KEY_LEN} \
              visible ASCII characters (`!` to `~`) once unquoted. Keys are kept per caller."
         )))

@@ -14,92 +14,31 @@ use tokio::time::Instant;
 
 use crate::backend::{Backend, MessageRow, NewMessage};
 use crate::phases::Phases;
+use crate::table::is_table_name;
 use crate::{Error, Idem, MAX_SCOPE_LEN, Tx, observe};
 
 /// The longest topic the outbox takes, in bytes.
 pub const MAX_TOPIC_LEN: usize = 255;
 
-/// The names of the outbox and consumed-messages tables: beside the key
-/// table (`<table>_outbox`, `<table>_consumed`) unless set.
-#[derive(Debug, Clone)]
-pub(crate) struct Tables {
-    pub(crate) outbox: Arc<str>,
-    pub(crate) consumed: Arc<str>,
-    explicit_outbox: bool,
-    explicit_consumed: bool,
-    pub(crate) retention: Duration,
-}
-
-/// How long a processed message's record is kept by default.
-pub const DEFAULT_CONSUMED_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
-
-impl Tables {
-    pub(crate) fn beside(table: &str) -> Self {
-        Self {
-            outbox: beside(table, "outbox").into(),
-            consumed: beside(table, "consumed").into(),
-            explicit_outbox: false,
-            explicit_consumed: false,
-            retention: DEFAULT_CONSUMED_RETENTION,
-        }
-    }
-
-    /// The key table is now `table`: names not set follow it.
-    pub(crate) fn follow(&mut self, table: &str) {
-        if !self.explicit_outbox {
-            self.outbox = beside(table, "outbox").into();
-        }
-        if !self.explicit_consumed {
-            self.consumed = beside(table, "consumed").into();
-        }
-    }
-}
-
-/// `<table>_<suffix>`, in `table`'s schema; within 63 characters (a longer
-/// name is shortened with a hash of the whole).
-fn beside(table: &str, suffix: &str) -> String {
-    let (schema, name) = match table.rsplit_once('.') {
-        Some((schema, name)) => (Some(schema), name),
-        None => (None, table),
-    };
-    let mut own = format!("{name}_{suffix}");
-    if own.len() > 63 {
-        own = format!(
-            "idem_{:016x}_{suffix}",
-            crate::backend::fnv1a(table.bytes())
-        );
-    }
-    match schema {
-        Some(schema) => format!("{schema}.{own}"),
-        None => own,
-    }
-}
-
 impl<DB: Backend> Idem<DB> {
     /// Keeps outbox messages in `name` (a plain identifier, optionally
     /// `schema.table`) instead of `<key table>_outbox`.
     pub fn outbox_table(self, name: &str) -> Result<Self, Error> {
-        if !crate::idem::is_table_name(name) {
+        if !is_table_name(name) {
             return Err(Error::InvalidTableName(name.to_owned()));
         }
         let name: Arc<str> = name.into();
-        Ok(self.with(|inner| {
-            inner.messages.outbox = name;
-            inner.messages.explicit_outbox = true;
-        }))
+        Ok(self.with(|inner| inner.messages.name_outbox(name)))
     }
 
     /// Keeps the records of processed messages ([`consume`](Self::consume))
     /// in `name` instead of `<key table>_consumed`.
     pub fn consumed_table(self, name: &str) -> Result<Self, Error> {
-        if !crate::idem::is_table_name(name) {
+        if !is_table_name(name) {
             return Err(Error::InvalidTableName(name.to_owned()));
         }
         let name: Arc<str> = name.into();
-        Ok(self.with(|inner| {
-            inner.messages.consumed = name;
-            inner.messages.explicit_consumed = true;
-        }))
+        Ok(self.with(|inner| inner.messages.name_consumed(name)))
     }
 
     /// How long [`consume`](Self::consume) remembers a processed message:

@@ -28,9 +28,9 @@ use crate::backend::{
 use crate::fingerprint::Fingerprint;
 use crate::key::{IdempotencyKey, parse_key};
 use crate::observe::{self, Outcome};
-use crate::phased::StoredRequest;
 use crate::phases::Resumed;
 use crate::problem::Problem;
+use crate::request::StoredRequest;
 use crate::response::{CaptureError, StoredResponse, is_storable};
 use crate::scope::MAX_SCOPE_LEN;
 use crate::tx::Tx;

@@ -1,4 +1,5 @@
-//! The README's walkthrough of `POST /v1/payments`, against the real
+//! The guide's walkthrough of `POST /v1/payments`
+//! (`docs/guide/getting-started.md`), against the real
 //! `charges` and `provider` example binaries as a user runs them: a
 //! payment, its replay, a concurrent duplicate told the lease's time left,
 //! and a server killed during the provider's call whose payment the

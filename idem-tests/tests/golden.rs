@@ -321,7 +321,7 @@ mod through_a_request {
         // Another scope, same key and label: another derived key.
         let [other_psp, _] = derived(&idem, "acct_456", "order-42").await;
         assert_eq!(other_psp, golden[2].2);
-        // The RFC 8941 string form is the same key, so the same derived
+        // The RFC 9651 string form is the same key, so the same derived
         // keys (run afresh, in a database that never saw the key: not a
         // replay of the answer above).
         let fresh = memory_idem().await;

@@ -520,7 +520,7 @@ fn integers_beyond_doubles_keep_their_digits() {
 // ---------------------------------------------------------------- keys
 
 /// The key language of the design, written independently of the parser:
-/// after trimming ASCII whitespace, either an RFC 8941 sf-string
+/// after trimming ASCII whitespace, either an RFC 9651 sf-string
 /// (`"`, then printable ASCII with `\"` and `\\` as the only escapes, then
 /// `"` ending the value) or the bytes as they are; the resulting key must
 /// be 1 to 255 visible ASCII characters (`!` to `~`).

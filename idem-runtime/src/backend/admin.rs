@@ -8,7 +8,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use sqlx::Pool;
 
 use super::Backend;
-use crate::phased::StoredRequest;
+use crate::request::StoredRequest;
 
 /// The most keys [`Idem::recent`](crate::Idem::recent) lists at once.
 pub const MAX_RECENT: u32 = 1000;
@@ -97,7 +97,7 @@ pub struct KeyRow {
     pub now_ms: i64,
     /// The recovery point.
     pub recovery: Option<Vec<u8>>,
-    /// The kept request (`phased::StoredRequest`).
+    /// The kept request (`request::StoredRequest`).
     pub request: Option<Vec<u8>>,
 }
 

@@ -37,7 +37,7 @@ pub struct LeaseClaim<'a> {
     pub claim: Claim<'a>,
     /// How long the claim (and each recovery point after it) holds the key.
     pub lease: Duration,
-    /// The request as the completer replays it (`phased::StoredRequest`).
+    /// The request as the completer replays it (`request::StoredRequest`).
     pub request: &'a [u8],
     /// The token a completer reserved the key with and handed to the
     /// request it sends: a claim naming it takes the key over though the
@@ -82,7 +82,7 @@ pub struct Abandoned {
     pub holder: Holder,
     /// How many times a completer resumed it already.
     pub attempts: u32,
-    /// The request to send again (`phased::StoredRequest`), if kept.
+    /// The request to send again (`request::StoredRequest`), if kept.
     pub request: Option<Vec<u8>>,
 }
 

@@ -281,7 +281,7 @@ pub(crate) async fn admin_contract<DB: super::Phased + super::Admin>(pool: &Pool
 
     use super::{Forgotten, KeyState, LeaseClaim, LeaseOutcome};
     use crate::Idem;
-    use crate::phased::StoredRequest;
+    use crate::request::StoredRequest;
 
     let idem = Idem::new(pool.clone()).table(table).unwrap();
     let response = |status| StoredResponse {

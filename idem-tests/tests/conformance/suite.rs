@@ -52,7 +52,7 @@ pub async fn replay_is_verbatim<DB: TestDb>() {
     assert_eq!(server.keys(&caller).await, 1);
 }
 
-/// The RFC 8941 string form and the bare token are the same key.
+/// The RFC 9651 string form and the bare token are the same key.
 pub async fn quoted_and_bare_keys_match<DB: TestDb>() {
     let server = start::<DB>().await;
     let caller = unique("quoted");

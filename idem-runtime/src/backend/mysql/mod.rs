@@ -41,8 +41,9 @@
 //! # Limits
 //!
 //! The primary key (scope, key) must fit InnoDB's 3,072-byte index limit,
-//! so a scope may be at most 2,048 bytes (a longer one is a store error,
-//! 503, never a truncated and shared key). The stored response travels
+//! so a scope may be at most 2,048 bytes (a longer one is refused whole,
+//! never truncated into a shared key: `protocol` answers 500 before any
+//! statement runs, and the store's own check would be a store error). The stored response travels
 //! hex-encoded in the commit's statement, so `max_allowed_packet` must
 //! exceed twice `Idem::max_response_bytes` (16 MiB on MariaDB and 64 MiB on
 //! MySQL 8 by default, against the 1 MiB default cap).

@@ -2,7 +2,8 @@
 //! the recovery points and the response are `UPDATE`s under the token.
 //! Times are the server's (`clock_timestamp()`, not the transaction's
 //! start), so a lease means the same to every instance of the service.
-//! Only statements CockroachDB and YugabyteDB also run.
+//! Only statements written for CockroachDB and YugabyteDB too (untested
+//! there).
 
 use std::time::Duration;
 

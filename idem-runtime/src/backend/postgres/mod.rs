@@ -5,7 +5,8 @@
 //! statements in one round trip. Those statements cannot take bind
 //! parameters, so every value is inlined as hex (`E'\\x..'`) or
 //! as an integer we formatted: no client-controlled character reaches SQL.
-//! Only statements PostgreSQL, CockroachDB and YugabyteDB all run are used.
+//! Only statements written for CockroachDB and YugabyteDB too are used
+//! (untested there).
 //!
 //! The statements themselves are SQL-level prepared statements, prepared
 //! once per connection and run with `EXECUTE`, so the server does not parse
