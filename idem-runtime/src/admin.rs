@@ -1,10 +1,10 @@
 //! [`Idem`]'s key operations for support and operators: look a key up,
 //! list a scope's recent keys, forget a key that is done.
 
-use crate::Error;
-use crate::Idem;
 use crate::backend::single_flight;
 use crate::backend::{Admin, Forgotten, KeyInfo, KeyState, MAX_RECENT};
+use crate::error::Error;
+use crate::idem::Idem;
 
 impl<DB: Admin> Idem<DB> {
     /// What the store holds for `key` in `scope`: its state, fingerprint,

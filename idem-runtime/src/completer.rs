@@ -10,12 +10,14 @@ use http::{HeaderValue, header};
 use tower::ServiceExt;
 
 use crate::backend::{Holder, OpenTx, Phased};
+use crate::error::Error;
+use crate::idem::Idem;
 use crate::key::IDEMPOTENCY_KEY;
+use crate::observe;
 use crate::phases::Resumed;
 use crate::problem::Problem;
 use crate::request::StoredRequest;
 use crate::response::{StoredResponse, is_storable};
-use crate::{Error, Idem, observe};
 
 /// How long a completer's reservation of a key holds it while its request
 /// is on the way to the handler, which takes the reservation over at once:

@@ -5,11 +5,11 @@
 use sqlx::Connection;
 
 use crate::backend::Backend;
+use crate::backend::MAX_MESSAGE_ID_LEN;
+use crate::error::Error;
+use crate::idem::Idem;
+use crate::observe;
 use crate::outbox::check_scope;
-use crate::{Error, Idem, observe};
-
-/// The longest message id [`Idem::consume`] takes, in bytes.
-pub const MAX_MESSAGE_ID_LEN: usize = 255;
 
 /// What [`Idem::consume`] did with a message.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -6,8 +6,8 @@ use std::time::Duration;
 use http::HeaderName;
 use sqlx::Pool;
 
-use crate::Error;
 use crate::backend::{Acquire, Backend};
+use crate::error::Error;
 use crate::pooler::Pooler;
 use crate::recent::FinishedKeys;
 use crate::response::{DEFAULT_REPLAY_HEADERS, IDEMPOTENT_REPLAYED, is_forbidden};
@@ -477,7 +477,7 @@ pub(crate) mod tests {
     use http::HeaderName;
 
     use super::Idem;
-    use crate::Error;
+    use crate::error::Error;
     use crate::table::is_table_name;
 
     /// A store whose pool never connects, for tests that only read its
@@ -616,7 +616,7 @@ pub(crate) mod tests {
             .unwrap();
         assert_eq!(idem.replay_marker(), "idempotent-replay");
         let typed = idem.typed(axum::response::IntoResponse::into_response(
-            crate::Problem::KeyReused,
+            crate::problem::Problem::KeyReused,
         ));
         let body = http_body_util::BodyExt::collect(typed.into_body())
             .await

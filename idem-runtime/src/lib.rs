@@ -41,9 +41,10 @@ mod scope;
 mod table;
 mod tx;
 
+pub use backend::MAX_MESSAGE_ID_LEN;
 pub use backend::{Admin, Backend, Forgotten, KeyInfo, KeyState, Phased};
 pub use completer::{Completer, CompleterRun};
-pub use consume::{ConsumeError, Consumed, MAX_MESSAGE_ID_LEN};
+pub use consume::{ConsumeError, Consumed};
 pub use error::Error;
 pub use idem::{DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_TABLE, Idem};
 pub use key::{IDEMPOTENCY_KEY, IdempotencyKey, KeyError, MAX_KEY_LEN};

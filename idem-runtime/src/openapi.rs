@@ -62,10 +62,11 @@ use utoipa::openapi::{Components, Content, OpenApi, Ref, RefOr, Required};
 pub use utoipa;
 
 use crate::backend::Backend;
+use crate::idem::Idem;
 use crate::key::{IDEMPOTENCY_KEY, MAX_KEY_LEN};
 use crate::policy::{IdempotentHandler, Policy};
+use crate::problem::Problem;
 use crate::response::{IDEMPOTENT_REPLAYED, is_storable};
-use crate::{Idem, Problem};
 
 /// The name of the problem schema added to the document's components.
 pub const PROBLEM_SCHEMA: &str = "IdempotencyProblem";
@@ -460,7 +461,7 @@ fn problems(policy: &Policy) -> Vec<(StatusCode, Vec<&'static str>, Option<Heade
         bad_request.push(code(Problem::KeyMissing));
     }
     bad_request.extend([
-        code(Problem::KeyInvalid(crate::KeyError::Empty)),
+        code(Problem::KeyInvalid(crate::key::KeyError::Empty)),
         code(Problem::BodyUnreadable),
     ]);
     let retry_after = |text: &str| {

@@ -13,9 +13,13 @@ use serde::de::DeserializeOwned;
 use tokio::time::Instant;
 
 use crate::backend::{Backend, MessageRow, NewMessage};
+use crate::error::Error;
+use crate::idem::Idem;
+use crate::observe;
 use crate::phases::Phases;
+use crate::scope::MAX_SCOPE_LEN;
 use crate::table::is_table_name;
-use crate::{Error, Idem, MAX_SCOPE_LEN, Tx, observe};
+use crate::tx::Tx;
 
 /// The longest topic the outbox takes, in bytes.
 pub const MAX_TOPIC_LEN: usize = 255;

@@ -17,11 +17,11 @@ use axum::response::{IntoResponse, Response};
 use futures_util::FutureExt;
 use tracing::Instrument;
 
-use crate::Idem;
 use crate::backend::{
     Claim, ClaimOutcome, FinishError, Holder, LeaseClaim, LeaseOutcome, Phased, Release, abandon,
     in_autocommit,
 };
+use crate::idem::Idem;
 use crate::key::IdempotencyKey;
 use crate::observe::{self, Outcome};
 use crate::phases::{PhaseState, Phases, Recovery};

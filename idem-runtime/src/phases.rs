@@ -8,8 +8,8 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
 
-use crate::Idem;
 use crate::backend::{FinishError, Holder, OpenTx, Phased, StoreError, abandon, in_autocommit};
+use crate::idem::Idem;
 use crate::key::IdempotencyKey;
 use crate::problem::Problem;
 use crate::scope::Scope;

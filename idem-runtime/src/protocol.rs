@@ -21,11 +21,11 @@ use http::request::Parts;
 use http_body_util::BodyExt;
 use tracing::{Instrument, Span};
 
-use crate::Idem;
 use crate::backend::{
     Backend, Claim, ClaimOutcome, FinishError, OpenTx, StoreError, abandon, transaction_depth,
 };
 use crate::fingerprint::Fingerprint;
+use crate::idem::Idem;
 use crate::key::{IdempotencyKey, parse_key};
 use crate::observe::{self, Outcome};
 use crate::phases::Resumed;

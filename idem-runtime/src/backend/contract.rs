@@ -9,7 +9,7 @@ use sqlx::pool::PoolConnection;
 use sqlx::{Database, Pool};
 
 use super::{Acquire, OpenTx};
-use crate::Error;
+use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 use crate::response::StoredResponse;
 

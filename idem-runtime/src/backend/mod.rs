@@ -34,7 +34,7 @@ pub use contract::{Backend, Claim, ClaimOutcome, FinishError, StoreError};
 pub use lease::Phased;
 pub(crate) use lease::{Holder, LeaseClaim, LeaseOutcome, Release};
 pub(crate) use outbox::MessageRow;
-pub use outbox::{NewMessage, OutboxStore};
+pub use outbox::{MAX_MESSAGE_ID_LEN, NewMessage, OutboxStore};
 pub(crate) use single_flight::waiting_duplicates;
 
 /// FNV-1a: a stable 64-bit name for any text (a statement's, an index's),

@@ -14,7 +14,11 @@ use std::time::Duration;
 
 use sqlx::{Database, Pool};
 
-use crate::Error;
+use crate::error::Error;
+
+/// The longest message id [`Idem::consume`](crate::Idem::consume) takes,
+/// in bytes: the consumed-messages table's id column.
+pub const MAX_MESSAGE_ID_LEN: usize = 255;
 
 /// A message to write: its stable id, the scope it belongs to, its topic
 /// and its payload's bytes.

@@ -280,7 +280,7 @@ pub(crate) async fn admin_contract<DB: super::Phased + super::Admin>(pool: &Pool
     use std::time::SystemTime;
 
     use super::{Forgotten, KeyState, LeaseClaim, LeaseOutcome};
-    use crate::Idem;
+    use crate::idem::Idem;
     use crate::request::StoredRequest;
 
     let idem = Idem::new(pool.clone()).table(table).unwrap();

@@ -59,7 +59,7 @@ use self::sql::{claim_sql, delete_statements, hex, matches, store};
 use super::claim::Failure;
 use super::contract::finished;
 use super::{Acquire, Backend, Claim, ClaimOutcome, FinishError, OpenTx, StoreError};
-use crate::Error;
+use crate::error::Error;
 use crate::response::StoredResponse;
 
 mod admin;

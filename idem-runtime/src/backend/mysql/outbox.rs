@@ -8,12 +8,12 @@ use std::time::Duration;
 use sqlx::{AssertSqlSafe, Connection, MySql, Pool};
 
 use super::MAX_SCOPE_BYTES;
-use crate::Error;
-use crate::MAX_MESSAGE_ID_LEN;
+use crate::backend::MAX_MESSAGE_ID_LEN;
 use crate::backend::fnv1a;
 use crate::backend::outbox::{
     MESSAGE_COLUMNS, MessageRow, NewMessage, OutboxStore, message_row, millis, seq_list,
 };
+use crate::error::Error;
 
 /// How long a relay waits for another's lease before leasing nothing.
 const LEASE_LOCK_WAIT_SECONDS: i64 = 5;

@@ -23,7 +23,7 @@ use self::sql::{Arg, ClaimRow, PEEK, fnv1a, inline};
 use super::claim::Failure;
 use super::contract::decode_finished;
 use super::{Acquire, Backend, Claim, ClaimOutcome, FinishError, OpenTx, StoreError};
-use crate::Error;
+use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 use crate::response::StoredResponse;
 

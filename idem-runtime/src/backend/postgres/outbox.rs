@@ -8,10 +8,10 @@ use sqlx::{Pool, Postgres, Row};
 
 use super::sql::{Arg, fnv1a};
 use super::{index_name, qualified, regclasses_exist, run_ddl, simple};
-use crate::Error;
 use crate::backend::outbox::{
     MESSAGE_COLUMNS, MessageRow, NewMessage, OutboxStore, message_row, millis, seq_list,
 };
+use crate::error::Error;
 
 impl OutboxStore for Postgres {
     async fn migrate_outbox(pool: &Pool<Self>, outbox: &str, consumed: &str) -> Result<(), Error> {

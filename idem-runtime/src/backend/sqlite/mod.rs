@@ -59,7 +59,7 @@ use super::connection::abandon;
 use super::contract::finished;
 use super::single_flight;
 use super::{Acquire, Backend, Claim, ClaimOutcome, FinishError, OpenTx, StoreError};
-use crate::Error;
+use crate::error::Error;
 use crate::response::StoredResponse;
 
 mod admin;

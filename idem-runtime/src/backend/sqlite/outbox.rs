@@ -8,10 +8,10 @@ use std::time::Duration;
 use sqlx::{AssertSqlSafe, Pool, Sqlite};
 
 use super::now_ms;
-use crate::Error;
 use crate::backend::outbox::{
     MESSAGE_COLUMNS, MessageRow, NewMessage, OutboxStore, message_row, millis, seq_list,
 };
+use crate::error::Error;
 
 /// `table`'s schema prefix (`schema.`, or empty) and its own name: SQLite
 /// names an index in the schema, on a table named without it.
