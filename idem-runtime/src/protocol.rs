@@ -22,7 +22,8 @@ use http_body_util::BodyExt;
 use tracing::{Instrument, Span};
 
 use crate::backend::{
-    Backend, Claim, ClaimOutcome, FinishError, OpenTx, StoreError, abandon, transaction_depth,
+    Backend, Claim, ClaimOutcome, FinishError, OpenTx, StoreError, abandon, is_gone,
+    transaction_depth,
 };
 use crate::fingerprint::Fingerprint;
 use crate::idem::Idem;
@@ -403,7 +404,20 @@ async fn run_keyed<'f, DB: Backend>(
     {
         Ok((answer, conn)) if answer.commits() => (answer.response, conn),
         Ok((answer, conn)) => {
-            abandon_keyed(conn, idem, claim).await;
+            let gone = abandon_keyed(conn, idem, claim).await;
+            if gone && answer.response.status().is_server_error() {
+                // The handler's error came from the store, lost under it (a
+                // failover, a cut connection): nothing committed, and a
+                // retry is safe, which the handler's 500 would not say.
+                tracing::warn!(
+                    status = answer.response.status().as_u16(),
+                    "the key store connection was lost during the handler; answering 503"
+                );
+                return (
+                    Outcome::StoreUnavailable,
+                    Problem::StoreUnavailable.into_response(),
+                );
+            }
             return (Outcome::RolledBack, answer.response);
         }
         Err(ended) => return ended,
@@ -531,8 +545,13 @@ pub(crate) async fn read_seen<DB: Backend>(
 
 /// Rolls back a claimed request that will not be stored, and says so where
 /// the handler had committed the transaction itself: its claim row stayed,
-/// without a response, and the key answers 409 until it expires.
-async fn abandon_keyed<DB: Backend>(mut conn: OpenTx<DB>, idem: &Idem<DB>, claim: &Claim<'_>) {
+/// without a response, and the key answers 409 until it expires. Returns
+/// whether the connection was gone (the rollback found it lost).
+async fn abandon_keyed<DB: Backend>(
+    mut conn: OpenTx<DB>,
+    idem: &Idem<DB>,
+    claim: &Claim<'_>,
+) -> bool {
     // A rollback can fail because the handler's own commit left nothing to
     // roll back (SQLite says so): the check runs either way, and only a
     // connection whose rollback and check both succeeded goes back.
@@ -554,6 +573,7 @@ async fn abandon_keyed<DB: Backend>(mut conn: OpenTx<DB>, idem: &Idem<DB>, claim
     if rolled_back.is_ok() && checked.is_ok() {
         conn.release();
     }
+    matches!(&rolled_back, Err(error) if is_gone::<DB>(error))
 }
 
 /// A request without a key on a `key = "optional"` handler: one plain

@@ -16,6 +16,8 @@ pub mod nats;
 pub mod nats_cluster;
 #[cfg(feature = "postgres")]
 pub mod outbox_flow;
+#[cfg(feature = "postgres")]
+pub mod patroni;
 pub mod peer;
 pub mod pg_proxy;
 #[cfg(feature = "postgres")]

@@ -688,6 +688,21 @@ macro_rules! define_app {
                         hold.entered.notify_one();
                         hold.release.notified().await;
                     }
+                    // As `session:`, then a statement: the test has ended
+                    // the session meanwhile (a failover, a cut), so the
+                    // statement fails and the handler answers 500.
+                    m if m.starts_with("session-then-write:") => {
+                        let hold = holds.get(&m[19..]);
+                        *hold.session.lock().unwrap() =
+                            <$db as TestDb>::session_id(&mut **tx).await;
+                        hold.entered.notify_one();
+                        hold.release.notified().await;
+                        sqlx::query(<$db as TestDb>::TOUCH_EFFECT)
+                            .bind(id)
+                            .persistent(app::persistent())
+                            .execute(&mut **tx)
+                            .await?;
+                    }
                     // Reads its scope's effects (a predicate a concurrent
                     // writer of the scope conflicts with, under
                     // SERIALIZABLE), then is held as in `hold:`.

@@ -28,7 +28,7 @@ mod test_support;
 
 pub use admin::{Admin, Forgotten, KeyInfo, KeyState, MAX_RECENT};
 pub use connection::{Acquire, OpenTx};
-pub(crate) use connection::{abandon, in_autocommit, transaction_depth};
+pub(crate) use connection::{abandon, in_autocommit, is_gone, transaction_depth};
 pub(crate) use contract::ConnectOptions;
 pub use contract::{Backend, Claim, ClaimOutcome, FinishError, StoreError};
 pub use lease::Phased;

@@ -7,7 +7,7 @@ use std::time::Duration;
 use reqwest::{Method, StatusCode};
 
 use crate::app::TestDb;
-use crate::harness::{Answer, Client, send, start, start_with, unique};
+use crate::harness::{Answer, Client, Server, send, start, start_with, unique};
 use crate::suite::BODY;
 
 /// A keyless request for `caller`, the handler in `mode`.
@@ -67,6 +67,32 @@ pub async fn lost_commits_are_503<DB: TestDb>() {
     assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
     assert!(!retry.replayed(), "{retry:?}");
     assert!(send(client.post("/effects", "k", BODY)).await.replayed());
+    assert_eq!(server.effects(&caller).await, 1);
+}
+
+/// A handler whose statement meets a lost connection (the server ended its
+/// session: a failover, a cut) answers 500 itself; the client is told 503
+/// with `Retry-After`, the store's failure, since nothing committed and a
+/// retry is safe. The retry runs the handler once.
+pub async fn handlers_that_lose_their_connection_are_503<DB: TestDb>(
+    server: &Server<DB>,
+    admin: &sqlx::Pool<DB>,
+) {
+    let caller = unique("lost_connection");
+    let client = server.client(&caller);
+    let hold = server.state.holds.get(&caller);
+    let mode = format!("session-then-write:{caller}");
+    let answer = tokio::spawn(send(client.post_in_mode("/effects", "k", &mode)));
+    hold.entered().await;
+    DB::end_session(admin, hold.session().expect("a server session")).await;
+    hold.release.notify_one();
+    let answer = answer.await.unwrap();
+    assert_store_failure(&answer, true);
+    assert_eq!(server.effects(&caller).await, 0);
+    assert_eq!(server.keys(&caller).await, 0);
+    let retry = send(client.post("/effects", "k", BODY)).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
+    assert!(!retry.replayed(), "{retry:?}");
     assert_eq!(server.effects(&caller).await, 1);
 }
 

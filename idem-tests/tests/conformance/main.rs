@@ -162,6 +162,24 @@ mod server_engines {
         }
     }
 
+    #[cfg(feature = "postgres")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn postgres_handlers_that_lose_their_connection_are_503() {
+        let _slot = crate::harness::slot::<sqlx::Postgres>().await;
+        let server = crate::harness::start::<sqlx::Postgres>().await;
+        let admin = crate::engines::postgres::pool(1).await;
+        crate::commits::handlers_that_lose_their_connection_are_503(&server, &admin).await;
+    }
+
+    #[cfg(feature = "mysql")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn mysql_handlers_that_lose_their_connection_are_503() {
+        let _slot = crate::harness::slot::<sqlx::MySql>().await;
+        let server = crate::harness::start::<sqlx::MySql>().await;
+        let admin = crate::engines::mysql::pool(1).await;
+        crate::commits::handlers_that_lose_their_connection_are_503(&server, &admin).await;
+    }
+
     #[cfg(feature = "mysql")]
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn mysql_ended_idle_sessions_are_replaced() {
