@@ -35,4 +35,8 @@ pub mod guide {
     pub struct Configuration;
     #[doc = include_str!("../docs/guide/engines.md")]
     pub struct Engines;
+    // Its client example needs the `client` feature.
+    #[cfg(feature = "client")]
+    #[doc = include_str!("../docs/guide/designing.md")]
+    pub struct Designing;
 }

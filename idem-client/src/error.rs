@@ -40,7 +40,9 @@ pub enum Error {
 
     /// A 4xx that retrying cannot change: 400 (including a missing or
     /// malformed key), 401, 404, 422 other than a reused key, a 409 that is
-    /// not a key in use, or any of these replayed.
+    /// not a key in use, or any of these replayed. (A `DELETE`'s 404 on a
+    /// retry may instead count as done: see
+    /// [`IdemClient::not_found_is_done`](crate::IdemClient::not_found_is_done).)
     #[error(
         "the server rejected the request with {status}{}",
         problem_suffix(problem)

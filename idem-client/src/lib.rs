@@ -13,7 +13,7 @@ mod send;
 pub use clock::{Clock, ManualClock, Sleep, TokioClock};
 pub use error::{Error, LastAttempt, Problem};
 pub use intent::{Intent, InvalidKey, MAX_KEY_LEN};
-pub use middleware::IdemMiddleware;
+pub use middleware::{AlreadyGone, IdemMiddleware};
 pub use policy::RetryPolicy;
 pub use retry::{Attempt, Outcome, TransportKind, Wait, WaitReason};
 pub use rules::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};

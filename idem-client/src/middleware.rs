@@ -5,7 +5,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::{Extensions, StatusCode};
+use http::{Extensions, Method, StatusCode};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use reqwest::{Request, Response};
 use reqwest_middleware::{Middleware, Next as MiddlewareNext};
@@ -52,7 +52,34 @@ use crate::rules::{self, IDEMPOTENCY_KEY, Verdict};
 #[derive(Clone)]
 pub struct IdemMiddleware {
     retrier: Retrier,
+    not_found_is_done: bool,
 }
+
+/// The mark [`IdemMiddleware`] puts in a response's extensions when
+/// [`not_found_is_done`](IdemMiddleware::not_found_is_done) counts a
+/// `DELETE`'s 404 on a retry as done: an earlier attempt may have deleted
+/// the resource and lost its answer.
+///
+/// ```no_run
+/// use idem_client::{AlreadyGone, IdemMiddleware, Intent};
+/// use reqwest_middleware::ClientBuilder;
+///
+/// # async fn demo() -> Result<(), reqwest_middleware::Error> {
+/// let client = ClientBuilder::new(reqwest::Client::new())
+///     .with(IdemMiddleware::new().not_found_is_done(true))
+///     .build();
+/// let response = client
+///     .delete("http://127.0.0.1:3000/v1/cards/card_7")
+///     .with_extension(Intent::new())
+///     .send()
+///     .await?;
+/// let gone = response.extensions().get::<AlreadyGone>().is_some();
+/// let done = response.status().is_success() || gone;
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct AlreadyGone;
 
 impl IdemMiddleware {
     /// The default [`RetryPolicy`], the [`TokioClock`](crate::TokioClock)
@@ -60,6 +87,7 @@ impl IdemMiddleware {
     pub fn new() -> Self {
         Self {
             retrier: Retrier::new(),
+            not_found_is_done: false,
         }
     }
 
@@ -91,6 +119,19 @@ impl IdemMiddleware {
         self.retrier.set_hook(Arc::new(hook));
         self
     }
+
+    /// Whether a `DELETE`'s 404 on a retry counts as done (default:
+    /// `false`). The rule is
+    /// [`IdemClient::not_found_is_done`](crate::IdemClient::not_found_is_done)'s:
+    /// not on the first attempt, only after an attempt that may have
+    /// reached the server, never for a replayed 404. The 404 still comes
+    /// back as the response (a middleware returns every final answer), with
+    /// [`AlreadyGone`] in its extensions to tell it from one that means
+    /// "there was nothing to delete".
+    pub fn not_found_is_done(mut self, yes: bool) -> Self {
+        self.not_found_is_done = yes;
+        self
+    }
 }
 
 impl Default for IdemMiddleware {
@@ -103,6 +144,7 @@ impl fmt::Debug for IdemMiddleware {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("IdemMiddleware")
             .field("policy", &self.retrier.policy)
+            .field("not_found_is_done", &self.not_found_is_done)
             .finish_non_exhaustive()
     }
 }
@@ -126,8 +168,10 @@ impl Middleware for IdemMiddleware {
             ));
         }
         let clock = &*self.retrier.clock;
+        let deleting = self.not_found_is_done && request.method() == Method::DELETE;
         let mut run = self.retrier.start();
         loop {
+            let gone_is_done = deleting && run.may_have_reached_server();
             let mut keyed = request
                 .try_clone()
                 .expect("checked the request clones before the first attempt");
@@ -138,6 +182,15 @@ impl Middleware for IdemMiddleware {
             let answer = next.clone().run(keyed, extensions).await;
             let tried = judge(answer, clock).await;
             match run.after(tried).await {
+                Flow::Stop(Ok(mut response)) => {
+                    if gone_is_done
+                        && response.status() == StatusCode::NOT_FOUND
+                        && !rules::replayed(response.headers())
+                    {
+                        response.extensions_mut().insert(AlreadyGone);
+                    }
+                    return Ok(response);
+                }
                 Flow::Stop(answer) => return answer,
                 Flow::Again => {}
                 Flow::Exhausted(exhausted) => return exhausted.last,

@@ -112,6 +112,18 @@ impl fmt::Display for Attempt {
 }
 
 impl Outcome {
+    /// Whether the request may have reached the server: anything but a
+    /// connection that could not be made (which sent nothing).
+    pub(crate) fn may_have_reached_server(&self) -> bool {
+        !matches!(
+            self,
+            Self::Transport {
+                kind: TransportKind::Connect,
+                ..
+            }
+        )
+    }
+
     pub(crate) fn transport(error: &reqwest::Error) -> Self {
         let kind = if error.is_connect() {
             TransportKind::Connect
@@ -278,6 +290,12 @@ impl Run<'_> {
         retrier.clock.sleep(wait.duration).await;
         self.number += 1;
         Flow::Again
+    }
+
+    /// Whether an attempt made so far may have reached the server (and done
+    /// the operation without its answer reaching us).
+    pub(crate) fn may_have_reached_server(&self) -> bool {
+        self.log.iter().any(|a| a.outcome.may_have_reached_server())
     }
 
     /// Every attempt so far.

@@ -46,6 +46,7 @@ use crate::rules::{self, IDEMPOTENCY_KEY, Verdict};
 pub struct IdemClient {
     client: Client,
     retrier: Retrier,
+    not_found_is_done: bool,
 }
 
 impl IdemClient {
@@ -55,6 +56,7 @@ impl IdemClient {
         Self {
             client,
             retrier: Retrier::new(),
+            not_found_is_done: false,
         }
     }
 
@@ -90,6 +92,55 @@ impl IdemClient {
         self
     }
 
+    /// Whether a `DELETE` whose retry is answered 404 counts as done
+    /// (default: `false`, a 404 is [`Error::Rejected`] like any other 4xx).
+    ///
+    /// A `DELETE` endpoint that is not `#[idempotent]` (or whose key expired)
+    /// answers a retry with 404 when the earlier attempt deleted the
+    /// resource and its answer was lost. With this on, such a 404 is `Ok`,
+    /// with [`Sent::already_gone`] set (and [`Sent::status`] 404), when all
+    /// of these hold:
+    ///
+    /// - the request's method is `DELETE` (other methods are untouched);
+    /// - it is not the first attempt of this [`send`](Self::send), and an
+    ///   earlier attempt may have reached the server: it timed out, lost
+    ///   its connection or its answer, or got an answer that was retried
+    ///   (409, 429, 502, 503, 504). A connection that could not even be
+    ///   made sent nothing, so it does not count;
+    /// - the 404 is not a replay: a replayed 404 is the stored answer of
+    ///   the attempt that ran first, which found nothing to delete.
+    ///
+    /// A 404 on the first attempt stays an error: nothing this operation
+    /// sent could have deleted the resource. A caller that resumes an
+    /// intent it may have sent before a restart knows more than the sender
+    /// does, and can treat that [`Error::Rejected`] 404 as done itself.
+    ///
+    /// It is the sender's setting, beside the retry policy, rather than the
+    /// [`Intent`]'s, because it says how to read the server's answers, as
+    /// the policy does, and an intent is only a key: it is stored, restored
+    /// and derived as a plain string.
+    ///
+    /// ```no_run
+    /// use idem_client::{IdemClient, Intent};
+    ///
+    /// # async fn demo() -> Result<(), idem_client::Error> {
+    /// let client = IdemClient::new(reqwest::Client::new()).not_found_is_done(true);
+    /// let intent = Intent::new();
+    /// let request = client
+    ///     .delete("http://127.0.0.1:3000/v1/cards/card_7")
+    ///     .bearer_auth("acct_1");
+    /// let sent = client.send(&intent, request).await?;
+    /// if sent.already_gone {
+    ///     // An earlier attempt deleted it and its answer was lost.
+    ///     assert_eq!(sent.status, 404);
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn not_found_is_done(mut self, yes: bool) -> Self {
+        self.not_found_is_done = yes;
+        self
+    }
+
     /// The `reqwest::Client` it sends through.
     pub fn inner(&self) -> &Client {
         &self.client
@@ -110,6 +161,11 @@ impl IdemClient {
         self.client.post(url)
     }
 
+    /// Starts a `DELETE` on the inner client.
+    pub fn delete<U: IntoUrl>(&self, url: U) -> RequestBuilder {
+        self.client.delete(url)
+    }
+
     /// Sends `request` for `intent` until it has an answer, and reads it.
     ///
     /// `request` is a [`RequestBuilder`] (sent with the client that made it)
@@ -118,7 +174,9 @@ impl IdemClient {
     /// [`Error::NotCloneable`] before anything is sent. An `Idempotency-Key`
     /// header already on the request is replaced by the intent's.
     ///
-    /// Answers below 400 are `Ok`; see [`Error`] for the rest.
+    /// Answers below 400 are `Ok` (and, with
+    /// [`not_found_is_done`](Self::not_found_is_done), a `DELETE`'s 404 on a
+    /// retry); see [`Error`] for the rest.
     pub async fn send(&self, intent: &Intent, request: impl Sendable) -> Result<Sent, Error> {
         let (client, request) = request.into_parts(&self.client);
         let request = request.map_err(Error::Transport)?;
@@ -126,9 +184,19 @@ impl IdemClient {
             return Err(Error::NotCloneable);
         }
         let clock = &*self.retrier.clock;
+        let deleting = self.not_found_is_done && request.method() == Method::DELETE;
         let mut run = self.retrier.start();
         let result = loop {
-            let tried = attempt(&client, &request, intent, run.timeout(), clock).await;
+            let gone_is_done = deleting && run.may_have_reached_server();
+            let tried = attempt(
+                &client,
+                &request,
+                intent,
+                run.timeout(),
+                clock,
+                gone_is_done,
+            )
+            .await;
             match run.after(tried).await {
                 Flow::Stop(value) => break Ok(value),
                 Flow::Again => {}
@@ -142,6 +210,7 @@ impl IdemClient {
                 headers: answer.headers,
                 body: answer.body,
                 replayed: answer.replayed,
+                already_gone: answer.already_gone,
                 attempts,
             }),
             Ok(Err(error)) => Err(error),
@@ -158,6 +227,7 @@ impl fmt::Debug for IdemClient {
         f.debug_struct("IdemClient")
             .field("client", &self.client)
             .field("policy", &self.retrier.policy)
+            .field("not_found_is_done", &self.not_found_is_done)
             .finish_non_exhaustive()
     }
 }
@@ -192,7 +262,7 @@ mod sealed {
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct Sent {
-    /// Its status (below 400).
+    /// Its status: below 400, or 404 when [`already_gone`](Self::already_gone).
     pub status: StatusCode,
     /// Its headers.
     pub headers: HeaderMap,
@@ -202,6 +272,11 @@ pub struct Sent {
     /// (`Idempotent-Replayed: true`): the operation was done once, by an
     /// attempt whose answer was lost or by another sender of this intent.
     pub replayed: bool,
+    /// Whether this is a `DELETE`'s 404 counted as done by
+    /// [`IdemClient::not_found_is_done`]: an earlier attempt may have
+    /// deleted the resource and lost its answer, so the body is the 404's,
+    /// not the deletion's. `false` for every real success.
+    pub already_gone: bool,
     /// Every attempt made, in order; the last one got this answer.
     pub attempts: Vec<Attempt>,
 }
@@ -227,16 +302,19 @@ struct Answer {
     headers: HeaderMap,
     body: Bytes,
     replayed: bool,
+    already_gone: bool,
 }
 
 /// One attempt: send a keyed copy of `request`, read the whole answer,
-/// judge it.
+/// judge it. With `gone_is_done`, a 404 that is not a replay is the
+/// operation's answer, [`Sent::already_gone`].
 async fn attempt(
     client: &Client,
     request: &Request,
     intent: &Intent,
     timeout: Option<Duration>,
     clock: &dyn Clock,
+    gone_is_done: bool,
 ) -> Tried<Result<Answer, Error>, LastAttempt> {
     let mut request = request
         .try_clone()
@@ -275,7 +353,17 @@ async fn attempt(
             headers,
             body,
             replayed,
+            already_gone: false,
         }),
+        Verdict::Rejected if gone_is_done && status == StatusCode::NOT_FOUND && !replayed => {
+            Ok(Answer {
+                status,
+                headers,
+                body,
+                replayed,
+                already_gone: true,
+            })
+        }
         Verdict::Retry => {
             return Tried {
                 outcome,

@@ -6,7 +6,7 @@ mod support;
 use std::time::Duration;
 
 use idem_client::reqwest_middleware::{ClientBuilder, ClientWithMiddleware};
-use idem_client::{IdemMiddleware, Intent, ManualClock, RetryPolicy};
+use idem_client::{AlreadyGone, IdemMiddleware, Intent, ManualClock, RetryPolicy};
 use support::bounded;
 use support::charges::{ACCOUNT, Charges};
 use support::proxy::{Fault, Proxy};
@@ -165,6 +165,49 @@ async fn an_answer_lost_on_the_way_back_is_replayed_by_the_middleware() {
         assert_eq!(body, proxy.answers()[0].body, "the first attempt's answer");
         assert_eq!(clock.sleeps().len(), 1);
         assert_eq!(server.charges().await.len(), 1);
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_deletes_404_on_a_retry_is_marked_already_gone_when_asked() {
+    bounded(async {
+        // Per case: the script, whether the option is on, and whether the
+        // final 404 is marked.
+        let cases = [
+            (vec![Reply::status(503), Reply::status(404)], true, true),
+            (vec![Reply::status(404)], true, false),
+            (vec![Reply::status(503), Reply::status(404)], false, false),
+            (
+                vec![Reply::status(503), Reply::status(404).replayed()],
+                true,
+                false,
+            ),
+        ];
+        for (replies, on, marked) in cases {
+            let attempts = replies.len();
+            let server = Scripted::start(replies).await;
+            let middleware = IdemMiddleware::new()
+                .with_clock(ManualClock::new())
+                .with_seed(5)
+                .not_found_is_done(on);
+            let client = ClientBuilder::new(reqwest::Client::new())
+                .with(middleware)
+                .build();
+            let response = client
+                .delete(format!("{}/v1/things/7", server.url))
+                .with_extension(Intent::new())
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(response.status(), 404);
+            assert_eq!(
+                response.extensions().get::<AlreadyGone>().is_some(),
+                marked,
+                "{attempts} attempts, option {on}"
+            );
+            assert_eq!(server.received().len(), attempts);
+        }
     })
     .await;
 }
