@@ -7,7 +7,7 @@ use syn::punctuated::Punctuated;
 use syn::{Expr, ExprArray, ExprLit, Ident, Lit, LitStr, MetaNameValue, Token, token};
 
 use crate::duration::{
-    MAX_LEASE_MS, MAX_TIMEOUT_MS, MAX_TTL_MS, MAX_WAIT_MS, MIN_LEASE_MS, parse_ms,
+    MAX_LEASE_MS, MAX_TIMEOUT_MS, MAX_TTL_MS, MAX_WAIT_MS, MIN_LEASE_MS, parse_ms, respelled,
 };
 use crate::errors::Errors;
 
@@ -23,6 +23,9 @@ const KEYS: &[&str] = &[
 ];
 const VALID_KEYS: &str = "valid arguments are `scope`, `ttl`, `key`, `wait`, `timeout`, `lease`, \
                           `fingerprint` and `crate`";
+
+/// The keys whose value is a duration.
+const DURATION_KEYS: &[&str] = &["ttl", "wait", "timeout", "lease"];
 
 /// How `fingerprint` is written.
 const FINGERPRINT: &str = "fingerprint(exclude = [\"/member\", ...])";
@@ -276,7 +279,19 @@ fn string(key: &str, value: &Expr, expected: &str) -> syn::Result<LitStr> {
         Expr::Lit(ExprLit {
             lit: Lit::Int(int), ..
         }) if !int.suffix().is_empty() => Some(int.to_string()),
+        Expr::Lit(ExprLit {
+            lit: Lit::Float(float),
+            ..
+        }) if !float.suffix().is_empty() => Some(float.to_string()),
         _ => None,
+    };
+    // `ttl = 1day` is told the spelling that parses, not `"1day"`.
+    let quoted = match quoted {
+        Some(text) if DURATION_KEYS.contains(&key) => match respelled(&text) {
+            Some(Ok(accepted)) => Some(accepted),
+            _ => None,
+        },
+        quoted => quoted,
     };
     let message = match quoted {
         Some(text) => format!("`{key}` takes a string literal: write `{key} = \"{text}\"`"),
@@ -653,6 +668,26 @@ mod tests {
             "`ttl` takes a string literal: write `ttl = \"24h\"`"
         );
         assert!(one_message(quote!(scope = "a", ttl = 24)).contains("`ttl = \"24h\"`"));
+        for (written, accepted) in [
+            (quote!(1day), "1d"),
+            (quote!(2hours), "2h"),
+            (quote!(1.5h), "90m"),
+            (quote!(3w), "21d"),
+        ] {
+            for key in DURATION_KEYS {
+                let key: TokenStream = key.parse().unwrap();
+                let message = one_message(quote!(scope = "a", #key = #written));
+                assert_eq!(
+                    message,
+                    format!("`{key}` takes a string literal: write `{key} = \"{accepted}\"`")
+                );
+            }
+        }
+        // Not a duration in any spelling: the example instead.
+        assert_eq!(
+            one_message(quote!(scope = "a", ttl = 2y)),
+            "`ttl` takes a string literal: a duration such as `ttl = \"24h\"`"
+        );
         assert!(one_message(quote!(scope = "a", wait = 1.5)).contains("`wait = \"2s\"`"));
         assert!(one_message(quote!(scope = "a", key = required)).contains("`key = \"required\"`"));
         assert!(

@@ -46,8 +46,8 @@ use proc_macro::TokenStream;
 /// - A free `async fn`: not a method (`self`), not in an `impl` block, not
 ///   generic (nor taking `impl Trait`), `const`, `unsafe`, `extern` or
 ///   variadic.
-/// - Exactly one `Tx<DB>` parameter, anywhere among the others: `DB` is one
-///   of the enabled engines (`sqlx::Postgres`, `sqlx::Sqlite`,
+/// - Exactly one `Tx<DB>` parameter, by value, anywhere among the others:
+///   `DB` is one of the enabled engines (`sqlx::Postgres`, `sqlx::Sqlite`,
 ///   `sqlx::MySql`). An alias works if it is named `Tx`
 ///   (`type Tx = idem::Tx<Postgres>;`, then `tx: db::Tx`). Or, in its
 ///   place, exactly one `Phases<DB>` (see [Phased handlers](#phased-handlers)).
@@ -146,7 +146,8 @@ use proc_macro::TokenStream;
 /// ## `ttl`
 ///
 /// `ttl = "<whole number><unit>"`, the unit one of `ms`, `s`, `m`, `h`,
-/// `d`, with no space: how long a key and its response are kept and
+/// `d`, with no space (`"1 day"` or `"24hours"` is refused with the
+/// spelling to write): how long a key and its response are kept and
 /// replayed. Default `"24h"`; more than zero, at most `"365d"`. The time
 /// counts from the claim, or from the response for a request that ran a
 /// tenth of its `ttl` or longer. After it the key is free again: a retry

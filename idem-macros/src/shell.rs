@@ -87,7 +87,8 @@ impl Shell {
 
 /// The user's function as an associated function: its signature and body
 /// as written, so errors in them point at the user's code. Only a `const`
-/// (already reported) goes: const evaluation rules would add errors.
+/// and a variadic `...` (both already reported) go: rustc would add errors
+/// of its own about them.
 ///
 /// The unit struct is also a value named like the handler, and a pattern
 /// naming a unit struct matches it instead of binding (`let refund = ..`
@@ -99,6 +100,7 @@ impl Shell {
 fn kept_function(item: &ItemFn, name: &Ident) -> TokenStream {
     let mut sig = item.sig.clone();
     sig.constness = None;
+    sig.variadic = None;
     let block = &item.block;
     let in_params = sig.inputs.iter().any(|input| match input {
         FnArg::Typed(typed) => mentions(typed.pat.to_token_stream(), name),

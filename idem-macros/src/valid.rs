@@ -205,8 +205,9 @@ fn check_qualifiers(sig: &Signature, errors: &mut Errors) {
     }
     if let Some(variadic) = &sig.variadic {
         errors.push(syn::Error::new_spanned(
-            variadic,
-            "`#[idempotent]` handlers cannot be variadic",
+            variadic.dots,
+            "`#[idempotent]` handlers cannot be variadic: remove the `...` (axum calls a \
+             handler with one extractor per parameter)",
         ));
     }
 }
@@ -253,7 +254,17 @@ impl Params {
                 ));
                 continue;
             }
-            let db = match tx_database(&typed.ty) {
+            let ty = match &*typed.ty {
+                Type::Reference(reference)
+                    if !matches!(tx_database(&reference.elem), TxParam::No) =>
+                {
+                    errors.push(by_reference(reference, &typed.pat));
+                    // Counted as the transaction, so no "add one" follows.
+                    &*reference.elem
+                }
+                ty => ty,
+            };
+            let db = match tx_database(ty) {
                 TxParam::No => {
                     extractors.push(Param {
                         pat: (*typed.pat).clone(),
@@ -266,7 +277,7 @@ impl Params {
                 TxParam::Alias => Some(None),
                 TxParam::Malformed => None,
             };
-            txs.push((index, db, &*typed.ty));
+            txs.push((index, db, ty));
             if let Pat::Ident(ident) = &*typed.pat {
                 tx_names.push(ident.ident.to_string());
             }
@@ -278,6 +289,30 @@ impl Params {
             tx_names,
         }
     }
+}
+
+/// A `Tx` or `Phases` taken by reference (`tx: &mut Tx<DB>`), reported on
+/// the `&mut`: the handler is handed the request's transaction, and the
+/// runtime commits it with the stored response, so the handler owns it.
+fn by_reference(reference: &syn::TypeReference, pat: &Pat) -> syn::Error {
+    let ty = type_text(&reference.elem);
+    let name = match pat {
+        Pat::Ident(ident) => ident.ident.to_string(),
+        other => other.to_token_stream().to_string(),
+    };
+    let (and, lifetime, mutability) = (
+        &reference.and_token,
+        &reference.lifetime,
+        &reference.mutability,
+    );
+    let owns = match tx_database(&reference.elem) {
+        TxParam::Tx(_, Kind::Phases) => "the handler owns the request's phases, as it owns a `Tx`",
+        _ => "the handler owns the request's transaction, which commits with the stored response",
+    };
+    syn::Error::new_spanned(
+        quote::quote!(#and #lifetime #mutability),
+        format!("take `{ty}` by value: `mut {name}: {ty}`; {owns}"),
+    )
 }
 
 /// The single `Tx<DB>` among the parameters that look like one (with the
@@ -657,6 +692,48 @@ mod tests {
                 )
             ),
             [bare_second]
+        );
+    }
+
+    #[test]
+    fn a_tx_by_reference_is_taken_by_value() {
+        let by_value = |item: proc_macro2::TokenStream| messages(quote!(scope = "a"), item);
+        assert_eq!(
+            by_value(quote!(
+                async fn f(a: A, tx: &mut Tx<Postgres>) {}
+            )),
+            [
+                "take `Tx<Postgres>` by value: `mut tx: Tx<Postgres>`; the handler owns the \
+                 request's transaction, which commits with the stored response"
+            ]
+        );
+        for item in [
+            quote!(
+                async fn f(a: A, mut tx: &'static mut idem::Tx<Pg>) {}
+            ),
+            quote!(
+                async fn f(a: A, tx: &idem::Tx<Pg>) {}
+            ),
+            quote!(
+                async fn f(a: A, tx: &mut db::Tx) {}
+            ),
+        ] {
+            let found = by_value(item.clone());
+            assert_eq!(found.len(), 1, "{item}: {found:?}");
+            assert!(found[0].starts_with("take `"), "{item}: {found:?}");
+            assert!(found[0].contains(": `mut tx: "), "{item}: {found:?}");
+        }
+        let phases = by_value(quote!(
+            async fn f(a: A, phases: &mut Phases<Pg>) {}
+        ));
+        assert_eq!(phases.len(), 1, "{phases:?}");
+        assert!(phases[0].starts_with("take `Phases<Pg>` by value: `mut phases: Phases<Pg>`"));
+        // Other references are extractors (and rustc's to refuse).
+        assert!(
+            by_value(quote!(
+                async fn f(a: A, s: &str, tx: Tx<Pg>) {}
+            ))
+            .is_empty()
         );
     }
 

@@ -23,6 +23,7 @@ pub mod pg_proxy;
 #[cfg(feature = "postgres")]
 pub mod pgbouncer;
 pub mod phased;
+pub mod postgres_user;
 pub mod proxied;
 pub mod proxy;
 pub mod round_trip_service;

@@ -16,6 +16,7 @@
 //! Patroni and PostgreSQL refuse to run as root, so the nodes run as the
 //! `postgres` user, in directories handed to that user.
 
+use crate::postgres_user::{is_root, postgres_user};
 use std::fs::File;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -124,7 +125,7 @@ impl Patroni {
     /// the leader. Panics loudly when a part is missing or does not come up.
     pub async fn start(replication: Replication) -> Patroni {
         let dir = tempfile::tempdir().expect("a directory for the cluster");
-        let (uid, gid) = postgres_user();
+        let (uid, gid) = postgres_user("Patroni");
         std::os::unix::fs::chown(dir.path(), Some(uid), Some(gid)).unwrap();
         let port = || crate::examples::free_port().port();
         let mut cluster = Patroni {
@@ -653,28 +654,4 @@ fn postgres_bin_dir() -> PathBuf {
         .pop()
         .map(|(_, bin)| bin)
         .expect("PostgreSQL's server binaries under /usr/lib/postgresql/<version>/bin")
-}
-
-fn is_root() -> bool {
-    // SAFETY: `geteuid` has no preconditions.
-    unsafe { libc::geteuid() == 0 }
-}
-
-/// The `postgres` user's uid and gid (Patroni and PostgreSQL refuse
-/// root); this process's own when it is not root.
-fn postgres_user() -> (u32, u32) {
-    if !is_root() {
-        // SAFETY: neither call has preconditions.
-        return unsafe { (libc::geteuid(), libc::getegid()) };
-    }
-    let name = c"postgres";
-    // SAFETY: `name` is NUL-terminated; the entry is read at once, before
-    // any other call could reuse its static buffer.
-    let entry = unsafe { libc::getpwnam(name.as_ptr()) };
-    assert!(
-        !entry.is_null(),
-        "Patroni refuses to run as root, and there is no `postgres` user to run it as"
-    );
-    // SAFETY: checked non-null above.
-    unsafe { ((*entry).pw_uid, (*entry).pw_gid) }
 }

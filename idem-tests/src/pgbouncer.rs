@@ -5,6 +5,7 @@
 //! PgBouncer refuses to run as root, so it runs as the `postgres` user,
 //! in a directory handed to that user.
 
+use crate::postgres_user::{is_root, postgres_user};
 use std::net::SocketAddr;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -66,7 +67,7 @@ impl PgBouncer {
             format!("\"{}\" \"\"\n", options.get_username()),
         )
         .unwrap();
-        let (uid, gid) = postgres_user();
+        let (uid, gid) = postgres_user("PgBouncer");
         for entry in ["", "pgbouncer.ini", "users.txt"] {
             std::os::unix::fs::chown(dir.path().join(entry), Some(uid), Some(gid)).unwrap();
         }
@@ -148,28 +149,4 @@ fn spawn(dir: &Path, uid: u32, gid: u32) -> Child {
              (`apt-get install pgbouncer`; .ci/run installs it): {error}"
         )
     })
-}
-
-fn is_root() -> bool {
-    // SAFETY: `geteuid` has no preconditions.
-    unsafe { libc::geteuid() == 0 }
-}
-
-/// The `postgres` user's uid and gid (PgBouncer refuses root); this
-/// process's own when it is not root.
-fn postgres_user() -> (u32, u32) {
-    if !is_root() {
-        // SAFETY: neither call has preconditions.
-        return unsafe { (libc::geteuid(), libc::getegid()) };
-    }
-    let name = c"postgres";
-    // SAFETY: `name` is NUL-terminated; the entry is read at once, before
-    // any other call could reuse its static buffer.
-    let entry = unsafe { libc::getpwnam(name.as_ptr()) };
-    assert!(
-        !entry.is_null(),
-        "PgBouncer refuses to run as root, and there is no `postgres` user to run it as"
-    );
-    // SAFETY: checked non-null above.
-    unsafe { ((*entry).pw_uid, (*entry).pw_gid) }
 }

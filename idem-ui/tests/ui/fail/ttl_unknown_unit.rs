@@ -7,7 +7,7 @@ use idem::{Tx, idempotent};
 use sqlx::Postgres;
 use support::{Account, AppState};
 
-#[idempotent(scope = "account", ttl = "2w")]
+#[idempotent(scope = "account", ttl = "1y")]
 async fn create(account: Account, mut tx: Tx<Postgres>) -> &'static str {
     let _ = (account, &mut tx);
     "created"
