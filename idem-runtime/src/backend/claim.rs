@@ -119,7 +119,9 @@ pub(crate) async fn claim_with_retries<DB: Backend>(
     let mut number = 1;
     let mut replacement = false;
     loop {
-        let (conn, untested) = OpenTx::checkout(pool, acquire).await?;
+        let (conn, untested) = OpenTx::checkout(pool, acquire)
+            .await
+            .map_err(StoreError::Database)?;
         match claim.attempt(conn, number).await {
             Ok(outcome) => return Ok(outcome),
             Err(Failure::InUse) if replacement => {

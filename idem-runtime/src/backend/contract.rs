@@ -89,7 +89,7 @@ pub enum ClaimOutcome<DB: Database> {
 pub enum StoreError {
     /// The database refused or lost a statement.
     #[error(transparent)]
-    Database(#[from] sqlx::Error),
+    Database(sqlx::Error),
     /// A stored response did not decode (a row `idem` did not write).
     #[error("corrupt stored idempotent response")]
     Corrupt,
@@ -149,9 +149,23 @@ pub enum FinishError {
     Store(StoreError),
 }
 
-impl From<sqlx::Error> for FinishError {
-    fn from(error: sqlx::Error) -> Self {
-        Self::Store(error.into())
+impl FinishError {
+    /// The store failed the finish with `error`.
+    pub(crate) fn store(error: sqlx::Error) -> Self {
+        Self::Store(StoreError::Database(error))
+    }
+}
+
+/// A sqlx error as the store's, converted by name: neither error type has a
+/// `From<sqlx::Error>`, so a handler's closure that leaves its error type to
+/// inference is never offered these internal types as candidates.
+pub(crate) trait IntoStore {
+    fn into_store(self) -> StoreError;
+}
+
+impl IntoStore for sqlx::Error {
+    fn into_store(self) -> StoreError {
+        StoreError::Database(self)
     }
 }
 

@@ -239,7 +239,7 @@ pub(crate) async fn commit_if<DB: Backend>(
     table: &str,
     written: Result<bool, sqlx::Error>,
 ) -> Result<bool, FinishError> {
-    if !written? {
+    if !written.map_err(FinishError::store)? {
         return Ok(false);
     }
     DB::finish(conn, table, None, None).await?;

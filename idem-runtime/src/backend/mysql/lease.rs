@@ -38,7 +38,9 @@ impl Phased for MySql {
                 max: MAX_SCOPE_BYTES,
             });
         }
-        let mut conn = Self::begin(pool, acquire).await?;
+        let mut conn = Self::begin(pool, acquire)
+            .await
+            .map_err(StoreError::Database)?;
         let found = take(&mut conn, table, lease).await;
         match found {
             Ok(found) => match Self::finish(&mut conn, table, None, None).await {
@@ -217,7 +219,8 @@ async fn take(
         .bind(ms(lease.lease))
         .bind(lease.request)
         .execute(&mut *conn)
-        .await?;
+        .await
+        .map_err(StoreError::Database)?;
     let select = format!(
         "SELECT status, fingerprint, headers, body, lease_token, recovery, \
              expires_at <= UTC_TIMESTAMP(6) AS expired, \
@@ -230,12 +233,19 @@ async fn take(
         .bind(claim.scope.as_bytes())
         .bind(claim.key.as_bytes())
         .fetch_one(&mut *conn)
-        .await?;
-    let token: Option<i64> = row.try_get("lease_token")?;
-    let status: Option<i16> = row.try_get("status")?;
-    let fingerprint: Vec<u8> = row.try_get("fingerprint")?;
-    let expired = row.try_get::<i64, _>("expired")? != 0;
-    let ended = row.try_get::<i64, _>("ended")? != 0;
+        .await
+        .map_err(StoreError::Database)?;
+    let token: Option<i64> = row.try_get("lease_token").map_err(StoreError::Database)?;
+    let status: Option<i16> = row.try_get("status").map_err(StoreError::Database)?;
+    let fingerprint: Vec<u8> = row.try_get("fingerprint").map_err(StoreError::Database)?;
+    let expired = row
+        .try_get::<i64, _>("expired")
+        .map_err(StoreError::Database)?
+        != 0;
+    let ended = row
+        .try_get::<i64, _>("ended")
+        .map_err(StoreError::Database)?
+        != 0;
     let same = fingerprint[..] == claim.fingerprint.as_bytes()[..];
     let resumable = status.is_none()
         && same
@@ -251,16 +261,17 @@ async fn take(
         ),
         _ if resumable => (
             "lease_token = lease_token + 1",
-            row.try_get::<Option<Vec<u8>>, _>("recovery")?,
+            row.try_get::<Option<Vec<u8>>, _>("recovery")
+                .map_err(StoreError::Database)?,
         ),
         _ => {
             return Unclaimed {
                 status: status.map(i64::from),
                 fingerprint,
-                headers: row.try_get("headers")?,
-                body: row.try_get("body")?,
+                headers: row.try_get("headers").map_err(StoreError::Database)?,
+                body: row.try_get("body").map_err(StoreError::Database)?,
                 leased: token.is_some(),
-                remaining_ms: row.try_get("remaining_ms")?,
+                remaining_ms: row.try_get("remaining_ms").map_err(StoreError::Database)?,
             }
             .outcome(&claim.fingerprint);
         }
@@ -279,7 +290,8 @@ async fn take(
         .bind(claim.scope.as_bytes())
         .bind(claim.key.as_bytes())
         .execute(&mut *conn)
-        .await?;
+        .await
+        .map_err(StoreError::Database)?;
     Ok(LeaseOutcome::Owned {
         token: token.map_or(1, |token| token + 1),
         recovery,

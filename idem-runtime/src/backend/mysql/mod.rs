@@ -58,7 +58,7 @@ use sqlx_core::transaction::TransactionManager;
 use self::sql::{claim_sql, delete_statements, hex, matches, store};
 use super::claim::Failure;
 use super::contract::finished;
-use super::{Acquire, Backend, Claim, ClaimOutcome, FinishError, OpenTx, StoreError};
+use super::{Acquire, Backend, Claim, ClaimOutcome, FinishError, IntoStore, OpenTx, StoreError};
 use crate::error::Error;
 use crate::response::StoredResponse;
 
@@ -233,7 +233,8 @@ impl Backend for MySql {
                 row
             }
         })
-        .await?;
+        .await
+        .map_err(StoreError::Database)?;
         Ok(row.as_ref().map(read_row).transpose()?.flatten())
     }
 
@@ -297,9 +298,9 @@ impl Backend for MySql {
             // The `UPDATE` missed the claim's row: the transaction open now
             // is not the request's. Rolled back by the caller.
             Err(error) if number(&error) == Some(ER_DATA_OUT_OF_RANGE) => {
-                return Err(FinishError::Ended(error.into()));
+                return Err(FinishError::Ended(error.into_store()));
             }
-            Err(error) => return Err(FinishError::Store(error.into())),
+            Err(error) => return Err(FinishError::Store(error.into_store())),
         };
         // No transaction was open. A statement that commits implicitly
         // (DDL, `LOCK TABLES`) ended it by committing: the claim's row is
@@ -316,7 +317,8 @@ impl Backend for MySql {
                 hex(claim.fingerprint.as_bytes()),
             )))
             .execute(&mut ***conn)
-            .await?;
+            .await
+            .map_err(FinishError::store)?;
             if stored.rows_affected() == 1 {
                 tracing::warn!(
                     "a statement of the idempotent handler committed its transaction \
@@ -326,7 +328,7 @@ impl Backend for MySql {
                 return Ok(());
             }
         }
-        Err(FinishError::Ended(error.into()))
+        Err(FinishError::Ended(error.into_store()))
     }
 
     async fn stranded(
@@ -479,7 +481,7 @@ impl super::claim::ClaimAttempt<MySql> for MySqlClaim<'_> {
             .await;
         let found = match rows {
             Ok(rows) => rows.first().map(read_row).transpose(),
-            Err(error) => Err(error.into()),
+            Err(error) => Err(error.into_store()),
         };
         match found {
             Ok(Some(Some(finished))) => {
@@ -520,8 +522,8 @@ impl super::claim::ClaimAttempt<MySql> for MySqlClaim<'_> {
 fn failure(error: sqlx::Error) -> Failure {
     match number(&error) {
         Some(ER_LOCK_WAIT_TIMEOUT | ER_STATEMENT_TIMEOUT) => Failure::InUse,
-        Some(ER_LOCK_DEADLOCK) => Failure::Retry(error.into()),
-        _ => Failure::Fatal(error.into()),
+        Some(ER_LOCK_DEADLOCK) => Failure::Retry(error.into_store()),
+        _ => Failure::Fatal(error.into_store()),
     }
 }
 
@@ -551,14 +553,18 @@ fn end_claim() -> String {
 
 /// `None`: the row is ours (just inserted or taken over, status unset).
 fn read_row(row: &MySqlRow) -> Result<Option<ClaimOutcome<MySql>>, StoreError> {
-    let Some(status) = row.try_get::<Option<i16>, _>("status")? else {
+    let Some(status) = row
+        .try_get::<Option<i16>, _>("status")
+        .map_err(StoreError::Database)?
+    else {
         return Ok(None);
     };
     finished(
         status.into(),
-        &row.try_get::<Vec<u8>, _>("fingerprint")?,
-        row.try_get("headers")?,
-        row.try_get("body")?,
+        &row.try_get::<Vec<u8>, _>("fingerprint")
+            .map_err(StoreError::Database)?,
+        row.try_get("headers").map_err(StoreError::Database)?,
+        row.try_get("body").map_err(StoreError::Database)?,
     )
     .map(Some)
 }

@@ -72,11 +72,12 @@ impl Phased for Postgres {
             let row = simple(upsert, &args).fetch_optional(&mut **conn).await;
             (conn, row)
         })
-        .await?;
+        .await
+        .map_err(StoreError::Database)?;
         if let Some(row) = owned {
             return Ok(LeaseOutcome::Owned {
-                token: row.try_get("lease_token")?,
-                recovery: row.try_get("recovery")?,
+                token: row.try_get("lease_token").map_err(StoreError::Database)?,
+                recovery: row.try_get("recovery").map_err(StoreError::Database)?,
             });
         }
         let select = format!(
@@ -94,15 +95,25 @@ impl Phased for Postgres {
             let row = simple(select, &args).fetch_optional(&mut **conn).await;
             (conn, row)
         })
-        .await?
+        .await
+        .map_err(StoreError::Database)?
         .ok_or(StoreError::Vanished)?;
         Unclaimed {
-            status: row.try_get::<Option<i16>, _>("status")?.map(i64::from),
-            fingerprint: row.try_get("fingerprint")?,
-            headers: row.try_get("headers")?,
-            body: row.try_get("body")?,
-            leased: row.try_get::<Option<i64>, _>("lease_token")?.is_some(),
-            remaining_ms: row.try_get::<Option<i64>, _>("remaining_ms")?.unwrap_or(0),
+            status: row
+                .try_get::<Option<i16>, _>("status")
+                .map_err(StoreError::Database)?
+                .map(i64::from),
+            fingerprint: row.try_get("fingerprint").map_err(StoreError::Database)?,
+            headers: row.try_get("headers").map_err(StoreError::Database)?,
+            body: row.try_get("body").map_err(StoreError::Database)?,
+            leased: row
+                .try_get::<Option<i64>, _>("lease_token")
+                .map_err(StoreError::Database)?
+                .is_some(),
+            remaining_ms: row
+                .try_get::<Option<i64>, _>("remaining_ms")
+                .map_err(StoreError::Database)?
+                .unwrap_or(0),
         }
         .outcome(&claim.fingerprint)
     }

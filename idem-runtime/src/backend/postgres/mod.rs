@@ -22,7 +22,7 @@ use sqlx_core::transaction::TransactionManager;
 use self::sql::{Arg, ClaimRow, PEEK, fnv1a, inline};
 use super::claim::Failure;
 use super::contract::decode_finished;
-use super::{Acquire, Backend, Claim, ClaimOutcome, FinishError, OpenTx, StoreError};
+use super::{Acquire, Backend, Claim, ClaimOutcome, FinishError, IntoStore, OpenTx, StoreError};
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 use crate::response::StoredResponse;
@@ -162,7 +162,8 @@ impl Backend for Postgres {
             conn.release_unless_gone(&row);
             row
         })
-        .await?;
+        .await
+        .map_err(StoreError::Database)?;
         Ok(match row.as_ref().map(read_row).transpose()? {
             Some(Found::Finished(fingerprint, response)) => Some(ClaimOutcome::Finished {
                 fingerprint,
@@ -290,9 +291,9 @@ fn finish_error(error: sqlx::Error) -> FinishError {
         sqlx::Error::Database(db) if db.code().is_some_and(|code| code.starts_with("23") || code.starts_with("54"))
     );
     if integrity || has_code(&error, &[IN_FAILED_TRANSACTION]) {
-        FinishError::Ended(error.into())
+        FinishError::Ended(error.into_store())
     } else {
-        FinishError::Store(error.into())
+        FinishError::Store(error.into_store())
     }
 }
 
@@ -426,11 +427,14 @@ async fn claim_with_fallback(
             }
         }
         // A server without the view: the lookup's error is no claim's.
-        Err(sqlx::Error::Database(error)) => sqlx::Error::Database(error).into(),
-        Err(error) => return Err(error.into()),
+        Err(sqlx::Error::Database(error)) => sqlx::Error::Database(error).into_store(),
+        Err(error) => return Err(error.into_store()),
     };
     tracing::debug!(%error, "prepared statements not kept; inlining idem's arguments");
-    sqlx::raw_sql("ROLLBACK").execute(&mut **conn).await?;
+    sqlx::raw_sql("ROLLBACK")
+        .execute(&mut **conn)
+        .await
+        .map_err(StoreError::Database)?;
     row.prepared = false;
     settle(conn, row, "").await
 }
@@ -466,11 +470,12 @@ async fn settle(
         match begun {
             Ok(()) => return Ok(Settled::Ours),
             Err(error) if has_code(&error, &[UNIQUE_VIOLATION]) => {}
-            Err(error) => return Err(error.into()),
+            Err(error) => return Err(error.into_store()),
         }
         let rows = sqlx::raw_sql(AssertSqlSafe(row.end_and_select()))
             .fetch_all(&mut **conn)
-            .await?;
+            .await
+            .map_err(StoreError::Database)?;
         claim = match rows.first().map(read_row).transpose()? {
             None => row.begin_and_insert(""),
             Some(Found::Expired) => row.expire_and_insert(),
@@ -501,17 +506,24 @@ enum Settled {
 }
 
 fn read_row(row: &PgRow) -> Result<Found, StoreError> {
-    if row.try_get::<bool, _>("expired")? {
+    if row
+        .try_get::<bool, _>("expired")
+        .map_err(StoreError::Database)?
+    {
         return Ok(Found::Expired);
     }
-    let Some(status) = row.try_get::<Option<i16>, _>("status")? else {
+    let Some(status) = row
+        .try_get::<Option<i16>, _>("status")
+        .map_err(StoreError::Database)?
+    else {
         return Ok(Found::Unfinished);
     };
     let (fingerprint, response) = decode_finished(
         status.into(),
-        &row.try_get::<Vec<u8>, _>("fingerprint")?,
-        row.try_get("headers")?,
-        row.try_get("body")?,
+        &row.try_get::<Vec<u8>, _>("fingerprint")
+            .map_err(StoreError::Database)?,
+        row.try_get("headers").map_err(StoreError::Database)?,
+        row.try_get("body").map_err(StoreError::Database)?,
     )?;
     Ok(Found::Finished(fingerprint, response))
 }

@@ -62,11 +62,12 @@ impl Phased for Sqlite {
                 .await;
             (conn, row)
         })
-        .await?;
+        .await
+        .map_err(StoreError::Database)?;
         if let Some(row) = owned {
             return Ok(LeaseOutcome::Owned {
-                token: row.try_get("lease_token")?,
-                recovery: row.try_get("recovery")?,
+                token: row.try_get("lease_token").map_err(StoreError::Database)?,
+                recovery: row.try_get("recovery").map_err(StoreError::Database)?,
             });
         }
         let select = format!(
@@ -82,15 +83,19 @@ impl Phased for Sqlite {
                 .await;
             (conn, row)
         })
-        .await?
+        .await
+        .map_err(StoreError::Database)?
         .ok_or(StoreError::Vanished)?;
-        let until: Option<i64> = row.try_get("lease_until")?;
+        let until: Option<i64> = row.try_get("lease_until").map_err(StoreError::Database)?;
         Unclaimed {
-            status: row.try_get("status")?,
-            fingerprint: row.try_get("fingerprint")?,
-            headers: row.try_get("headers")?,
-            body: row.try_get("body")?,
-            leased: row.try_get::<Option<i64>, _>("lease_token")?.is_some(),
+            status: row.try_get("status").map_err(StoreError::Database)?,
+            fingerprint: row.try_get("fingerprint").map_err(StoreError::Database)?,
+            headers: row.try_get("headers").map_err(StoreError::Database)?,
+            body: row.try_get("body").map_err(StoreError::Database)?,
+            leased: row
+                .try_get::<Option<i64>, _>("lease_token")
+                .map_err(StoreError::Database)?
+                .is_some(),
             remaining_ms: until.map_or(0, |until| until.saturating_sub(now_ms())),
         }
         .outcome(&claim.fingerprint)

@@ -58,7 +58,7 @@ use self::sql::Sql;
 use super::connection::abandon;
 use super::contract::finished;
 use super::single_flight;
-use super::{Acquire, Backend, Claim, ClaimOutcome, FinishError, OpenTx, StoreError};
+use super::{Acquire, Backend, Claim, ClaimOutcome, FinishError, IntoStore, OpenTx, StoreError};
 use crate::error::Error;
 use crate::response::StoredResponse;
 
@@ -172,7 +172,9 @@ impl Backend for Sqlite {
             }
         };
 
-        let mut conn = begin_immediate(pool, acquire).await?;
+        let mut conn = begin_immediate(pool, acquire)
+            .await
+            .map_err(StoreError::Database)?;
         let now = now_ms();
         let row = sqlx::query(AssertSqlSafe(sql.claim))
             .bind(claim.scope.as_bytes())
@@ -185,7 +187,7 @@ impl Backend for Sqlite {
         let outcome = match row {
             Ok(Some(row)) => read_claimed(&row),
             Ok(None) => Err(StoreError::Vanished),
-            Err(error) => Err(error.into()),
+            Err(error) => Err(error.into_store()),
         };
         match outcome {
             Ok(Found::Ours) => Ok(ClaimOutcome::Claimed(conn.hold(flight))),
@@ -241,7 +243,10 @@ impl Backend for Sqlite {
             if let Some(expires_at) = expires_at {
                 query = query.bind(expires_at);
             }
-            let stored = query.execute(&mut ***conn).await?;
+            let stored = query
+                .execute(&mut ***conn)
+                .await
+                .map_err(FinishError::store)?;
             // Some errors (`INSERT OR ROLLBACK`, a full disk) make SQLite
             // roll the whole transaction back, and the connection then runs
             // in autocommit: a handler that caught one and answered 2xx
@@ -284,9 +289,9 @@ impl Backend for Sqlite {
             sqlx::Error::Database(db)
                 if no_transaction || db.kind() != sqlx::error::ErrorKind::Other =>
             {
-                FinishError::Ended(error.into())
+                FinishError::Ended(error.into_store())
             }
-            _ => FinishError::Store(error.into()),
+            _ => FinishError::Store(error.into_store()),
         })
     }
 
@@ -378,7 +383,8 @@ async fn replay(
         conn.release_unless_gone(&row);
         row
     })
-    .await?;
+    .await
+    .map_err(StoreError::Database)?;
     match row.as_ref().map(read_row).transpose()? {
         Some(Found::Finished(found)) => Ok(Some(found)),
         _ => Ok(None),
@@ -399,20 +405,31 @@ enum Found {
 /// if the upsert wrote it.
 fn read_claimed(row: &SqliteRow) -> Result<Found, StoreError> {
     match read_row(row)? {
-        Found::Ours if row.try_get::<i64, _>("claimed")? == 0 => Ok(Found::Stranded),
+        Found::Ours
+            if row
+                .try_get::<i64, _>("claimed")
+                .map_err(StoreError::Database)?
+                == 0 =>
+        {
+            Ok(Found::Stranded)
+        }
         found => Ok(found),
     }
 }
 
 fn read_row(row: &SqliteRow) -> Result<Found, StoreError> {
-    let Some(status) = row.try_get::<Option<i64>, _>("status")? else {
+    let Some(status) = row
+        .try_get::<Option<i64>, _>("status")
+        .map_err(StoreError::Database)?
+    else {
         return Ok(Found::Ours);
     };
     finished(
         status,
-        &row.try_get::<Vec<u8>, _>("fingerprint")?,
-        row.try_get("headers")?,
-        row.try_get("body")?,
+        &row.try_get::<Vec<u8>, _>("fingerprint")
+            .map_err(StoreError::Database)?,
+        row.try_get("headers").map_err(StoreError::Database)?,
+        row.try_get("body").map_err(StoreError::Database)?,
     )
     .map(Found::Finished)
 }
