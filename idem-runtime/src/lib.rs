@@ -48,10 +48,7 @@ pub use consume::{ConsumeError, Consumed};
 pub use error::Error;
 pub use idem::{DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_TABLE, Idem};
 pub use key::{IDEMPOTENCY_KEY, IdempotencyKey, KeyError, MAX_KEY_LEN};
-pub use observe::{
-    CLAIM_SECONDS, COMPLETER_TOTAL, CONSUMED_TOTAL, FENCED_TOTAL, OUTBOX_TOTAL, Outcome,
-    PHASES_TOTAL, REQUESTS_TOTAL, RESUMES_TOTAL, redact,
-};
+pub use observe::{Outcome, redact};
 pub use outbox::{
     FnSink, MAX_TOPIC_LEN, Message, OutboxWriter, Relay, RelayRun, Sink, SinkError, sink_fn,
 };
@@ -63,6 +60,15 @@ pub use response::{DEFAULT_REPLAY_HEADERS, IDEMPOTENT_REPLAYED};
 pub use scope::{MAX_SCOPE_LEN, Scope};
 pub use table::DEFAULT_CONSUMED_RETENTION;
 pub use tx::Tx;
+
+/// The names of the metrics `idem` records through the `metrics` crate,
+/// for dashboards and tests.
+pub mod metrics {
+    pub use crate::observe::{
+        CLAIM_SECONDS, COMPLETER_TOTAL, CONSUMED_TOTAL, FENCED_TOTAL, OUTBOX_TOTAL, PHASES_TOTAL,
+        REQUESTS_TOTAL, RESUMES_TOTAL,
+    };
+}
 
 /// What `#[idempotent]` expands to, and the storage contract and encoders
 /// the project's own tests and benchmarks reach. Not a public API: it

@@ -16,7 +16,8 @@ use std::thread::ThreadId;
 use std::time::Duration;
 
 use hardening::{Answer, Server, connect, send, unique};
-use idem::{CLAIM_SECONDS, Idem, REQUESTS_TOTAL, redact};
+use idem::metrics::{CLAIM_SECONDS, REQUESTS_TOTAL};
+use idem::{Idem, redact};
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Id, Record};

@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use idem::{COMPLETER_TOTAL, PHASES_TOTAL, REQUESTS_TOTAL, RESUMES_TOTAL};
+use idem::metrics::{COMPLETER_TOTAL, PHASES_TOTAL, REQUESTS_TOTAL, RESUMES_TOTAL};
 use idem_tests::phased::{Boundaries, LEASE, PhasedDb};
 use idem_tests::unique::unique;
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
