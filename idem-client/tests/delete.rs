@@ -274,9 +274,15 @@ async fn a_connection_that_could_not_be_made_sent_nothing_and_does_not_count() {
         let url = format!("http://{addr}");
         let sending = tokio::spawn(async move { delete(&client, &intent, &url, 7).await });
 
-        while clock.manual.sleeps().is_empty() {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        // The first attempt failed to connect and its backoff began.
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while clock.manual.sleeps().is_empty() {
+                assert!(!sending.is_finished(), "the client ended without a retry");
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await
+        .expect("the client backed off within 10 s");
         let listener = tokio::net::TcpListener::bind(addr).await.unwrap();
         let server = Things::serve(listener, &[8], 0);
         open.send_replace(true);

@@ -303,10 +303,10 @@ impl<DB: Backend> Idem<DB> {
     /// Says what sits between the service and its database (default
     /// [`Pooler::Session`]). Behind a transaction-mode pooler such as
     /// PgBouncer's `pool_mode = transaction`, set [`Pooler::Transaction`]:
-    /// the claim and finish then keep nothing in the session (PostgreSQL
-    /// parses them per request instead of running statements prepared
-    /// once per connection). Every other statement of `idem`'s holds
-    /// nothing in the session on any setting. The application's own
+    /// the claim, the finish and the replay's read then keep nothing in the
+    /// session (PostgreSQL parses them per request instead of running
+    /// statements prepared once per connection). Every other statement of
+    /// `idem`'s holds nothing in the session on any setting. The application's own
     /// queries need `.persistent(false)` there: sqlx names every statement
     /// it prepares otherwise.
     ///

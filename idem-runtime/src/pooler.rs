@@ -9,8 +9,8 @@
 /// server session, so nothing may outlive a transaction: no prepared
 /// statement kept by name, no session `SET`, `LISTEN` or session advisory
 /// lock. Most of `idem`'s statements are written so on every setting; this
-/// one only decides whether the claim and finish on PostgreSQL may keep
-/// their prepared statements in the session.
+/// one only decides whether the claim, the finish and the replay's read on
+/// PostgreSQL may keep their prepared statements in the session.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum Pooler {

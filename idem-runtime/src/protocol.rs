@@ -403,23 +403,7 @@ async fn run_keyed<'f, DB: Backend>(
     let (response, mut conn) = match execute(conn, Some(key), idem, claim.timeout(), handler).await
     {
         Ok((answer, conn)) if answer.commits() => (answer.response, conn),
-        Ok((answer, conn)) => {
-            let gone = abandon_keyed(conn, idem, claim).await;
-            if gone && answer.response.status().is_server_error() {
-                // The handler's error came from the store, lost under it (a
-                // failover, a cut connection): nothing committed, and a
-                // retry is safe, which the handler's 500 would not say.
-                tracing::warn!(
-                    status = answer.response.status().as_u16(),
-                    "the key store connection was lost during the handler; answering 503"
-                );
-                return (
-                    Outcome::StoreUnavailable,
-                    Problem::StoreUnavailable.into_response(),
-                );
-            }
-            return (Outcome::RolledBack, answer.response);
-        }
+        Ok((answer, conn)) => return rolled_back(conn, idem, claim, answer.response).await,
         Err(ended) => return ended,
     };
     let (stored, parts) = match StoredResponse::capture(
@@ -543,15 +527,62 @@ pub(crate) async fn read_seen<DB: Backend>(
     Ok(None)
 }
 
+/// The answer to a claimed request whose handler's answer will not be
+/// stored: rolled back, and the handler's answer, except where that is a
+/// 5xx and its connection turns out lost (a failover, a cut, a session the
+/// server ended): then 503 with `Retry-After`, which a retry with the same
+/// key can act on, unless the claim's row is found committed without a
+/// response (the handler committed its own transaction, and the key
+/// answers 409 until it expires).
+async fn rolled_back<DB: Backend>(
+    conn: OpenTx<DB>,
+    idem: &Idem<DB>,
+    claim: &Claim<'_>,
+    response: Response,
+) -> (Outcome, Response) {
+    let stranded = match abandon_keyed(conn, idem, claim).await {
+        Abandoned::Open => return (Outcome::RolledBack, response),
+        Abandoned::Gone { stranded } => stranded,
+    };
+    if !response.status().is_server_error() || stranded == Some(true) {
+        return (Outcome::RolledBack, response);
+    }
+    // Nothing of the claim is committed (`Some(false)`), or the store is
+    // down and cannot say (`None`), where only a handler that committed its
+    // own transaction, outside the contract, leaves a row behind.
+    tracing::warn!(
+        status = response.status().as_u16(),
+        checked = stranded.is_some(),
+        "the key store connection was lost during the handler; answering 503"
+    );
+    (
+        Outcome::StoreUnavailable,
+        Problem::StoreUnavailable.into_response(),
+    )
+}
+
+/// How a rolled-back request's connection ended.
+enum Abandoned {
+    /// The connection answered the rollback (and the check of the key).
+    Open,
+    /// The connection was gone. `stranded`: whether the key's row is there
+    /// without a response, as another connection read it; `None` if it
+    /// could not be read within [`STRANDED_CHECK`].
+    Gone { stranded: Option<bool> },
+}
+
+/// How long a request whose connection was lost waits for another to
+/// look at its key.
+const STRANDED_CHECK: Duration = Duration::from_secs(1);
+
 /// Rolls back a claimed request that will not be stored, and says so where
 /// the handler had committed the transaction itself: its claim row stayed,
-/// without a response, and the key answers 409 until it expires. Returns
-/// whether the connection was gone (the rollback found it lost).
+/// without a response, and the key answers 409 until it expires.
 async fn abandon_keyed<DB: Backend>(
     mut conn: OpenTx<DB>,
     idem: &Idem<DB>,
     claim: &Claim<'_>,
-) -> bool {
+) -> Abandoned {
     // A rollback can fail because the handler's own commit left nothing to
     // roll back (SQLite says so): the check runs either way, and only a
     // connection whose rollback and check both succeeded goes back.
@@ -559,7 +590,25 @@ async fn abandon_keyed<DB: Backend>(
     if let Err(error) = &rolled_back {
         tracing::warn!(%error, "rollback failed; closing the connection");
     }
-    let checked = DB::stranded(&mut conn, idem.table_name(), claim).await;
+    let gone = matches!(&rolled_back, Err(error) if is_gone::<DB>(error));
+    let checked = if gone {
+        drop(conn);
+        let check = async {
+            let mut other = idem.pool().acquire().await?;
+            DB::stranded(&mut other, idem.table_name(), claim).await
+        };
+        // Boxed: sqlx's acquisition would otherwise sit in every request's
+        // future (see `OpenTx::acquire`).
+        tokio::time::timeout(STRANDED_CHECK, Box::pin(check))
+            .await
+            .unwrap_or(Err(sqlx::Error::PoolTimedOut))
+    } else {
+        let checked = DB::stranded(&mut conn, idem.table_name(), claim).await;
+        if rolled_back.is_ok() && checked.is_ok() {
+            conn.release();
+        }
+        checked
+    };
     match &checked {
         Ok(true) => tracing::error!(
             scope = observe::redact(&[claim.scope]),
@@ -570,10 +619,13 @@ async fn abandon_keyed<DB: Backend>(
         Ok(false) => {}
         Err(error) => tracing::debug!(%error, "checking the key after a rollback failed"),
     }
-    if rolled_back.is_ok() && checked.is_ok() {
-        conn.release();
+    if gone {
+        Abandoned::Gone {
+            stranded: checked.ok(),
+        }
+    } else {
+        Abandoned::Open
     }
-    matches!(&rolled_back, Err(error) if is_gone::<DB>(error))
 }
 
 /// A request without a key on a `key = "optional"` handler: one plain

@@ -703,6 +703,22 @@ macro_rules! define_app {
                             .execute(&mut **tx)
                             .await?;
                     }
+                    // Commits its own transaction (misuse), then as
+                    // `session-then-write:`: its claim's row stays, without
+                    // a response.
+                    m if m.starts_with("raw-commit-then-session-then-write:") => {
+                        sqlx::raw_sql("COMMIT").execute(&mut **tx).await?;
+                        let hold = holds.get(&m[35..]);
+                        *hold.session.lock().unwrap() =
+                            <$db as TestDb>::session_id(&mut **tx).await;
+                        hold.entered.notify_one();
+                        hold.release.notified().await;
+                        sqlx::query(<$db as TestDb>::TOUCH_EFFECT)
+                            .bind(id)
+                            .persistent(app::persistent())
+                            .execute(&mut **tx)
+                            .await?;
+                    }
                     // Reads its scope's effects (a predicate a concurrent
                     // writer of the scope conflicts with, under
                     // SERIALIZABLE), then is held as in `hold:`.

@@ -115,6 +115,7 @@ async fn virtual_environment() -> PathBuf {
 async fn run(what: &str, command: &mut Command) {
     let output = command
         .stdin(Stdio::null())
+        .kill_on_drop(true)
         .output()
         .await
         .unwrap_or_else(|error| panic!("{what} could not run ({error}): these tests need python3"));

@@ -72,8 +72,10 @@ pub async fn lost_commits_are_503<DB: TestDb>() {
 
 /// A handler whose statement meets a lost connection (the server ended its
 /// session: a failover, a cut) answers 500 itself; the client is told 503
-/// with `Retry-After`, the store's failure, since nothing committed and a
-/// retry is safe. The retry runs the handler once.
+/// with `Retry-After`, the store's failure, since nothing committed (another
+/// connection finds no row of the claim) and a retry is safe. The retry
+/// runs the handler once. A handler that had committed its own transaction
+/// keeps its 500.
 pub async fn handlers_that_lose_their_connection_are_503<DB: TestDb>(
     server: &Server<DB>,
     admin: &sqlx::Pool<DB>,
@@ -94,6 +96,31 @@ pub async fn handlers_that_lose_their_connection_are_503<DB: TestDb>(
     assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
     assert!(!retry.replayed(), "{retry:?}");
     assert_eq!(server.effects(&caller).await, 1);
+
+    // A handler that committed its own transaction (outside the contract)
+    // before it lost the connection: its effect and claim are committed,
+    // so no 503 invites a retry; the handler's 500, and 409 after.
+    let held = format!("{caller}-committed");
+    let hold = server.state.holds.get(&held);
+    let mode = format!("raw-commit-then-session-then-write:{held}");
+    let answer = tokio::spawn(send(client.post_in_mode("/effects", "c", &mode)));
+    hold.entered().await;
+    DB::end_session(admin, hold.session().expect("a server session")).await;
+    hold.release.notify_one();
+    let answer = answer.await.unwrap();
+    assert_eq!(
+        answer.status,
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "{answer:?}"
+    );
+    assert_eq!(
+        server.effects(&caller).await,
+        2,
+        "the committed effect stays"
+    );
+    let retry = send(client.post("/effects", "c", BODY)).await;
+    assert_eq!(retry.status, StatusCode::CONFLICT, "{retry:?}");
+    assert_eq!(server.effects(&caller).await, 2);
 }
 
 /// A handler that commits its transaction itself and then fails in any
