@@ -690,25 +690,18 @@ macro_rules! define_app {
                     }
                     // As `session:`, then a statement: the test has ended
                     // the session meanwhile (a failover, a cut), so the
-                    // statement fails and the handler answers 500.
-                    m if m.starts_with("session-then-write:") => {
-                        let hold = holds.get(&m[19..]);
-                        *hold.session.lock().unwrap() =
-                            <$db as TestDb>::session_id(&mut **tx).await;
-                        hold.entered.notify_one();
-                        hold.release.notified().await;
-                        sqlx::query(<$db as TestDb>::TOUCH_EFFECT)
-                            .bind(id)
-                            .persistent(app::persistent())
-                            .execute(&mut **tx)
-                            .await?;
-                    }
-                    // Commits its own transaction (misuse), then as
-                    // `session-then-write:`: its claim's row stays, without
+                    // statement fails and the handler answers 500. With
+                    // `raw-commit-then-`, it first commits its own
+                    // transaction (misuse): its claim's row stays, without
                     // a response.
-                    m if m.starts_with("raw-commit-then-session-then-write:") => {
-                        sqlx::raw_sql("COMMIT").execute(&mut **tx).await?;
-                        let hold = holds.get(&m[35..]);
+                    m if m.starts_with("session-then-write:")
+                        || m.starts_with("raw-commit-then-session-then-write:") =>
+                    {
+                        let (mode, name) = m.split_once(':').unwrap();
+                        if mode.starts_with("raw-commit-then-") {
+                            sqlx::raw_sql("COMMIT").execute(&mut **tx).await?;
+                        }
+                        let hold = holds.get(name);
                         *hold.session.lock().unwrap() =
                             <$db as TestDb>::session_id(&mut **tx).await;
                         hold.entered.notify_one();

@@ -66,35 +66,22 @@ async fn a_node_then_the_stream_leader_killed_every_message_applied_once() {
     // The relay talks to the node killed first, the consumer to the
     // stream's leader, killed second: each must move to another node
     // (their clients learn the others from the cluster).
-    let charges = PgSchema::create("nats_cluster_charges").await;
-    let ledger_db = PgSchema::create("nats_cluster_ledger").await;
-    let dir = tempfile::tempdir().unwrap();
-    let addr = free_port();
-    let _service = service(
-        dir.path(),
-        addr,
+    let running = Flow::start(
+        "nats_cluster",
         &stream,
         &cluster.url(&victim),
-        Some(&charges.url),
-    )
-    .await;
-    let printed = Arc::new(Printed::default());
-    let settings = ConsumerSettings {
-        name: "ledger",
-        ack_wait: ACK_WAIT,
-        crash_after: None,
-    };
-    let mut consumer = consumer(
-        dir.path(),
         &cluster.url(&leader),
-        &ledger_db.url,
-        &stream,
-        &settings,
-        &printed,
     )
     .await;
-    let store = charges.store().await;
-    let ledger = Ledger::postgres(&ledger_db.url).await;
+    let Flow {
+        addr,
+        printed,
+        mut consumer,
+        store,
+        ledger,
+        schemas,
+        ..
+    } = running;
 
     let flow = tokio::spawn(async move {
         let http = reqwest::Client::new();
@@ -154,7 +141,7 @@ async fn a_node_then_the_stream_leader_killed_every_message_applied_once() {
                 if store.pending().await > 0 || ledger.rows().await < CHARGES as u64 {
                     return None;
                 }
-                (stream.consumer_backlog(settings.name).await == (0, 0)).then_some(())
+                (stream.consumer_backlog(CONSUMER).await == (0, 0)).then_some(())
             },
         )
         .await;
@@ -179,9 +166,13 @@ async fn a_node_then_the_stream_leader_killed_every_message_applied_once() {
         printed.duplicates(),
         started.elapsed()
     );
+    let (charges, ledger_db) = schemas;
     charges.drop().await;
     ledger_db.drop().await;
 }
+
+/// The consumer example's durable name.
+const CONSUMER: &str = "ledger";
 
 /// The duplicate window of the second test.
 const WINDOW: Duration = Duration::from_secs(2);
@@ -205,35 +196,16 @@ async fn a_redelivery_after_the_duplicate_window_is_applied_once() {
     .await;
     let leader = cluster.stream_current(&jetstream, &stream.name).await;
 
-    let charges = PgSchema::create("nats_window_charges").await;
-    let ledger_db = PgSchema::create("nats_window_ledger").await;
-    let dir = tempfile::tempdir().unwrap();
-    let addr = free_port();
-    let _service = service(
-        dir.path(),
+    let url = cluster.url(&leader);
+    let running = Flow::start("nats_window", &stream, &url, &url).await;
+    let Flow {
         addr,
-        &stream,
-        &cluster.url(&leader),
-        Some(&charges.url),
-    )
-    .await;
-    let printed = Arc::new(Printed::default());
-    let settings = ConsumerSettings {
-        name: "ledger",
-        ack_wait: ACK_WAIT,
-        crash_after: None,
-    };
-    let _consumer = consumer(
-        dir.path(),
-        &cluster.url(&leader),
-        &ledger_db.url,
-        &stream,
-        &settings,
-        &printed,
-    )
-    .await;
-    let store = charges.store().await;
-    let ledger = Ledger::postgres(&ledger_db.url).await;
+        printed,
+        store,
+        ledger,
+        schemas,
+        ..
+    } = running;
 
     let http = reqwest::Client::new();
     for i in 0..MESSAGES {
@@ -248,7 +220,7 @@ async fn a_redelivery_after_the_duplicate_window_is_applied_once() {
                     if store.pending().await > 0 || stream.state().await.messages < copies {
                         return None;
                     }
-                    let backlog = stream.consumer_backlog(settings.name).await;
+                    let backlog = stream.consumer_backlog(CONSUMER).await;
                     let seen = printed.applied() + printed.duplicates();
                     (backlog == (0, 0) && seen >= copies).then_some(())
                 },
@@ -323,6 +295,58 @@ async fn a_redelivery_after_the_duplicate_window_is_applied_once() {
          {MESSAGES} messages, one ledger row each; {:?} in all",
         started.elapsed()
     );
+    let (charges, ledger_db) = schemas;
     charges.drop().await;
     ledger_db.drop().await;
+}
+
+/// The charges example (its relay on `relay_url`) and the consumer example
+/// (on `consumer_url`), each on PostgreSQL in a schema of its own, over
+/// `stream`; stopped when dropped (destructure a binding of it, not the
+/// call: the fields left out of a temporary's pattern are dropped at once).
+struct Flow {
+    addr: std::net::SocketAddr,
+    printed: Arc<Printed>,
+    consumer: tokio::process::Child,
+    store: Store,
+    ledger: Ledger,
+    _service: tokio::process::Child,
+    /// The charges' and the ledger's schemas, for the test to drop.
+    schemas: (PgSchema, PgSchema),
+    _dir: tempfile::TempDir,
+}
+
+impl Flow {
+    async fn start(label: &str, stream: &TestStream, relay_url: &str, consumer_url: &str) -> Flow {
+        let charges = PgSchema::create(&format!("{label}_charges")).await;
+        let ledger_db = PgSchema::create(&format!("{label}_ledger")).await;
+        let dir = tempfile::tempdir().unwrap();
+        let addr = free_port();
+        let service = service(dir.path(), addr, stream, relay_url, Some(&charges.url)).await;
+        let printed = Arc::new(Printed::default());
+        let settings = ConsumerSettings {
+            name: CONSUMER,
+            ack_wait: ACK_WAIT,
+            crash_after: None,
+        };
+        let consumer = consumer(
+            dir.path(),
+            consumer_url,
+            &ledger_db.url,
+            stream,
+            &settings,
+            &printed,
+        )
+        .await;
+        Flow {
+            addr,
+            printed,
+            consumer,
+            store: charges.store().await,
+            ledger: Ledger::postgres(&ledger_db.url).await,
+            _service: service,
+            schemas: (charges, ledger_db),
+            _dir: dir,
+        }
+    }
 }
