@@ -149,23 +149,14 @@ pub enum FinishError {
     Store(StoreError),
 }
 
+/// Neither error type has a `From<sqlx::Error>`: the engines convert by
+/// name (`StoreError::Database`, `FinishError::store`), so a handler's
+/// closure that leaves its error type to inference is never offered these
+/// internal types as candidates.
 impl FinishError {
     /// The store failed the finish with `error`.
     pub(crate) fn store(error: sqlx::Error) -> Self {
         Self::Store(StoreError::Database(error))
-    }
-}
-
-/// A sqlx error as the store's, converted by name: neither error type has a
-/// `From<sqlx::Error>`, so a handler's closure that leaves its error type to
-/// inference is never offered these internal types as candidates.
-pub(crate) trait IntoStore {
-    fn into_store(self) -> StoreError;
-}
-
-impl IntoStore for sqlx::Error {
-    fn into_store(self) -> StoreError {
-        StoreError::Database(self)
     }
 }
 

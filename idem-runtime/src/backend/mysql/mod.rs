@@ -58,7 +58,7 @@ use sqlx_core::transaction::TransactionManager;
 use self::sql::{claim_sql, delete_statements, hex, matches, store};
 use super::claim::Failure;
 use super::contract::finished;
-use super::{Acquire, Backend, Claim, ClaimOutcome, FinishError, IntoStore, OpenTx, StoreError};
+use super::{Acquire, Backend, Claim, ClaimOutcome, FinishError, OpenTx, StoreError};
 use crate::error::Error;
 use crate::response::StoredResponse;
 
@@ -298,9 +298,9 @@ impl Backend for MySql {
             // The `UPDATE` missed the claim's row: the transaction open now
             // is not the request's. Rolled back by the caller.
             Err(error) if number(&error) == Some(ER_DATA_OUT_OF_RANGE) => {
-                return Err(FinishError::Ended(error.into_store()));
+                return Err(FinishError::Ended(StoreError::Database(error)));
             }
-            Err(error) => return Err(FinishError::Store(error.into_store())),
+            Err(error) => return Err(FinishError::store(error)),
         };
         // No transaction was open. A statement that commits implicitly
         // (DDL, `LOCK TABLES`) ended it by committing: the claim's row is
@@ -328,7 +328,7 @@ impl Backend for MySql {
                 return Ok(());
             }
         }
-        Err(FinishError::Ended(error.into_store()))
+        Err(FinishError::Ended(StoreError::Database(error)))
     }
 
     async fn stranded(
@@ -481,7 +481,7 @@ impl super::claim::ClaimAttempt<MySql> for MySqlClaim<'_> {
             .await;
         let found = match rows {
             Ok(rows) => rows.first().map(read_row).transpose(),
-            Err(error) => Err(error.into_store()),
+            Err(error) => Err(StoreError::Database(error)),
         };
         match found {
             Ok(Some(Some(finished))) => {
@@ -522,8 +522,8 @@ impl super::claim::ClaimAttempt<MySql> for MySqlClaim<'_> {
 fn failure(error: sqlx::Error) -> Failure {
     match number(&error) {
         Some(ER_LOCK_WAIT_TIMEOUT | ER_STATEMENT_TIMEOUT) => Failure::InUse,
-        Some(ER_LOCK_DEADLOCK) => Failure::Retry(error.into_store()),
-        _ => Failure::Fatal(error.into_store()),
+        Some(ER_LOCK_DEADLOCK) => Failure::Retry(StoreError::Database(error)),
+        _ => Failure::Fatal(StoreError::Database(error)),
     }
 }
 

@@ -22,7 +22,7 @@ use sqlx_core::transaction::TransactionManager;
 use self::sql::{Arg, ClaimRow, PEEK, fnv1a, inline};
 use super::claim::Failure;
 use super::contract::decode_finished;
-use super::{Acquire, Backend, Claim, ClaimOutcome, FinishError, IntoStore, OpenTx, StoreError};
+use super::{Acquire, Backend, Claim, ClaimOutcome, FinishError, OpenTx, StoreError};
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 use crate::response::StoredResponse;
@@ -146,12 +146,9 @@ impl Backend for Postgres {
                     Arg::Bytes(claim.scope.as_bytes()),
                     Arg::Bytes(claim.key.as_bytes()),
                 ];
-                sqlx::raw_sql(AssertSqlSafe(inline(
-                    &PEEK.replace("{table}", table),
-                    &args,
-                )))
-                .fetch_optional(&mut **conn)
-                .await
+                simple(&PEEK.replace("{table}", table), &args)
+                    .fetch_optional(&mut **conn)
+                    .await
             } else {
                 sqlx::query(AssertSqlSafe(PEEK.replace("{table}", table)))
                     .bind(claim.scope.as_bytes())
@@ -291,9 +288,9 @@ fn finish_error(error: sqlx::Error) -> FinishError {
         sqlx::Error::Database(db) if db.code().is_some_and(|code| code.starts_with("23") || code.starts_with("54"))
     );
     if integrity || has_code(&error, &[IN_FAILED_TRANSACTION]) {
-        FinishError::Ended(error.into_store())
+        FinishError::Ended(StoreError::Database(error))
     } else {
-        FinishError::Store(error.into_store())
+        FinishError::store(error)
     }
 }
 
@@ -427,8 +424,8 @@ async fn claim_with_fallback(
             }
         }
         // A server without the view: the lookup's error is no claim's.
-        Err(sqlx::Error::Database(error)) => sqlx::Error::Database(error).into_store(),
-        Err(error) => return Err(error.into_store()),
+        Err(sqlx::Error::Database(error)) => StoreError::Database(sqlx::Error::Database(error)),
+        Err(error) => return Err(StoreError::Database(error)),
     };
     tracing::debug!(%error, "prepared statements not kept; inlining idem's arguments");
     sqlx::raw_sql("ROLLBACK")
@@ -470,7 +467,7 @@ async fn settle(
         match begun {
             Ok(()) => return Ok(Settled::Ours),
             Err(error) if has_code(&error, &[UNIQUE_VIOLATION]) => {}
-            Err(error) => return Err(error.into_store()),
+            Err(error) => return Err(StoreError::Database(error)),
         }
         let rows = sqlx::raw_sql(AssertSqlSafe(row.end_and_select()))
             .fetch_all(&mut **conn)

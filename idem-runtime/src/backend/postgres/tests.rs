@@ -104,8 +104,8 @@ impl crate::backend::claim::ClaimAttempt<Postgres> for &mut Scripted {
 #[tokio::test]
 async fn claims_are_retried_only_when_the_engine_asks() {
     let pool = test_pool(1, |options| options).await;
-    let retry = || Failure::Retry(sqlx::Error::PoolTimedOut.into_store());
-    let fatal = || Failure::Fatal(sqlx::Error::RowNotFound.into_store());
+    let retry = || Failure::Retry(StoreError::Database(sqlx::Error::PoolTimedOut));
+    let fatal = || Failure::Fatal(StoreError::Database(sqlx::Error::RowNotFound));
     let in_use = || Failure::InUse;
     let cases: [(&[Step], &str, &[usize]); 5] = [
         (&[Some(retry), Some(retry), None], "claimed", &[1, 2, 3]),
@@ -167,9 +167,9 @@ async fn a_held_key_after_a_lost_connection_is_not_a_running_attempt() {
         tokio::task::yield_now().await;
     }
     let gone = || {
-        Failure::Fatal(
-            sqlx::Error::Io(std::io::Error::from(std::io::ErrorKind::ConnectionReset)).into_store(),
-        )
+        Failure::Fatal(StoreError::Database(sqlx::Error::Io(std::io::Error::from(
+            std::io::ErrorKind::ConnectionReset,
+        ))))
     };
     let in_use = || Failure::InUse;
     let mut claim = Scripted {

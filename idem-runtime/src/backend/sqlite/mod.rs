@@ -58,7 +58,7 @@ use self::sql::Sql;
 use super::connection::abandon;
 use super::contract::finished;
 use super::single_flight;
-use super::{Acquire, Backend, Claim, ClaimOutcome, FinishError, IntoStore, OpenTx, StoreError};
+use super::{Acquire, Backend, Claim, ClaimOutcome, FinishError, OpenTx, StoreError};
 use crate::error::Error;
 use crate::response::StoredResponse;
 
@@ -187,7 +187,7 @@ impl Backend for Sqlite {
         let outcome = match row {
             Ok(Some(row)) => read_claimed(&row),
             Ok(None) => Err(StoreError::Vanished),
-            Err(error) => Err(error.into_store()),
+            Err(error) => Err(StoreError::Database(error)),
         };
         match outcome {
             Ok(Found::Ours) => Ok(ClaimOutcome::Claimed(conn.hold(flight))),
@@ -289,9 +289,9 @@ impl Backend for Sqlite {
             sqlx::Error::Database(db)
                 if no_transaction || db.kind() != sqlx::error::ErrorKind::Other =>
             {
-                FinishError::Ended(error.into_store())
+                FinishError::Ended(StoreError::Database(error))
             }
-            _ => FinishError::Store(error.into_store()),
+            _ => FinishError::store(error),
         })
     }
 
