@@ -10,7 +10,7 @@
 //! Only the public API is documented: the operators' routes
 //! (`ADMIN_TOKEN`) are not.
 //!
-//! `idem-tests/tests/example_openapi.rs` validates this document and runs
+//! `tests/tests/example_openapi.rs` validates this document and runs
 //! schemathesis against the running example with it.
 
 // Documentation-only functions and types: utoipa reads their attributes.

@@ -6,9 +6,9 @@
 # few thousand, its allocator and hash maps seeded anew by each run), so
 # an A/B of a change to the wrapper's Rust or SQL is a run or two of each.
 #
-#   idem-tests/benches/instructions.sh            # baseline, idempotent, replay, two_phase
-#   IDEM_IR_SCENARIOS=replay,read_floor idem-tests/benches/instructions.sh  # and a replay's floor
-#   IDEM_IR_SCENARIOS=idempotent IDEM_IR_STATEMENTS=3 idem-tests/benches/instructions.sh
+#   tests/benches/instructions.sh            # baseline, idempotent, replay, two_phase
+#   IDEM_IR_SCENARIOS=replay,read_floor tests/benches/instructions.sh  # and a replay's floor
+#   IDEM_IR_SCENARIOS=idempotent IDEM_IR_STATEMENTS=3 tests/benches/instructions.sh
 #
 # It starts its own PostgreSQL cluster under callgrind (a temporary directory,
 # port IDEM_IR_PORT, default 55499; the machine's PostgreSQL 15 binaries and

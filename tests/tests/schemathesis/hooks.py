@@ -1,4 +1,4 @@
-"""Schemathesis hooks for idem-tests/tests/example_openapi.rs.
+"""Schemathesis hooks for tests/tests/example_openapi.rs.
 
 Schemathesis draws `Idempotency-Key` values from the document's pattern, so
 it sends the same few keys (`!`, `0`, the documented example) with many

@@ -42,9 +42,9 @@
 # ("idle after claims": new claims land in the space the sweep freed,
 # which BRIN's old summaries still call expired).
 #
-#   idem-tests/benches/expiry_index.sh
-#   IDEM_EI_VARIANTS="btree brin" IDEM_EI_LAYOUTS=mixed IDEM_EI_RUNS=1 idem-tests/benches/expiry_index.sh
-#   IDEM_EI_SWEEP=unordered IDEM_EI_RUNS=0 idem-tests/benches/expiry_index.sh   # the old sweep, sweep only
+#   tests/benches/expiry_index.sh
+#   IDEM_EI_VARIANTS="btree brin" IDEM_EI_LAYOUTS=mixed IDEM_EI_RUNS=1 tests/benches/expiry_index.sh
+#   IDEM_EI_SWEEP=unordered IDEM_EI_RUNS=0 tests/benches/expiry_index.sh   # the old sweep, sweep only
 #
 # IDEM_TEST_POSTGRES_URL (default postgres://postgres@127.0.0.1:5432/test)
 # names the server. Everything lives in schema IDEM_EI_SCHEMA (default

@@ -8,8 +8,8 @@
 # Prints one line per crate and the cost of one more handler (the slope
 # between the smallest and the largest N).
 #
-#   idem-tests/benches/compile_cost.sh                         # N = 50 and 200
-#   IDEM_CC_N="20 100" IDEM_CC_PROFILES=check idem-tests/benches/compile_cost.sh
+#   tests/benches/compile_cost.sh                         # N = 50 and 200
+#   IDEM_CC_N="20 100" IDEM_CC_PROFILES=check tests/benches/compile_cost.sh
 #
 # IDEM_CC_DIR: where the crates and their target dir go (default
 # target/compile-cost). Needs no database: nothing runs.
