@@ -2,6 +2,7 @@
 //! ended without a response), without a client, by sending the stored
 //! request through the service's own router.
 
+use std::borrow::Cow;
 use std::time::Duration;
 
 use axum::Router;
@@ -14,10 +15,10 @@ use crate::error::Error;
 use crate::idem::Idem;
 use crate::key::IDEMPOTENCY_KEY;
 use crate::observe;
-use crate::phases::Resumed;
 use crate::problem::Problem;
 use crate::request::StoredRequest;
 use crate::response::{StoredResponse, is_storable};
+use crate::scope::Scope;
 
 /// How long a completer's reservation of a key holds it while its request
 /// is on the way to the handler, which takes the reservation over at once:
@@ -56,7 +57,7 @@ impl<DB: Phased> Idem<DB> {
     /// router (with its state): abandoned keys (their lease ended, no
     /// response stored) are resumed by sending their stored request through
     /// it, without the caller's credentials; the handler's scope parameter
-    /// is rebuilt with [`FromScope`](crate::FromScope). Attempts back off
+    /// is rebuilt with [`FromScope`]. Attempts back off
     /// (doubling from [`Completer::backoff`]); after
     /// [`Completer::max_attempts`] the key is finished with a stored 500
     /// (problem code `idempotency_request_abandoned`) and an error is
@@ -262,6 +263,76 @@ fn quoted(key: &str) -> String {
     }
     out.push('"');
     out
+}
+
+/// A caller rebuilt from the scope its key was stored under: how the
+/// completer resumes a phased request without the caller's credentials.
+///
+/// A phased handler's scope parameter implements it. An ordinary request
+/// runs the parameter's extractor (which authenticates the caller); a
+/// request the completer sends carries no credentials and gets the
+/// parameter from `from_scope` instead.
+///
+/// ```
+/// # use idem_runtime as idem;
+/// use std::borrow::Cow;
+///
+/// struct Account(String);
+///
+/// impl idem::Scope for Account {
+///     fn scope(&self) -> Cow<'_, str> {
+///         Cow::Borrowed(&self.0)
+///     }
+/// }
+///
+/// impl idem::FromScope for Account {
+///     fn from_scope(scope: &str) -> Self {
+///         Account(scope.to_owned())
+///     }
+/// }
+/// ```
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot be rebuilt from a stored scope: it does not implement `idem::FromScope`",
+    label = "the scope of a phased handler must implement `idem::FromScope`",
+    note = "the completer resumes abandoned requests without their credentials (idem never stores \
+            them): it names the caller by the scope the key was stored under, and builds this \
+            parameter with `FromScope::from_scope`"
+)]
+pub trait FromScope: Scope + Sized {
+    /// The caller whose [`Scope::scope`] is `scope`.
+    fn from_scope(scope: &str) -> Self;
+}
+
+impl FromScope for String {
+    fn from_scope(scope: &str) -> Self {
+        scope.to_owned()
+    }
+}
+
+impl<T: FromScope> FromScope for axum::Extension<T> {
+    fn from_scope(scope: &str) -> Self {
+        axum::Extension(T::from_scope(scope))
+    }
+}
+
+/// Marks a request the completer sends to resume an abandoned key, in its
+/// extensions: the stored scope, and the reservation the request takes the
+/// key over with. Only `idem` makes one. A middleware that authenticates
+/// requests lets one through without credentials, as the phased handler's
+/// scope comes from [`FromScope`] for it.
+#[derive(Debug, Clone)]
+pub struct Resumed {
+    pub(crate) scope: String,
+    pub(crate) token: i64,
+    /// How long a failed attempt keeps the key from the next one.
+    pub(crate) backoff: Duration,
+}
+
+impl Resumed {
+    /// The scope the key was stored under.
+    pub fn scope(&self) -> Cow<'_, str> {
+        Cow::Borrowed(&self.scope)
+    }
 }
 
 #[cfg(test)]

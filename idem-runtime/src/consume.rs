@@ -9,7 +9,7 @@ use crate::backend::MAX_MESSAGE_ID_LEN;
 use crate::error::Error;
 use crate::idem::Idem;
 use crate::observe;
-use crate::outbox::check_scope;
+use crate::scope::check_scope;
 
 /// What [`Idem::consume`] did with a message.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -320,6 +320,25 @@ impl<DB: Backend> Idem<DB> {
         self.with(|inner| inner.pooler = pooler)
     }
 
+    /// How many duplicates of `key` in `scope` wait in this process for
+    /// the attempt in flight: a request that arrives while another with
+    /// its key runs waits for it (up to the handler's `wait`) holding no
+    /// database connection. For a dashboard or a test that must see a
+    /// duplicate waiting before it acts.
+    ///
+    /// ```
+    /// # use idem_runtime as idem;
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() {
+    /// let pool = sqlx::PgPool::connect_lazy("postgres://127.0.0.1/app").unwrap();
+    /// let idem = idem::Idem::new(pool);
+    /// assert_eq!(idem.waiting_duplicates("acct_1", "order-42"), 0);
+    /// # }
+    /// ```
+    pub fn waiting_duplicates(&self, scope: &str, key: &str) -> usize {
+        crate::backend::waiting_duplicates(self.pool(), self.table_name(), scope, key)
+    }
+
     /// Whether statements must keep nothing in the session.
     pub(crate) fn pooled(&self) -> bool {
         self.inner.pooler == Pooler::Transaction
@@ -357,7 +376,7 @@ impl<DB: Backend> Idem<DB> {
     }
 
     /// `problem` as this store's services answer it.
-    pub(crate) fn problem(&self, problem: crate::Problem) -> axum::response::Response {
+    pub(crate) fn problem(&self, problem: crate::problem::Problem) -> axum::response::Response {
         problem.render(self.inner.problem_type_base.as_deref())
     }
 

@@ -3,6 +3,14 @@
 //!
 //! Depend on the `idem` facade crate rather than on this one; it re-exports
 //! everything here together with the `#[idempotent]` attribute.
+//!
+//! This file is the table of contents: it declares the modules and names
+//! what each gives the public API. From the top down: the request's way
+//! through `protocol` (its two modes) and the handler's
+//! handles ([`Tx`], [`Phases`]); the [`Idem`] store with its settings,
+//! operations, outbox and consumers; the completer; the storage contract
+//! and its engines in `backend`; and the leaves (keys, scopes,
+//! fingerprints, stored requests and responses, problems, observability).
 
 #![warn(missing_docs)]
 // What only some engines use is dead in a build without the others; the
@@ -12,47 +20,52 @@
     allow(dead_code)
 )]
 
-mod admin;
-mod backend;
-mod canonical;
-mod completer;
-mod consume;
-mod error;
+// A request's way: the attribute's policy, the two modes, the handles.
 mod extract;
-mod fingerprint;
-mod idem;
-mod key;
-#[cfg(feature = "nats")]
-pub mod nats;
-mod observe;
-#[cfg(feature = "openapi")]
-pub mod openapi;
-mod outbox;
-mod phased;
 mod phases;
 mod policy;
-mod pooler;
-mod problem;
 mod protocol;
+mod tx;
+
+// The store handlers share, and what it offers beside requests.
+mod completer;
+mod consume;
+mod idem;
+#[cfg(feature = "openapi")]
+pub mod openapi;
+mod operations;
+mod outbox;
+
+// Where keys are kept: the storage contract and one folder per engine.
+mod backend;
+mod pooler;
 mod recent;
+mod table;
+
+// The leaves: what a request is made of and what an answer is.
+mod canonical;
+mod error;
+mod fingerprint;
+mod key;
+mod observe;
+mod problem;
 mod request;
 mod response;
 mod scope;
-mod table;
-mod tx;
 
-pub use backend::MAX_MESSAGE_ID_LEN;
-pub use backend::{Admin, Backend, Forgotten, KeyInfo, KeyState, Phased};
-pub use completer::{Completer, CompleterRun};
+pub use backend::{Admin, Backend, Forgotten, KeyInfo, KeyState, MAX_MESSAGE_ID_LEN, Phased};
+pub use completer::{Completer, CompleterRun, FromScope, Resumed};
 pub use consume::{ConsumeError, Consumed};
 pub use error::Error;
 pub use idem::{DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_TABLE, Idem};
 pub use key::{IDEMPOTENCY_KEY, IdempotencyKey, KeyError, MAX_KEY_LEN};
-pub use observe::{Outcome, redact};
+pub use observe::{Outcome, metrics, redact};
+#[cfg(feature = "nats")]
+pub use outbox::nats;
 pub use outbox::{
     FnSink, MAX_TOPIC_LEN, Message, OutboxWriter, Relay, RelayRun, Sink, SinkError, sink_fn,
 };
-pub use phases::{FromScope, PhaseError, Phases, Resumed};
+pub use phases::{PhaseError, Phases};
 pub use policy::{IdempotentHandler, Policy};
 pub use pooler::Pooler;
 pub use problem::Problem;
@@ -61,119 +74,8 @@ pub use scope::{MAX_SCOPE_LEN, Scope};
 pub use table::DEFAULT_CONSUMED_RETENTION;
 pub use tx::Tx;
 
-/// The names of the metrics `idem` records through the `metrics` crate,
-/// for dashboards and tests.
-pub mod metrics {
-    pub use crate::observe::{
-        CLAIM_SECONDS, COMPLETER_TOTAL, CONSUMED_TOTAL, FENCED_TOTAL, OUTBOX_TOTAL, PHASES_TOTAL,
-        REQUESTS_TOTAL, RESUMES_TOTAL,
-    };
-}
-
-/// What `#[idempotent]` expands to, and the storage contract and encoders
-/// the project's own tests and benchmarks reach. Not a public API: it
-/// changes without notice.
+/// What `#[idempotent]`'s expansion names. Not a public API: it changes
+/// without notice.
 #[doc(hidden)]
-pub mod __private {
-    pub use crate::backend::Phased;
-    pub use crate::backend::{Acquire, Claim, ClaimOutcome, FinishError, OpenTx, StoreError};
-    pub use crate::backend::{NewMessage, OutboxStore};
-    pub use crate::extract::{__IdemFromBody, __IdemFromParts, __IdemFromRef, __IdemFromRequest};
-    pub use crate::fingerprint::{Fingerprint, canonicalize};
-    pub use crate::key::{parse_key, parse_key_value};
-    pub use crate::phased::run_phased;
-    pub use crate::protocol::{Answer, Config, KeyMode, Prepared, prepare, run};
-    pub use crate::response::{CaptureError, StoredResponse, decode_headers, is_storable};
-    pub use axum::extract::{FromRef, FromRequest, FromRequestParts, Request};
-    pub use axum::handler::Handler;
-    pub use axum::response::{IntoResponse, Response};
-
-    /// How many duplicates of `(scope, key)` wait in this process for its
-    /// attempt in flight, holding no connection: a test's way to see one
-    /// wait.
-    pub fn waiting_duplicates<DB: crate::Backend>(
-        idem: &crate::Idem<DB>,
-        scope: &str,
-        key: &str,
-    ) -> usize {
-        crate::backend::waiting_duplicates(idem.pool(), idem.table_name(), scope, key)
-    }
-
-    /// The future a generated handler returns.
-    pub type BoxFuture = std::pin::Pin<Box<dyn std::future::Future<Output = Response> + Send>>;
-
-    /// A reference to a handler's output, for telling an `Err` apart by
-    /// autoref specialisation: `(&ErrProbe(&output)).__idem_is_err()` finds
-    /// [`ResultErr`] for a `Result` (whatever alias names it), and
-    /// [`NotResult`], one reference further, for any other type. Neither
-    /// needs `IntoResponse`, so a type that is not one is still reported by
-    /// the conversion, on the return type.
-    pub struct ErrProbe<'a, T>(pub &'a T);
-
-    /// [`ErrProbe`] of a `Result`.
-    pub trait ResultErr {
-        /// Whether the handler returned `Err`.
-        fn __idem_is_err(&self) -> bool;
-    }
-
-    impl<T, E> ResultErr for ErrProbe<'_, Result<T, E>> {
-        fn __idem_is_err(&self) -> bool {
-            self.0.is_err()
-        }
-    }
-
-    /// [`ErrProbe`] of anything else: never an error.
-    pub trait NotResult {
-        /// Always `false`.
-        fn __idem_is_err(&self) -> bool {
-            false
-        }
-    }
-
-    impl<T> NotResult for &ErrProbe<'_, T> {}
-
-    /// The database of a `Tx` type, however it is named: a handler's bare
-    /// `Tx` (an alias such as `type Tx = idem::Tx<Postgres>;`) names its
-    /// database through this.
-    #[diagnostic::on_unimplemented(
-        message = "`{Self}` is not `idem::Tx<DB>` over a database `idem` keeps keys in",
-        label = "the request's transaction must be `idem::Tx<DB>` (`DB` one of the enabled \
-                 engines: `sqlx::Postgres`, `sqlx::Sqlite`, `sqlx::MySql`), or an alias of it \
-                 named `Tx`"
-    )]
-    pub trait TxDatabase {
-        /// The `DB` of `Tx<DB>`.
-        type Database: crate::Backend;
-        /// The request's transaction as this type.
-        fn from_tx(tx: crate::Tx<Self::Database>) -> Self;
-    }
-
-    impl<DB: crate::Backend> TxDatabase for crate::Tx<DB> {
-        type Database = DB;
-        fn from_tx(tx: Self) -> Self {
-            tx
-        }
-    }
-
-    /// [`TxDatabase`] of `T`, asked of the router's state `Self` so that
-    /// the bound stays open until the state is known: a `T` that is no
-    /// `Tx` is then one error, at the handler's route, pointing at `T`.
-    pub trait __IdemTxOf<T> {
-        /// `T`'s database.
-        type Database: crate::Backend;
-        /// The request's transaction as `T`.
-        fn from_tx(tx: crate::Tx<Self::Database>) -> T;
-    }
-
-    impl<S, T: TxDatabase> __IdemTxOf<T> for S {
-        type Database = T::Database;
-        fn from_tx(tx: crate::Tx<Self::Database>) -> T {
-            T::from_tx(tx)
-        }
-    }
-
-    /// Splits a request for the parts extractors.
-    pub fn into_parts(request: Request) -> (http::request::Parts, axum::body::Body) {
-        request.into_parts()
-    }
-}
+#[path = "expand.rs"]
+pub mod __private;

@@ -96,38 +96,39 @@ pub(crate) fn request_span() -> Span {
 /// Records the outcome on the span and in the counter.
 pub(crate) fn finish(span: &Span, outcome: Outcome) {
     span.record("outcome", outcome.as_str());
-    metrics::counter!(REQUESTS_TOTAL, "outcome" => outcome.as_str()).increment(1);
+    ::metrics::counter!(REQUESTS_TOTAL, "outcome" => outcome.as_str()).increment(1);
     tracing::debug!(parent: span, outcome = outcome.as_str(), "idempotent request finished");
 }
 
 pub(crate) fn claim_latency(outcome: &'static str, elapsed: Duration) {
-    metrics::histogram!(CLAIM_SECONDS, "outcome" => outcome).record(elapsed.as_secs_f64());
+    ::metrics::histogram!(CLAIM_SECONDS, "outcome" => outcome).record(elapsed.as_secs_f64());
 }
 
 /// A phase or external step of a phased handler ended as `outcome`.
 pub(crate) fn phase(name: &str, outcome: &'static str) {
-    metrics::counter!(PHASES_TOTAL, "phase" => name.to_owned(), "outcome" => outcome).increment(1);
+    ::metrics::counter!(PHASES_TOTAL, "phase" => name.to_owned(), "outcome" => outcome)
+        .increment(1);
     tracing::debug!(phase = name, outcome, "phase");
 }
 
 pub(crate) fn resumed() {
-    metrics::counter!(RESUMES_TOTAL).increment(1);
+    ::metrics::counter!(RESUMES_TOTAL).increment(1);
 }
 
 pub(crate) fn fenced() {
-    metrics::counter!(FENCED_TOTAL).increment(1);
+    ::metrics::counter!(FENCED_TOTAL).increment(1);
 }
 
 pub(crate) fn completer(outcome: &'static str) {
-    metrics::counter!(COMPLETER_TOTAL, "outcome" => outcome).increment(1);
+    ::metrics::counter!(COMPLETER_TOTAL, "outcome" => outcome).increment(1);
 }
 
 pub(crate) fn relayed(outcome: &'static str, count: u64) {
-    metrics::counter!(OUTBOX_TOTAL, "outcome" => outcome).increment(count);
+    ::metrics::counter!(OUTBOX_TOTAL, "outcome" => outcome).increment(count);
 }
 
 pub(crate) fn consumed(outcome: &'static str) {
-    metrics::counter!(CONSUMED_TOTAL, "outcome" => outcome).increment(1);
+    ::metrics::counter!(CONSUMED_TOTAL, "outcome" => outcome).increment(1);
 }
 
 /// A short, stable, non-reversible tag for a scope or a key: what `idem`
@@ -148,6 +149,15 @@ pub fn redact(parts: &[&str]) -> String {
         hasher.update(part.as_bytes());
     }
     hex::encode(&hasher.finalize()[..8])
+}
+
+/// The names of the metrics `idem` records through the `metrics` crate,
+/// for dashboards and tests.
+pub mod metrics {
+    pub use super::{
+        CLAIM_SECONDS, COMPLETER_TOTAL, CONSUMED_TOTAL, FENCED_TOTAL, OUTBOX_TOTAL, PHASES_TOTAL,
+        REQUESTS_TOTAL, RESUMES_TOTAL,
+    };
 }
 
 #[cfg(test)]

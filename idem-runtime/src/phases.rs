@@ -1,6 +1,5 @@
 //! [`Phases`]: a phased handler's recovery points, as the handler sees them.
 
-use std::borrow::Cow;
 use std::time::Duration;
 
 use axum::response::{IntoResponse, Response};
@@ -12,7 +11,6 @@ use crate::backend::{FinishError, Holder, OpenTx, Phased, StoreError, abandon, i
 use crate::idem::Idem;
 use crate::key::IdempotencyKey;
 use crate::problem::Problem;
-use crate::scope::Scope;
 
 /// The steps of a phased `#[idempotent]` handler: local phases, each its
 /// own transaction that commits a recovery point, external steps between
@@ -384,75 +382,5 @@ impl<DB: Phased> std::fmt::Debug for Phases<DB> {
         f.debug_struct("Phases")
             .field("resumed", &self.resumed())
             .finish_non_exhaustive()
-    }
-}
-
-/// A caller rebuilt from the scope its key was stored under: how the
-/// completer resumes a phased request without the caller's credentials.
-///
-/// A phased handler's scope parameter implements it. An ordinary request
-/// runs the parameter's extractor (which authenticates the caller); a
-/// request the completer sends carries no credentials and gets the
-/// parameter from `from_scope` instead.
-///
-/// ```
-/// # use idem_runtime as idem;
-/// use std::borrow::Cow;
-///
-/// struct Account(String);
-///
-/// impl idem::Scope for Account {
-///     fn scope(&self) -> Cow<'_, str> {
-///         Cow::Borrowed(&self.0)
-///     }
-/// }
-///
-/// impl idem::FromScope for Account {
-///     fn from_scope(scope: &str) -> Self {
-///         Account(scope.to_owned())
-///     }
-/// }
-/// ```
-#[diagnostic::on_unimplemented(
-    message = "`{Self}` cannot be rebuilt from a stored scope: it does not implement `idem::FromScope`",
-    label = "the scope of a phased handler must implement `idem::FromScope`",
-    note = "the completer resumes abandoned requests without their credentials (idem never stores \
-            them): it names the caller by the scope the key was stored under, and builds this \
-            parameter with `FromScope::from_scope`"
-)]
-pub trait FromScope: Scope + Sized {
-    /// The caller whose [`Scope::scope`] is `scope`.
-    fn from_scope(scope: &str) -> Self;
-}
-
-impl FromScope for String {
-    fn from_scope(scope: &str) -> Self {
-        scope.to_owned()
-    }
-}
-
-impl<T: FromScope> FromScope for axum::Extension<T> {
-    fn from_scope(scope: &str) -> Self {
-        axum::Extension(T::from_scope(scope))
-    }
-}
-
-/// Marks a request the completer sends to resume an abandoned key, in its
-/// extensions: the stored scope, and the reservation the request takes the
-/// key over with. Only `idem` makes one. A middleware that authenticates
-/// requests lets one through without credentials, as the phased handler's
-/// scope comes from [`FromScope`] for it.
-#[derive(Debug, Clone)]
-pub struct Resumed {
-    pub(crate) scope: String,
-    pub(crate) token: i64,
-    /// How long a failed attempt keeps the key from the next one.
-    pub(crate) backoff: Duration,
-}
-
-impl Resumed {
-    /// The scope the key was stored under.
-    pub fn scope(&self) -> Cow<'_, str> {
-        Cow::Borrowed(&self.scope)
     }
 }

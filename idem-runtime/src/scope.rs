@@ -2,6 +2,8 @@
 
 use std::borrow::Cow;
 
+use crate::error::Error;
+
 /// The longest scope, in bytes, that `idem` stores: a request whose
 /// [`Scope::scope`] is longer is refused with a 500 (problem code
 /// `idempotency_scope_too_long`) before anything runs. Every engine keeps
@@ -77,6 +79,18 @@ impl<T: Scope> Scope for axum::Extension<T> {
     fn scope(&self) -> Cow<'_, str> {
         self.0.scope()
     }
+}
+
+/// Checks a scope for the stores' columns.
+pub(crate) fn check_scope(scope: &str) -> Result<(), Error> {
+    if scope.len() > MAX_SCOPE_LEN {
+        return Err(Error::InvalidMessage {
+            what: "scope",
+            len: scope.len(),
+            max: MAX_SCOPE_LEN,
+        });
+    }
+    Ok(())
 }
 
 #[cfg(test)]

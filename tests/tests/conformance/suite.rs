@@ -131,7 +131,7 @@ pub async fn in_flight_duplicates_get_409_or_wait<DB: TestDb>() {
     // flight holding no connection (the store's single flight).
     let waiter = tokio::spawn(send(client.post("/effects/wait", "w2", BODY)));
     let seen = one_waiter("a duplicate of w2 waiting in this process", async || {
-        let waiting = idem::__private::waiting_duplicates(&server.state.idem, &caller, "w2");
+        let waiting = server.state.idem.waiting_duplicates(&caller, "w2");
         Some(i64::try_from(waiting).unwrap())
     })
     .await;
@@ -185,7 +185,7 @@ pub async fn waiting_duplicates_hold_no_connection<DB: TestDb>(pool: sqlx::Pool<
         let caller = &caller;
         async move {
             let deadline = Instant::now() + Duration::from_secs(20);
-            while idem::__private::waiting_duplicates(idem, caller, "k") < count {
+            while idem.waiting_duplicates(caller, "k") < count {
                 assert!(Instant::now() < deadline, "{count} duplicates never waited");
                 tokio::task::yield_now().await;
             }

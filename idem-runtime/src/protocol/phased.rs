@@ -17,6 +17,10 @@ use axum::response::{IntoResponse, Response};
 use futures_util::FutureExt;
 use tracing::Instrument;
 
+use super::{
+    Answer, DynHandler, Prepared, answer_finished, call_once, read_seen, record, retry_after_secs,
+    scope_too_long,
+};
 use crate::backend::{
     Claim, ClaimOutcome, FinishError, Holder, LeaseClaim, LeaseOutcome, Phased, Release, abandon,
     in_autocommit,
@@ -26,10 +30,6 @@ use crate::key::IdempotencyKey;
 use crate::observe::{self, Outcome};
 use crate::phases::{PhaseState, Phases, Recovery};
 use crate::problem::Problem;
-use crate::protocol::{
-    Answer, DynHandler, Prepared, answer_finished, call_once, read_seen, retry_after_secs,
-    scope_too_long,
-};
 use crate::response::{CaptureError, StoredResponse};
 
 /// Claims the key with a lease (or resumes it), runs the handler's phases,
@@ -61,21 +61,13 @@ async fn run_dyn<'f, DB: Phased>(
         observe::finish(&span, Outcome::Rejected);
         return idem.problem(Problem::KeyMissing);
     };
-    if !span.is_disabled() {
-        span.record("scope", observe::redact(&[&scope]));
-        span.record("key", observe::redact(&[&scope, &key]));
-    }
+    record(&span, &scope, Some(&key));
     let config = prepared.config;
     let claim = LeaseClaim {
+        // A phased claim never waits for an attempt in flight.
         claim: Claim {
-            scope: &scope,
-            key: &key,
-            fingerprint,
-            ttl: config.ttl,
             wait: Duration::ZERO,
-            timeout_ms: config.timeout_ms(),
-            advisory: idem.advisory(),
-            pooled: idem.pooled(),
+            ..config.claim(&idem, &scope, &key, fingerprint)
         },
         lease: config.lease.unwrap_or(Duration::from_secs(30)),
         request: prepared.request.as_deref().unwrap_or_default(),

@@ -10,7 +10,7 @@
 use async_nats::jetstream::context::Context;
 use async_nats::jetstream::message::PublishMessage;
 
-use crate::outbox::{Message, Sink, SinkError};
+use super::{Message, Sink, SinkError};
 
 /// The header naming the message's scope on a published message.
 pub const SCOPE_HEADER: &str = "Idem-Scope";

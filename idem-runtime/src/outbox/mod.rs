@@ -1,0 +1,76 @@
+//! The transactional outbox: messages written in the request's own
+//! transaction, so they exist if and only if its effects committed, and a
+//! relay that delivers committed ones, at least once, to a [`Sink`].
+
+mod relay;
+mod sink;
+mod writer;
+
+#[cfg(feature = "nats")]
+pub mod nats;
+
+pub use relay::{Relay, RelayRun};
+pub use sink::{FnSink, Message, Sink, SinkError, sink_fn};
+pub use writer::{MAX_TOPIC_LEN, OutboxWriter};
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::backend::Backend;
+use crate::error::Error;
+use crate::idem::Idem;
+use crate::table::is_table_name;
+
+impl<DB: Backend> Idem<DB> {
+    /// Keeps outbox messages in `name` (a plain identifier, optionally
+    /// `schema.table`) instead of `<key table>_outbox`.
+    pub fn outbox_table(self, name: &str) -> Result<Self, Error> {
+        if !is_table_name(name) {
+            return Err(Error::InvalidTableName(name.to_owned()));
+        }
+        let name: Arc<str> = name.into();
+        Ok(self.with(|inner| inner.messages.name_outbox(name)))
+    }
+
+    /// Keeps the records of processed messages ([`consume`](Self::consume))
+    /// in `name` instead of `<key table>_consumed`.
+    pub fn consumed_table(self, name: &str) -> Result<Self, Error> {
+        if !is_table_name(name) {
+            return Err(Error::InvalidTableName(name.to_owned()));
+        }
+        let name: Arc<str> = name.into();
+        Ok(self.with(|inner| inner.messages.name_consumed(name)))
+    }
+
+    /// How long [`consume`](Self::consume) remembers a processed message:
+    /// a redelivery within it is acknowledged without a second effect; one
+    /// after it is processed as new. Seven days by default: longer than
+    /// any broker's redelivery of an unacknowledged message.
+    pub fn consumed_retention(self, retention: Duration) -> Self {
+        self.with(|inner| inner.messages.retention = retention)
+    }
+
+    /// The outbox table's name.
+    pub fn outbox_table_name(&self) -> &str {
+        &self.inner().messages.outbox
+    }
+
+    /// The consumed-messages table's name.
+    pub fn consumed_table_name(&self) -> &str {
+        &self.inner().messages.consumed
+    }
+
+    /// Creates the outbox and consumed-messages tables and their indexes if
+    /// they are missing. Safe to run on every start, from several
+    /// instances at once. [`migrate`](Self::migrate) makes the key table
+    /// only: call this too when you use the outbox or [`consume`](Self::consume).
+    pub async fn migrate_outbox(&self) -> Result<(), Error> {
+        let tables = &self.inner().messages;
+        DB::migrate_outbox(self.pool(), &tables.outbox, &tables.consumed).await
+    }
+
+    /// How many outbox messages are not delivered yet.
+    pub async fn pending_messages(&self) -> Result<u64, Error> {
+        Ok(DB::pending_messages(self.pool(), self.outbox_table_name()).await?)
+    }
+}
