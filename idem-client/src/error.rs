@@ -119,9 +119,12 @@ pub enum LastAttempt {
 ///
 /// let problem: Problem = serde_json::from_str(
 ///     r#"{"type":"about:blank","title":"Idempotency-Key reused with a different request",
-///         "status":422,"code":"idempotency_key_reused"}"#,
+///         "status":422,"code":"idempotency_key_reused",
+///         "operation_state":"completed","safe_new_key":false}"#,
 /// )?;
 /// assert_eq!(problem.code.as_deref(), Some("idempotency_key_reused"));
+/// assert_eq!(problem.operation_state.as_deref(), Some("completed"));
+/// assert_eq!(problem.safe_new_key, Some(false));
 /// # Ok::<(), serde_json::Error>(())
 /// ```
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Deserialize)]
@@ -138,6 +141,12 @@ pub struct Problem {
     pub detail: Option<String>,
     /// `code`: `idem`'s stable code, such as `idempotency_key_in_use`.
     pub code: Option<String>,
+    /// `operation_state`: what became of the operation the key names:
+    /// `not_started`, `in_progress`, `uncertain` or `completed`.
+    pub operation_state: Option<String>,
+    /// `safe_new_key`: true only when a new key cannot duplicate an effect
+    /// of the operation the key names.
+    pub safe_new_key: Option<bool>,
 }
 
 impl Problem {

@@ -377,7 +377,10 @@ impl<DB: Backend> Idem<DB> {
 
     /// `problem` as this store's services answer it.
     pub(crate) fn problem(&self, problem: crate::problem::Problem) -> axum::response::Response {
-        problem.render(self.inner.problem_type_base.as_deref())
+        problem.render(
+            self.inner.problem_type_base.as_deref(),
+            problem.operation_state(),
+        )
     }
 
     /// `response` on its way out: one of `idem`'s problems gets the
@@ -387,7 +390,7 @@ impl<DB: Backend> Idem<DB> {
             return response;
         };
         match response.extensions().get::<crate::problem::Rendered>() {
-            Some(&crate::problem::Rendered(problem)) => problem.render(Some(base)),
+            Some(&crate::problem::Rendered(problem, state)) => problem.render(Some(base), state),
             None => response,
         }
     }
@@ -634,9 +637,10 @@ pub(crate) mod tests {
             .problem_type_base("https://docs.example.com/errors/")
             .unwrap();
         assert_eq!(idem.replay_marker(), "idempotent-replay");
-        let typed = idem.typed(axum::response::IntoResponse::into_response(
-            crate::problem::Problem::KeyReused,
-        ));
+        // Typed on its way out, a problem keeps the state it reported.
+        let typed = idem.typed(
+            crate::problem::Problem::KeyReused.answer(crate::problem::OperationState::InProgress),
+        );
         let body = http_body_util::BodyExt::collect(typed.into_body())
             .await
             .unwrap()
@@ -646,6 +650,7 @@ pub(crate) mod tests {
             json["type"],
             "https://docs.example.com/errors/idempotency_key_reused"
         );
+        assert_eq!(json["operation_state"], "in_progress");
         let untouched = idem.typed(axum::response::Response::new("plain".into()));
         assert!(untouched.extensions().is_empty());
     }

@@ -68,7 +68,7 @@ pub use outbox::{
 pub use phases::{PhaseError, Phases};
 pub use policy::{IdempotentHandler, Policy};
 pub use pooler::Pooler;
-pub use problem::Problem;
+pub use problem::{OperationState, Problem};
 pub use response::{DEFAULT_REPLAY_HEADERS, IDEMPOTENT_REPLAYED};
 pub use scope::{MAX_SCOPE_LEN, Scope};
 pub use table::DEFAULT_CONSUMED_RETENTION;

@@ -312,6 +312,8 @@ impl IdempotentRoutes {
             "title": problem_description(status),
             "status": status.as_u16(),
             "code": codes[0],
+            "operation_state": "not_started",
+            "safe_new_key": true,
         });
         Content::builder()
             .schema(Some(schema))
@@ -563,10 +565,38 @@ fn problem_schema() -> Schema {
         )
         .property("detail", string("What happened and what to do about it."))
         .property("code", string("A stable code clients can branch on."))
+        .property(
+            "operation_state",
+            ObjectBuilder::new()
+                .schema_type(Type::String)
+                .enum_values(Some([
+                    "not_started",
+                    "in_progress",
+                    "uncertain",
+                    "completed",
+                ]))
+                .description(Some(
+                    "The state of the operation the request's key names: `not_started` \
+                     (nothing was done), `in_progress` (running, kept to be resumed, or known \
+                     only to a retry with the same key), `uncertain` (it may or may not have \
+                     happened; a person decides) or `completed`.",
+                )),
+        )
+        .property(
+            "safe_new_key",
+            ObjectBuilder::new()
+                .schema_type(Type::Boolean)
+                .description(Some(
+                    "True only when a new key cannot duplicate an effect of this key's \
+                     operation.",
+                )),
+        )
         .required("type")
         .required("title")
         .required("status")
         .required("code")
+        .required("operation_state")
+        .required("safe_new_key")
         .into()
 }
 

@@ -80,6 +80,53 @@ pub enum Problem {
     ScopeTooLong,
 }
 
+/// The state of the operation a key names, as every problem reports it in
+/// its `operation_state` member, beside `safe_new_key`.
+///
+/// ```
+/// use idem_runtime::{OperationState, Problem};
+///
+/// assert_eq!(Problem::KeyInUse.operation_state(), OperationState::InProgress);
+/// assert_eq!(OperationState::InProgress.as_str(), "in_progress");
+/// assert!(!Problem::KeyInUse.safe_new_key());
+/// assert!(Problem::KeyMissing.safe_new_key());
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum OperationState {
+    /// Nothing of it was done: a retry runs it afresh, and a new key
+    /// cannot duplicate any effect of it.
+    NotStarted,
+    /// An attempt is running, or stopped and is kept to be resumed, or its
+    /// outcome is known only to a retry with the same key: retry with it.
+    InProgress,
+    /// It may or may not have had its effect, and no retry can tell: a
+    /// person (or a reconciliation) decides. Retrying does not help.
+    Uncertain,
+    /// It completed: a retry with its key replays its response.
+    Completed,
+}
+
+impl OperationState {
+    /// The `operation_state` member's value: `not_started`, `in_progress`,
+    /// `uncertain` or `completed`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::NotStarted => "not_started",
+            Self::InProgress => "in_progress",
+            Self::Uncertain => "uncertain",
+            Self::Completed => "completed",
+        }
+    }
+
+    /// The `safe_new_key` member: true only when a new key cannot
+    /// duplicate an effect of the operation, which is when nothing of it
+    /// was done.
+    pub fn safe_new_key(self) -> bool {
+        self == Self::NotStarted
+    }
+}
+
 /// Seconds a client should wait before retrying a 409 or 503.
 const RETRY_AFTER_SECS: u32 = 1;
 
@@ -174,6 +221,42 @@ impl Problem {
         }
     }
 
+    /// The state of the operation the request's key names, as this
+    /// problem reports it where `idem` answers it in the atomic mode (the
+    /// phased mode says `in_progress` instead where a failed attempt's key
+    /// is kept to be resumed).
+    pub fn operation_state(self) -> OperationState {
+        match self {
+            Self::KeyMissing
+            | Self::KeyInvalid(_)
+            | Self::BodyTooLarge
+            | Self::BodyUnreadable
+            | Self::BodyTimeout
+            | Self::StoreUnavailable
+            | Self::HandlerPanicked
+            | Self::HandlerTimeout
+            | Self::TransactionFailed
+            | Self::ResponseNotStored
+            | Self::ScopeTooLong => OperationState::NotStarted,
+            // A lost connection's commit may have landed: a retry with the
+            // key replays it or runs it.
+            Self::KeyInUse
+            | Self::KeyLeased { .. }
+            | Self::KeyHeld
+            | Self::ConnectionLost { .. } => OperationState::InProgress,
+            // The key's first request was answered (in the phased mode a
+            // request with another fingerprint may also meet it in flight).
+            Self::KeyReused => OperationState::Completed,
+            Self::CommitOutcomeUnknown | Self::Abandoned => OperationState::Uncertain,
+        }
+    }
+
+    /// Whether a new key cannot duplicate an effect of the operation this
+    /// key names: see [`OperationState::safe_new_key`].
+    pub fn safe_new_key(self) -> bool {
+        self.operation_state().safe_new_key()
+    }
+
     /// Seconds for `Retry-After`, where the answer invites a retry.
     fn retry_after(self) -> Option<u32> {
         match self {
@@ -189,9 +272,15 @@ impl Problem {
 }
 
 impl Problem {
+    /// The problem as a response reporting `state`, in place of its
+    /// default [`operation_state`](Self::operation_state).
+    pub(crate) fn answer(self, state: OperationState) -> Response {
+        self.render(None, state)
+    }
+
     /// The problem as a response whose `type` is `type_base` followed by
     /// its `code` (`about:blank` without a base).
-    pub(crate) fn render(self, type_base: Option<&str>) -> Response {
+    pub(crate) fn render(self, type_base: Option<&str>, state: OperationState) -> Response {
         let kind = match type_base {
             Some(base) => format!("{base}{}", self.code()),
             None => "about:blank".to_owned(),
@@ -202,6 +291,8 @@ impl Problem {
             "status": self.status().as_u16(),
             "detail": self.detail(),
             "code": self.code(),
+            "operation_state": state.as_str(),
+            "safe_new_key": state.safe_new_key(),
         });
         let mut response = (self.status(), body.to_string()).into_response();
         let headers = response.headers_mut();
@@ -212,7 +303,7 @@ impl Problem {
         if let Some(seconds) = self.retry_after() {
             headers.insert(header::RETRY_AFTER, HeaderValue::from(seconds));
         }
-        response.extensions_mut().insert(Rendered(self));
+        response.extensions_mut().insert(Rendered(self, state));
         response
     }
 }
@@ -221,14 +312,24 @@ impl Problem {
 /// base can be applied to it on its way out, wherever it was made (a
 /// handler that returned a [`PhaseError`](crate::PhaseError) too).
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Rendered(pub(crate) Problem);
+pub(crate) struct Rendered(pub(crate) Problem, pub(crate) OperationState);
+
+/// `response` reporting `state` if it is one of `idem`'s problems (a
+/// [`PhaseError`](crate::PhaseError) a phased handler returned, say), as it
+/// is otherwise.
+pub(crate) fn restate(response: Response, state: OperationState) -> Response {
+    match response.extensions().get::<Rendered>() {
+        Some(&Rendered(problem, was)) if was != state => problem.answer(state),
+        _ => response,
+    }
+}
 
 /// With `type: about:blank`; a service that configured
 /// [`Idem::problem_type_base`](crate::Idem::problem_type_base) has its
 /// requests' problems typed on their way out.
 impl IntoResponse for Problem {
     fn into_response(self) -> Response {
-        self.render(None)
+        self.render(None, self.operation_state())
     }
 }
 
@@ -298,5 +399,47 @@ mod tests {
             body(Problem::HandlerTimeout).await["code"],
             "handler_timeout"
         );
+    }
+
+    /// Every problem reports the state of the operation its key names, and
+    /// whether a new key is safe, as members beside its code.
+    #[tokio::test]
+    async fn every_problem_says_what_became_of_the_operation() {
+        use OperationState::*;
+        let cases = [
+            (Problem::KeyMissing, NotStarted),
+            (Problem::KeyInvalid(KeyError::Empty), NotStarted),
+            (Problem::BodyTooLarge, NotStarted),
+            (Problem::BodyTimeout, NotStarted),
+            (Problem::StoreUnavailable, NotStarted),
+            (Problem::HandlerTimeout, NotStarted),
+            (Problem::HandlerPanicked, NotStarted),
+            (Problem::KeyInUse, InProgress),
+            (Problem::KeyLeased { retry_after: 3 }, InProgress),
+            (Problem::KeyHeld, InProgress),
+            (Problem::ConnectionLost { retry_after: 3 }, InProgress),
+            (Problem::KeyReused, Completed),
+            (Problem::CommitOutcomeUnknown, Uncertain),
+            (Problem::Abandoned, Uncertain),
+        ];
+        for (problem, state) in cases {
+            let json = body(problem).await;
+            assert_eq!(json["operation_state"], state.as_str(), "{problem:?}");
+            assert_eq!(
+                json["safe_new_key"],
+                state == NotStarted,
+                "{problem:?}: a new key is safe only when nothing was done"
+            );
+        }
+        // A phased attempt's key kept after an external step: the same
+        // problem reports the operation in progress.
+        let kept = Problem::HandlerTimeout.answer(InProgress);
+        let restated = restate(Problem::StoreUnavailable.into_response(), Uncertain);
+        for (response, state) in [(kept, InProgress), (restated, Uncertain)] {
+            let body = response.into_body().collect().await.unwrap().to_bytes();
+            let json: serde_json::Value = serde_json::from_slice(&body).unwrap();
+            assert_eq!(json["operation_state"], state.as_str());
+            assert_eq!(json["safe_new_key"], false);
+        }
     }
 }

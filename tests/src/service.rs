@@ -603,6 +603,18 @@ impl Answer {
         );
         self.json()["code"].as_str().unwrap().to_owned()
     }
+
+    /// The problem's `operation_state` and `safe_new_key` members, which
+    /// every problem of `idem`'s carries.
+    pub fn operation_state(&self) -> (String, bool) {
+        let json = self.json();
+        let state = json["operation_state"].as_str();
+        let safe = json["safe_new_key"].as_bool();
+        match (state, safe) {
+            (Some(state), Some(safe)) => (state.to_owned(), safe),
+            _ => panic!("a problem without operation_state and safe_new_key: {self:?}"),
+        }
+    }
 }
 
 /// Sends `request` and reads the whole answer; panics if the exchange

@@ -19,7 +19,7 @@ use crate::backend::{
 use crate::idem::Idem;
 use crate::key::IdempotencyKey;
 use crate::observe::{self, Outcome};
-use crate::problem::Problem;
+use crate::problem::{OperationState, Problem};
 use crate::response::{CaptureError, StoredResponse};
 use crate::tx::Tx;
 
@@ -445,12 +445,14 @@ async fn commit_failed<DB: Backend>(
         }
         FinishError::Store(error) => {
             tracing::warn!(error = %error, "committing the handler's transaction failed");
-            let problem = if keyed {
-                Problem::StoreUnavailable
+            // The commit may have landed: with a key, a retry tells
+            // (its replay, or a first run); without one nothing does.
+            let response = if keyed {
+                Problem::StoreUnavailable.answer(OperationState::InProgress)
             } else {
-                Problem::CommitOutcomeUnknown
+                Problem::CommitOutcomeUnknown.into_response()
             };
-            (Outcome::StoreUnavailable, problem.into_response())
+            (Outcome::StoreUnavailable, response)
         }
     }
 }

@@ -29,7 +29,7 @@ use crate::idem::Idem;
 use crate::key::IdempotencyKey;
 use crate::observe::{self, Outcome};
 use crate::phases::{PhaseState, Phases, Recovery};
-use crate::problem::Problem;
+use crate::problem::{OperationState, Problem, restate};
 use crate::response::{CaptureError, StoredResponse};
 
 /// Claims the key with a lease (or resumes it), runs the handler's phases,
@@ -126,7 +126,11 @@ async fn run_keyed<'f, DB: Phased>(
             }
             Ok(LeaseOutcome::Reused) => {
                 observe::claim_latency("finished", started.elapsed());
-                return (Outcome::Reused, Problem::KeyReused.into_response());
+                // Unfinished: its first request is still being worked on.
+                return (
+                    Outcome::Reused,
+                    Problem::KeyReused.answer(OperationState::InProgress),
+                );
             }
             Err(error) => {
                 observe::claim_latency("error", started.elapsed());
@@ -150,7 +154,7 @@ async fn run_keyed<'f, DB: Phased>(
             tracing::error!(%error, "corrupt recovery point; the key is left as it is");
             return (
                 Outcome::StoreUnavailable,
-                Problem::TransactionFailed.into_response(),
+                Problem::TransactionFailed.answer(OperationState::Uncertain),
             );
         }
     };
@@ -197,16 +201,13 @@ async fn run_keyed<'f, DB: Phased>(
     let answer = match ran {
         Ok(Ok(answer)) if answer.commits() => answer,
         Ok(Ok(answer)) => {
-            fail(state, backoff).await;
-            return (Outcome::RolledBack, answer.response);
+            let left = fail(state, backoff).await;
+            return (Outcome::RolledBack, restate(answer.response, left));
         }
         Ok(Err(_panic)) => {
             tracing::error!("phased handler panicked; its last phase was rolled back");
-            fail(state, backoff).await;
-            return (
-                Outcome::RolledBack,
-                Problem::HandlerPanicked.into_response(),
-            );
+            let left = fail(state, backoff).await;
+            return (Outcome::RolledBack, Problem::HandlerPanicked.answer(left));
         }
         Err(_elapsed) => {
             tracing::warn!(
@@ -215,8 +216,8 @@ async fn run_keyed<'f, DB: Phased>(
             );
             // The last phase may have been mid-statement: closed, not reused.
             drop(state.last.take());
-            fail(state, backoff).await;
-            return (Outcome::TimedOut, Problem::HandlerTimeout.into_response());
+            let left = fail(state, backoff).await;
+            return (Outcome::TimedOut, Problem::HandlerTimeout.answer(left));
         }
     };
     store(idem, state, answer.response, backoff).await
@@ -246,7 +247,7 @@ async fn store<DB: Phased>(
     let (stored, parts) = match captured {
         Ok(captured) => captured,
         Err(error) => {
-            fail(state, backoff).await;
+            let left = fail(state, backoff).await;
             let problem = match error {
                 CaptureError::TooLarge { limit } => {
                     tracing::error!(
@@ -261,7 +262,7 @@ async fn store<DB: Phased>(
                     Problem::HandlerPanicked
                 }
             };
-            return (Outcome::RolledBack, problem.into_response());
+            return (Outcome::RolledBack, problem.answer(left));
         }
     };
     let mut conn = match state.last.take() {
@@ -270,10 +271,10 @@ async fn store<DB: Phased>(
             Ok(conn) => conn,
             Err(error) => {
                 tracing::warn!(%error, "the key store failed before the response was stored");
-                fail(state, backoff).await;
+                let left = fail(state, backoff).await;
                 return (
                     Outcome::StoreUnavailable,
-                    Problem::StoreUnavailable.into_response(),
+                    Problem::StoreUnavailable.answer(left),
                 );
             }
         },
@@ -300,11 +301,8 @@ async fn store<DB: Phased>(
             // nothing committed, and the failure rule applies.
             tracing::error!(%error, "the last phase's transaction had failed; rolled back");
             abandon(conn).await;
-            fail(state, backoff).await;
-            (
-                Outcome::RolledBack,
-                Problem::TransactionFailed.into_response(),
-            )
+            let left = fail(state, backoff).await;
+            (Outcome::RolledBack, Problem::TransactionFailed.answer(left))
         }
         Err(FinishError::Store(error)) => {
             // The commit may have landed: the key is left to its lease, and
@@ -313,14 +311,17 @@ async fn store<DB: Phased>(
             abandon(conn).await;
             (
                 Outcome::StoreUnavailable,
-                Problem::StoreUnavailable.into_response(),
+                Problem::StoreUnavailable.answer(OperationState::InProgress),
             )
         }
     }
 }
 
-/// Leaves the key of a failed attempt as the failure rule says.
-async fn fail<DB: Phased>(mut state: PhaseState<DB>, backoff: Duration) {
+/// Leaves the key of a failed attempt as the failure rule says, and says
+/// what that leaves of its operation: `NotStarted` once the key is deleted
+/// (no external step was attempted), `InProgress` while it is kept for the
+/// next attempt to resume, or until its lease ends.
+async fn fail<DB: Phased>(mut state: PhaseState<DB>, backoff: Duration) -> OperationState {
     if let Some(conn) = state.last.take() {
         abandon(conn).await;
     }
@@ -336,11 +337,15 @@ async fn fail<DB: Phased>(mut state: PhaseState<DB>, backoff: Duration) {
     })
     .await;
     match released {
-        Ok(_) => {}
+        Ok(_) if matches!(how, Release::Delete) => OperationState::NotStarted,
+        Ok(_) => OperationState::InProgress,
         // The lease ends by itself; the next attempt then resumes.
-        Err(error) => tracing::warn!(
-            %error,
-            "releasing a failed attempt's key failed; it is free when its lease ends"
-        ),
+        Err(error) => {
+            tracing::warn!(
+                %error,
+                "releasing a failed attempt's key failed; it is free when its lease ends"
+            );
+            OperationState::InProgress
+        }
     }
 }

@@ -25,6 +25,14 @@ fn keyless(client: &Client, mode: &str) -> reqwest::RequestBuilder {
 fn assert_store_failure(answer: &Answer, keyed: bool) {
     assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE, "{answer:?}");
     assert_eq!(answer.problem_code(), "idempotency_store_unavailable");
+    // With a key, a retry tells whether the commit landed; without one,
+    // nothing does.
+    let state = if keyed { "in_progress" } else { "uncertain" };
+    assert_eq!(
+        answer.operation_state(),
+        (state.into(), false),
+        "{answer:?}"
+    );
     let retry_after = answer.header("retry-after");
     if keyed {
         assert_eq!(retry_after, Some("1"), "{answer:?}");

@@ -311,6 +311,7 @@ pub async fn short_waits_are_honoured<DB: TestDb>() {
     let waited = started.elapsed();
     assert_eq!(duplicate.status, StatusCode::CONFLICT, "{duplicate:?}");
     assert_eq!(duplicate.problem_code(), "idempotency_key_in_use");
+    assert_eq!(duplicate.operation_state(), ("in_progress".into(), false));
     assert!(
         waited >= std::time::Duration::from_millis(300),
         "the duplicate waited {waited:?}, less than its 300ms"
@@ -340,6 +341,7 @@ pub async fn different_body_is_422<DB: TestDb>() {
     let other = send(client.post("/effects", "k", r#"{"note":"b","x":{"p":1,"q":[1,2]}}"#)).await;
     assert_eq!(other.status, StatusCode::UNPROCESSABLE_ENTITY);
     assert_eq!(other.problem_code(), "idempotency_key_reused");
+    assert_eq!(other.operation_state(), ("completed".into(), false));
     let respelled = send(client.post(
         "/effects",
         "k",
@@ -684,6 +686,7 @@ pub async fn bad_keys_are_400<DB: TestDb>() {
     let missing = send(missing).await;
     assert_eq!(missing.status, StatusCode::BAD_REQUEST);
     assert_eq!(missing.problem_code(), "idempotency_key_missing");
+    assert_eq!(missing.operation_state(), ("not_started".into(), true));
     let long = "k".repeat(300);
     // `a,b`: two headers as a proxy folds them.
     let bad: [&[u8]; 6] = [
@@ -831,6 +834,7 @@ pub async fn handlers_past_their_deadline_are_504<DB: TestDb>() {
     assert_eq!(late.status, StatusCode::GATEWAY_TIMEOUT);
     assert_eq!(late.problem_code(), "handler_timeout");
     assert_eq!(late.header("retry-after"), Some("1"));
+    assert_eq!(late.operation_state(), ("not_started".into(), true));
     assert_eq!(
         server.effects(&caller).await,
         0,
@@ -867,6 +871,7 @@ pub async fn unreachable_store_is_503<DB: TestDb>() {
     assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(answer.header("retry-after"), Some("1"));
     assert_eq!(answer.problem_code(), "idempotency_store_unavailable");
+    assert_eq!(answer.operation_state(), ("not_started".into(), true));
 }
 
 /// A client that gives up mid-handler: the dropped request rolls back and

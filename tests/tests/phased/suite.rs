@@ -94,6 +94,7 @@ pub async fn leased_keys_are_409_and_finished_ones_replay<DB: PhasedDb>() {
     let elapsed = sent.elapsed().as_secs_f64();
     assert_eq!(duplicate.status, StatusCode::CONFLICT, "{duplicate:?}");
     assert_eq!(duplicate.problem_code(), "idempotency_key_in_use");
+    assert_eq!(duplicate.operation_state(), ("in_progress".into(), false));
     let wait = retry_after(&duplicate);
     let lease = LONG_LEASE.as_secs();
     assert!(
@@ -111,6 +112,8 @@ pub async fn leased_keys_are_409_and_finished_ones_replay<DB: PhasedDb>() {
         "{reused:?}"
     );
     assert_eq!(reused.problem_code(), "idempotency_key_reused");
+    // The key's own request is still running: not completed.
+    assert_eq!(reused.operation_state(), ("in_progress".into(), false));
 
     pause.release();
     let first = first.await.unwrap();
@@ -219,6 +222,7 @@ pub async fn the_completer_gives_up_after_max_attempts<DB: PhasedDb>() {
     assert_eq!(retry.status, StatusCode::INTERNAL_SERVER_ERROR, "{retry:?}");
     assert!(retry.replayed(), "{retry:?}");
     assert_eq!(retry.problem_code(), "idempotency_request_abandoned");
+    assert_eq!(retry.operation_state(), ("uncertain".into(), false));
     let again = send(fixture.post(server.addr, &key)).await;
     assert_eq!(again.body, retry.body);
     assert_eq!(completer.run_once().await.unwrap().resumed, 0, "finished");
