@@ -14,12 +14,16 @@
 
 mod admin;
 mod backend;
-mod canonical;
+pub mod canonical;
 mod completer;
 mod consume;
 mod error;
 mod extract;
 mod fingerprint;
+// The fuzz targets' checks of crate-private code; `fuzz/` builds with it.
+#[cfg(any(fuzzing, test))]
+#[doc(hidden)]
+pub mod fuzzing;
 mod idem;
 mod key;
 #[cfg(feature = "nats")]
@@ -46,6 +50,7 @@ pub use backend::{Admin, Backend, Forgotten, KeyInfo, KeyState, Phased};
 pub use completer::{Completer, CompleterRun};
 pub use consume::{ConsumeError, Consumed};
 pub use error::Error;
+pub use fingerprint::Fingerprint;
 pub use idem::{DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_TABLE, Idem};
 pub use key::{IDEMPOTENCY_KEY, IdempotencyKey, KeyError, MAX_KEY_LEN};
 pub use observe::{Outcome, redact};
@@ -79,11 +84,10 @@ pub mod __private {
     pub use crate::backend::{Acquire, Claim, ClaimOutcome, FinishError, OpenTx, StoreError};
     pub use crate::backend::{NewMessage, OutboxStore};
     pub use crate::extract::{__IdemFromBody, __IdemFromParts, __IdemFromRef, __IdemFromRequest};
-    pub use crate::fingerprint::{Fingerprint, canonicalize};
-    pub use crate::key::{parse_key, parse_key_value};
+    pub use crate::fingerprint::Fingerprint;
     pub use crate::phased::run_phased;
     pub use crate::protocol::{Answer, Config, KeyMode, Prepared, prepare, run};
-    pub use crate::response::{CaptureError, StoredResponse, decode_headers, is_storable};
+    pub use crate::response::{StoredResponse, is_storable};
     pub use axum::extract::{FromRef, FromRequest, FromRequestParts, Request};
     pub use axum::handler::Handler;
     pub use axum::response::{IntoResponse, Response};
