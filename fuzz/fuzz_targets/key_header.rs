@@ -4,12 +4,11 @@
 #![no_main]
 
 use http::{HeaderMap, HeaderValue};
-use idem_runtime::{IDEMPOTENCY_KEY, MAX_KEY_LEN};
-use idem_runtime::__private::{parse_key, parse_key_value};
+use idem_runtime::{IDEMPOTENCY_KEY, IdempotencyKey, MAX_KEY_LEN};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    let parsed = parse_key_value(data);
+    let parsed = IdempotencyKey::parse(data);
     if let Ok(key) = &parsed {
         assert!((1..=MAX_KEY_LEN).contains(&key.len()), "{key:?}");
         assert!(key.bytes().all(|b| b.is_ascii_graphic()), "{key:?}");
@@ -21,17 +20,17 @@ fuzz_target!(|data: &[u8]| {
             quoted.push(c);
         }
         quoted.push('"');
-        assert_eq!(parse_key_value(quoted.as_bytes()).as_ref(), Ok(key));
+        assert_eq!(IdempotencyKey::parse(&quoted).as_ref(), Ok(key));
         // Bare, a key reads as itself unless it starts with a quote, or
         // has a comma (a list of keys, refused): those only travel quoted.
         if !key.starts_with('"') && !key.contains(',') {
-            assert_eq!(parse_key_value(key.as_bytes()).as_ref(), Ok(key));
+            assert_eq!(IdempotencyKey::parse(key).as_ref(), Ok(key));
         }
     }
     // Through a header map, as a request delivers it.
     if let Ok(value) = HeaderValue::from_bytes(data) {
         let mut headers = HeaderMap::new();
         headers.insert(IDEMPOTENCY_KEY, value);
-        assert_eq!(parse_key(&headers), parsed.map(Some));
+        assert_eq!(IdempotencyKey::from_headers(&headers), parsed.map(Some));
     }
 });

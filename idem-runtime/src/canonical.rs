@@ -1,43 +1,91 @@
-//! RFC 8785 (JSON Canonicalization Scheme), written as it is read, with no
-//! parsed tree and without building the canonical form whole: a first pass
-//! checks the body, counts the canonical form's length (the fingerprint
-//! frames it with its length) and finds the objects whose members are not
-//! in canonical order; a second pass writes the form, in order, to a
-//! [`Sink`] (a hash, or a `Vec` for [`canonicalize`]). What a body costs
-//! beside itself is the order of those objects: 4 bytes per member and 8
-//! per object, nothing for members already in order (a serializer's field
-//! order, or sorted), nothing for numbers however long they are written
-//! (`1e20` is 21 digits), plus 4 bytes per member of the objects open at
-//! once while the first pass reads them. Members a handler's
-//! `fingerprint(exclude = [...])` names ([`Exclusions`]) are read and
-//! checked by both passes but written by neither.
+//! RFC 8785, the JSON Canonicalization Scheme: one spelling for every
+//! JSON text, the form [`Fingerprint`](crate::Fingerprint) hashes a JSON
+//! body in.
+//!
+//! [`canonicalize`] writes members in the order of their names' UTF-16
+//! code units, strings with only the escapes JSON requires, numbers as
+//! ECMAScript prints the double, and no whitespace, so two spellings of
+//! one value (key order, spacing, `1.0` and `1`, `"\u00e9"` and `"é"`)
+//! have one canonical form:
+//!
+//! ```
+//! # use idem_runtime as idem;
+//! use idem::canonical::canonicalize;
+//!
+//! let a = canonicalize(br#"{"b": [1.0, 2e3], "a": "\u00e9"}"#)?;
+//! let b = canonicalize(r#"{"a":"é", "b":[1, 2000]}"#.as_bytes())?;
+//! assert_eq!(a, b);
+//! assert_eq!(a, r#"{"a":"é","b":[1,2000]}"#.as_bytes());
+//! # Ok::<(), idem::canonical::CanonicalError>(())
+//! ```
+//!
+//! # Cost
+//!
+//! The text is read twice, with no parsed tree and without building the
+//! form whole when it is hashed: a first pass checks it, counts the form's
+//! length and finds the objects whose members are out of order; a second
+//! writes the form, in order. Beside the text that costs 4 bytes per member
+//! and 8 per object of the objects out of order, nothing for members
+//! already in order (a serializer's field order, or sorted), nothing for
+//! numbers however long they are written (`1e20` is 21 digits), plus 4
+//! bytes per member of the objects open at once during the first pass.
+
+// Inside the crate, both passes write to a `Sink` (a hash, or a `Vec` for
+// `canonicalize`); members a handler's `fingerprint(exclude = [...])` names
+// (`Exclusions`) are read and checked by both passes but written by
+// neither.
 
 use std::cmp::Ordering;
 
-/// RFC 8785 canonical form of any JSON text, `None` if it does not parse.
+/// The RFC 8785 canonical form of a JSON text.
 ///
 /// Members in the order of their names' UTF-16 code units, strings escaped
 /// as JSON requires and no further, numbers as ECMAScript prints the
-/// double, except integers beyond 2^53: those keep their digits (see
-/// [`Fingerprint`](crate::fingerprint::Fingerprint)). Where serde_json's
-/// `arbitrary_precision` is on in the build, so that handlers read a
-/// number's exact digits, a number with a fraction or an exponent is
-/// written as its exact decimal value instead (`1.000000000000000001` is
-/// not `1`; `1.50` is `1.5`). `None` also for what serde_json
-/// refuses (nesting deeper than 127, a lone surrogate, a number beyond
-/// the doubles) and for an object naming one member twice: handlers
-/// disagree on which of the two counts, so such a body is hashed byte for
-/// byte, and another spelling of it is another request.
+/// double, except integers beyond 2^53: those keep their digits, so two
+/// integers a double cannot tell apart stay two values. Where serde_json's
+/// `arbitrary_precision` is on in the build (any crate of it may turn it
+/// on, so that handlers read a number's exact digits), a number with a
+/// fraction or an exponent is written as its exact decimal value instead
+/// (`1.000000000000000001` is not `1`; `1.50` is `1.5`).
+///
+/// # Errors
+///
+/// [`CanonicalError`] for a text that is not JSON, and for what serde_json
+/// refuses to read (nesting deeper than 127, a lone surrogate, a number
+/// beyond the doubles); also for an object naming one member twice, whose
+/// meaning JSON leaves open (parsers disagree on which of the two counts),
+/// and for a text of 512 MiB or more. [`Fingerprint`](crate::Fingerprint)
+/// hashes such a body byte for byte.
 ///
 /// ```
-/// # use idem_runtime::__private as idem;
-/// let canonical = idem::canonicalize(br#"{ "b": [1.0, 2e3], "a": "\u00e9" }"#).unwrap();
-/// assert_eq!(canonical, "{\"a\":\"é\",\"b\":[1,2000]}".as_bytes());
-/// assert_eq!(idem::canonicalize(br#"{"a": 1, "a": 2}"#), None);
+/// # use idem_runtime as idem;
+/// use idem::canonical::canonicalize;
+///
+/// let canonical = canonicalize(br#"{ "b": [1.0, 2e3], "a": "\u00e9" }"#).unwrap();
+/// assert_eq!(canonical, r#"{"a":"é","b":[1,2000]}"#.as_bytes());
+/// assert_eq!(canonicalize(b"[9007199254740993]").unwrap(), b"[9007199254740993]");
+/// assert!(canonicalize(br#"{"a": 1, "a": 2}"#).is_err());
+/// assert!(canonicalize(b"{").is_err());
 /// ```
-pub fn canonicalize(body: &[u8]) -> Option<Vec<u8>> {
-    canonicalize_numbers(body, Numbers::of_this_build())
+pub fn canonicalize(json: &[u8]) -> Result<Vec<u8>, CanonicalError> {
+    canonicalize_numbers(json, Numbers::of_this_build()).ok_or(CanonicalError)
 }
+
+/// Why [`canonicalize`] gave no canonical form: the text is not JSON that
+/// RFC 8785 can write (see its errors). It carries no detail; the text is
+/// the caller's to inspect (serde_json's error says where it stops
+/// parsing).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub struct CanonicalError;
+
+impl std::fmt::Display for CanonicalError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("not JSON that RFC 8785 can canonicalize")
+    }
+}
+
+impl std::error::Error for CanonicalError {}
 
 /// How the handler reads a number with a fraction or an exponent, and so
 /// how its canonical form is written.
@@ -1075,6 +1123,11 @@ impl Iterator for Utf16<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// [`super::canonicalize`] as an `Option`, as the oracle returns it.
+    fn canonicalize(body: &[u8]) -> Option<Vec<u8>> {
+        super::canonicalize(body).ok()
+    }
 
     /// The canonicaliser this one replaced (through `serde_json::Value`),
     /// kept as an oracle: keys claimed before an upgrade must keep their

@@ -3,28 +3,42 @@
 use http::{HeaderMap, Method, header::CONTENT_TYPE};
 use sha2::{Digest, Sha256};
 
-pub use crate::canonical::canonicalize;
 use crate::canonical::{Canonical, Exclusions, Numbers, Sink};
 
-/// SHA-256 over the method, path, query and body of a request.
+/// What makes two attempts "the same request": the SHA-256 of its method,
+/// path, query and body.
+///
+/// `#[idempotent]` stores the fingerprint of the first request with its
+/// key and compares each retry's with it: a retry whose fingerprint
+/// differs is another request under the same key, refused with 422 and
+/// never run. The path is the one the client sent (axum's `OriginalUri`,
+/// so a nested router's prefix counts).
 ///
 /// A JSON body (a content type axum's `Json` takes: `application/json`,
 /// `application/*+json`, `application/json+*`) is hashed in its
-/// RFC 8785 canonical form, so key order and whitespace do not matter; any
-/// other body is hashed byte for byte. Each part is length-prefixed, so
-/// moving bytes between the path and the query yields another fingerprint.
+/// RFC 8785 canonical form ([`canonical`](crate::canonical)), so key order
+/// and whitespace do not matter; any other body is hashed byte for byte.
+/// Each part is length-prefixed, so moving bytes between the path and the
+/// query yields another fingerprint.
 ///
 /// JSON numbers are compared as RFC 8785 compares them, as IEEE-754 doubles:
 /// `1.0` and `1` are the same value. Integers beyond 2^53, which doubles
 /// cannot all tell apart, are compared by their digits instead, so two
 /// account numbers or `u128` amounts never share a fingerprint. A body
-/// naming one member twice is hashed byte for byte (see [`canonicalize`]).
+/// naming one member twice is hashed byte for byte (see
+/// [`canonicalize`](crate::canonical::canonicalize)).
 ///
-/// A handler's `fingerprint(exclude = [...])` leaves members of a JSON body
-/// out ([`of_excluding`](Self::of_excluding)).
+/// A handler's `#[idempotent(fingerprint(exclude = ["/client_ts"]))]`
+/// leaves members of a JSON body out ([`of_excluding`](Self::of_excluding)).
+///
+/// The value is stable across releases: keys stored before an upgrade keep
+/// matching their retries after it (the project's golden tests pin it).
+/// It shows as 64 lowercase hex digits ([`Display`](std::fmt::Display)),
+/// and is stored as its 32 bytes ([`as_bytes`](Self::as_bytes),
+/// [`from_bytes`](Self::from_bytes)).
 ///
 /// ```
-/// # use idem_runtime::__private as idem;
+/// # use idem_runtime as idem;
 /// use http::{HeaderMap, Method, header::CONTENT_TYPE};
 /// use idem::Fingerprint;
 ///
@@ -33,12 +47,16 @@ use crate::canonical::{Canonical, Exclusions, Numbers, Sink};
 /// let a = Fingerprint::of(&Method::POST, "/v1/charges", None, &json, br#"{"a":1,"b":2}"#);
 /// let b = Fingerprint::of(&Method::POST, "/v1/charges", None, &json, b"{ \"b\": 2, \"a\": 1 }");
 /// assert_eq!(a, b);
+/// assert_ne!(a, Fingerprint::of(&Method::PUT, "/v1/charges", None, &json, br#"{"a":1,"b":2}"#));
+/// assert_eq!(a.to_string().len(), 64);
 /// ```
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Fingerprint([u8; 32]);
 
 impl Fingerprint {
-    /// The fingerprint of one request.
+    /// The fingerprint of one request: `path` without its query, `query`
+    /// without its `?` (`None` when the URI has none; `Some("")` for a bare
+    /// `?` is another request).
     pub fn of(
         method: &Method,
         path: &str,
@@ -59,10 +77,11 @@ impl Fingerprint {
     /// checked, never hashed; an element an index names is left out of
     /// its array, so the elements after it move up one. A body that is
     /// not JSON (by its content type, or as it reads) is hashed byte for
-    /// byte, whole.
+    /// byte, whole. `#[idempotent]` checks its pointers at compile time;
+    /// here one that does not start with `/` is ignored.
     ///
     /// ```
-    /// # use idem_runtime::__private as idem;
+    /// # use idem_runtime as idem;
     /// use http::{HeaderMap, Method, header::CONTENT_TYPE};
     /// use idem::Fingerprint;
     ///
@@ -122,20 +141,39 @@ impl Fingerprint {
         Self(hasher.finalize().into())
     }
 
-    /// The 32 bytes of the digest.
+    /// The 32 bytes of the digest, as the stores keep them.
     pub fn as_bytes(&self) -> &[u8; 32] {
         &self.0
     }
 
-    /// Rebuilds a fingerprint read back from the store.
+    /// Rebuilds a fingerprint from its 32 bytes (read back from a store);
+    /// `None` for any other length.
+    ///
+    /// ```
+    /// # use idem_runtime as idem;
+    /// use idem::Fingerprint;
+    ///
+    /// let stored = Fingerprint::from_bytes(&[0xab; 32]).unwrap();
+    /// assert_eq!(stored.as_bytes(), &[0xab; 32]);
+    /// assert_eq!(stored.to_string(), "ab".repeat(32));
+    /// assert_eq!(Fingerprint::from_bytes(&[0xab; 31]), None);
+    /// ```
     pub fn from_bytes(bytes: &[u8]) -> Option<Self> {
         bytes.try_into().ok().map(Self)
     }
 }
 
+/// The first 8 bytes, in hex: enough to tell fingerprints apart in a log.
 impl std::fmt::Debug for Fingerprint {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "Fingerprint({})", hex::encode(&self.0[..8]))
+    }
+}
+
+/// The 32 bytes as 64 lowercase hex digits.
+impl std::fmt::Display for Fingerprint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&hex::encode(self.0))
     }
 }
 
@@ -216,6 +254,7 @@ fn is_json(headers: &HeaderMap) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::canonical::canonicalize;
 
     fn json() -> HeaderMap {
         let mut headers = HeaderMap::new();

@@ -14,6 +14,12 @@ pub const MAX_KEY_LEN: usize = 255;
 /// Handlers reach it through [`Tx::key`](crate::Tx::key); use
 /// [`derive`](Self::derive) to get a key for a downstream API that accepts
 /// one, so a retry of this request reuses the downstream operation too.
+///
+/// Only a claimed request has one (its scope comes from the handler's
+/// [`Scope`](crate::Scope)); [`parse`](Self::parse) and
+/// [`from_headers`](Self::from_headers) read the key half from a header as
+/// `#[idempotent]` does, for a proxy, a client or a test that checks a key
+/// before sending it.
 #[derive(Clone, PartialEq, Eq)]
 pub struct IdempotencyKey {
     scope: String,
@@ -23,6 +29,55 @@ pub struct IdempotencyKey {
 impl IdempotencyKey {
     pub(crate) fn new(scope: String, key: String) -> Self {
         Self { scope, key }
+    }
+
+    /// The key one `Idempotency-Key` field value carries, as
+    /// [`as_str`](Self::as_str) gives it once claimed.
+    ///
+    /// Accepts an RFC 9651 sf-string (`"abc"`, as the IETF draft writes
+    /// it, with `\"` and `\\` its only escapes) and a bare token (`abc`, as
+    /// most client libraries send it), either with ASCII whitespace
+    /// around it. The key must be 1 to [`MAX_KEY_LEN`] visible ASCII characters
+    /// (`!` to `~`). A bare value with a comma is refused as
+    /// [`KeyError::Multiple`]: a proxy joins two headers into one that way
+    /// (RFC 9110); a quoted key may hold a comma.
+    ///
+    /// ```
+    /// # use idem_runtime as idem;
+    /// use idem::{IdempotencyKey, KeyError};
+    ///
+    /// assert_eq!(IdempotencyKey::parse("order-17").unwrap(), "order-17");
+    /// assert_eq!(IdempotencyKey::parse(r#" "order-17" "#).unwrap(), "order-17");
+    /// assert_eq!(IdempotencyKey::parse(r#""a,\"b\"""#).unwrap(), r#"a,"b""#);
+    /// assert_eq!(IdempotencyKey::parse("a, b"), Err(KeyError::Multiple));
+    /// assert_eq!(IdempotencyKey::parse("a b"), Err(KeyError::InvalidCharacter));
+    /// assert_eq!(IdempotencyKey::parse("k".repeat(256)), Err(KeyError::TooLong));
+    /// // A header value, as a request carries it.
+    /// let value = http::HeaderValue::from_static("\"order-17\"");
+    /// assert_eq!(IdempotencyKey::parse(&value).unwrap(), "order-17");
+    /// ```
+    pub fn parse(value: impl AsRef<[u8]>) -> Result<String, KeyError> {
+        parse_key_value(value.as_ref())
+    }
+
+    /// The key a request's headers carry: `Ok(None)` without an
+    /// `Idempotency-Key` header, [`KeyError::Multiple`] with more than one,
+    /// and otherwise what [`parse`](Self::parse) makes of its value.
+    ///
+    /// ```
+    /// # use idem_runtime as idem;
+    /// use http::HeaderMap;
+    /// use idem::{IDEMPOTENCY_KEY, IdempotencyKey, KeyError};
+    ///
+    /// let mut headers = HeaderMap::new();
+    /// assert_eq!(IdempotencyKey::from_headers(&headers), Ok(None));
+    /// headers.insert(IDEMPOTENCY_KEY, "order-17".parse().unwrap());
+    /// assert_eq!(IdempotencyKey::from_headers(&headers), Ok(Some("order-17".into())));
+    /// headers.append(IDEMPOTENCY_KEY, "order-18".parse().unwrap());
+    /// assert_eq!(IdempotencyKey::from_headers(&headers), Err(KeyError::Multiple));
+    /// ```
+    pub fn from_headers(headers: &HeaderMap) -> Result<Option<String>, KeyError> {
+        parse_key(headers)
     }
 
     /// The key as the client sent it (unquoted if it was an RFC 9651 string).
@@ -98,11 +153,8 @@ pub enum KeyError {
     Malformed,
 }
 
-/// Reads the key from request headers: `Ok(None)` when there is none.
-///
-/// Accepts an RFC 9651 sf-string (`"abc"`, as the IETF draft writes it) and a
-/// bare token (`abc`, as most client libraries send it).
-pub fn parse_key(headers: &HeaderMap) -> Result<Option<String>, KeyError> {
+/// [`IdempotencyKey::from_headers`].
+pub(crate) fn parse_key(headers: &HeaderMap) -> Result<Option<String>, KeyError> {
     let mut values = headers.get_all(IDEMPOTENCY_KEY).iter();
     let Some(value) = values.next() else {
         return Ok(None);
@@ -113,8 +165,8 @@ pub fn parse_key(headers: &HeaderMap) -> Result<Option<String>, KeyError> {
     parse_key_value(value.as_bytes()).map(Some)
 }
 
-/// Parses one header value; see [`parse_key`].
-pub fn parse_key_value(raw: &[u8]) -> Result<String, KeyError> {
+/// [`IdempotencyKey::parse`].
+pub(crate) fn parse_key_value(raw: &[u8]) -> Result<String, KeyError> {
     let raw = raw.trim_ascii();
     let key = match raw.first() {
         Some(b'"') => unquote(raw)?,

@@ -43,9 +43,13 @@ mod recent;
 mod table;
 
 // The leaves: what a request is made of and what an answer is.
-mod canonical;
+pub mod canonical;
 mod error;
 mod fingerprint;
+// The fuzz targets' checks, next to the code they check.
+#[cfg(any(fuzzing, test))]
+#[doc(hidden)]
+pub mod fuzzing;
 mod key;
 mod observe;
 mod problem;
@@ -57,6 +61,7 @@ pub use backend::{Admin, Backend, Forgotten, KeyInfo, KeyState, MAX_MESSAGE_ID_L
 pub use completer::{Completer, CompleterRun, FromScope, Resumed};
 pub use consume::{ConsumeError, Consumed};
 pub use error::Error;
+pub use fingerprint::Fingerprint;
 pub use idem::{DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_TABLE, Idem};
 pub use key::{IDEMPOTENCY_KEY, IdempotencyKey, KeyError, MAX_KEY_LEN};
 pub use observe::{Outcome, metrics, redact};

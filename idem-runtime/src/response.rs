@@ -175,8 +175,9 @@ impl StoredResponse {
     }
 }
 
-/// Inverse of [`StoredResponse::encode_headers`].
-pub fn decode_headers(mut input: &[u8]) -> Option<Vec<(HeaderName, HeaderValue)>> {
+/// Inverse of [`StoredResponse::encode_headers`]; `None` if the bytes are
+/// not headers it wrote (a corrupt or hostile row).
+pub(crate) fn decode_headers(mut input: &[u8]) -> Option<Vec<(HeaderName, HeaderValue)>> {
     let mut headers = Vec::new();
     while !input.is_empty() {
         let name_len = u16::from_be_bytes(take(&mut input, 2)?.try_into().ok()?) as usize;
@@ -308,6 +309,110 @@ mod tests {
         }
         for code in [200, 201, 202, 204, 400, 402, 404, 409, 422] {
             assert!(is_storable(StatusCode::from_u16(code).unwrap()), "{code}");
+        }
+    }
+
+    /// Property tests of the storage encoding (`PROPTEST_CASES` cases, 256
+    /// unless set); `fuzz/`'s `stored_response` target runs
+    /// [`crate::fuzzing::stored_response`] with coverage guidance.
+    mod properties {
+        use proptest::prelude::*;
+        use proptest::test_runner::Config;
+
+        use super::*;
+
+        /// Proptest's default reads `PROPTEST_CASES`.
+        fn config() -> Config {
+            Config {
+                // A failure prints its minimal case; nothing is written to the tree.
+                failure_persistence: None,
+                ..Config::default()
+            }
+        }
+
+        fn header_name() -> impl Strategy<Value = HeaderName> {
+            prop_oneof![
+                prop::sample::select(DEFAULT_REPLAY_HEADERS.to_vec()),
+                "[a-z][a-z0-9!#$%&'*+.^_`|~-]{0,30}"
+                    .prop_map(|n| HeaderName::from_bytes(n.as_bytes()).unwrap()),
+            ]
+        }
+
+        /// Every byte `HeaderValue` accepts: visible ASCII, space, tab, obs-text.
+        fn header_value() -> impl Strategy<Value = HeaderValue> {
+            let byte = prop_oneof![0x20u8..=0x7e, Just(b'\t'), 0x80u8..=0xff];
+            prop::collection::vec(byte, 0..40).prop_map(|v| HeaderValue::from_bytes(&v).unwrap())
+        }
+
+        fn stored_response() -> impl Strategy<Value = StoredResponse> {
+            (
+                100u16..=999,
+                prop::collection::vec((header_name(), header_value()), 0..8),
+                prop::collection::vec(any::<u8>(), 0..256),
+            )
+                .prop_map(|(status, headers, body)| StoredResponse {
+                    status: StatusCode::from_u16(status).unwrap(),
+                    headers,
+                    body: body.into(),
+                })
+        }
+
+        /// Any bytes, or mostly well-framed ones, so the decoder gets past
+        /// the lengths: an encoding with one byte changed, or cut short.
+        fn encoded_or_not() -> impl Strategy<Value = Vec<u8>> {
+            prop_oneof![
+                prop::collection::vec(any::<u8>(), 0..256),
+                stored_response().prop_flat_map(|r| {
+                    let encoded = r.encode_headers();
+                    let len = encoded.len();
+                    (Just(encoded), 0..=len, any::<u8>()).prop_map(|(mut e, at, b)| {
+                        if at < e.len() {
+                            e[at] = b
+                        } else {
+                            e.truncate(at)
+                        }
+                        e
+                    })
+                }),
+            ]
+        }
+
+        proptest! {
+            #![proptest_config(config())]
+
+            #[test]
+            fn stored_responses_round_trip(response in stored_response()) {
+                let encoded = response.encode_headers();
+                prop_assert_eq!(decode_headers(&encoded), Some(response.headers.clone()));
+                let decoded = StoredResponse::decode(
+                    response.status.as_u16().into(),
+                    &encoded,
+                    response.body.to_vec(),
+                );
+                prop_assert_eq!(decoded, Some(response));
+            }
+
+            #[test]
+            fn decoding_never_panics_and_what_decodes_re_encodes(
+                bytes in encoded_or_not(),
+                status in any::<i64>(),
+            ) {
+                if let Some(headers) = decode_headers(&bytes) {
+                    let again = StoredResponse { status: StatusCode::OK, headers, body: Default::default() };
+                    prop_assert_eq!(decode_headers(&again.encode_headers()), Some(again.headers));
+                }
+                let decoded = StoredResponse::decode(status, &bytes, vec![1, 2, 3]);
+                if let Some(decoded) = decoded {
+                    prop_assert!((100..=999).contains(&status));
+                    prop_assert_eq!(i64::from(decoded.status.as_u16()), status);
+                }
+            }
+
+            /// The fuzz target's checks, on a status and such bytes.
+            #[test]
+            fn the_fuzz_checks_hold(status in any::<[u8; 2]>(), bytes in encoded_or_not()) {
+                crate::fuzzing::stored_response(&[&status[..], &bytes].concat());
+            }
         }
     }
 }

@@ -24,10 +24,15 @@
 //! memory: no server, no file.
 
 use axum::http::{HeaderMap, HeaderValue, Method, header::CONTENT_TYPE};
-use idem::__private::{Fingerprint, canonicalize};
+use idem::Fingerprint;
+use idem::canonical::canonicalize;
 
+/// The fingerprint as it shows: its bytes in lowercase hex, so the
+/// literals pin `Display` too.
 fn hex(fingerprint: Fingerprint) -> String {
-    hex::encode(fingerprint.as_bytes())
+    let shown = fingerprint.to_string();
+    assert_eq!(shown, hex::encode(fingerprint.as_bytes()));
+    shown
 }
 
 /// The hashed layouts, spelled out: a version prefix, then each part as
@@ -237,8 +242,7 @@ mod through_a_request {
     use axum::body::Body;
     use axum::handler::Handler;
     use axum::http::{Method, Request};
-    use idem::__private::Fingerprint;
-    use idem::{Idem, Tx, idempotent};
+    use idem::{Fingerprint, Idem, Tx, idempotent};
     use sqlx::Sqlite;
     use sqlx::sqlite::SqlitePoolOptions;
 
@@ -350,7 +354,7 @@ mod through_a_request {
             super::Json(super::NESTED_CANONICAL),
         );
         assert_eq!(layout, golden);
-        assert_eq!(hex::encode(stored), golden);
+        assert_eq!(hex::encode(&stored), golden);
         let json = super::content_type("application/json");
         let request = Fingerprint::of(
             &Method::POST,
@@ -360,5 +364,6 @@ mod through_a_request {
             super::NESTED.as_bytes(),
         );
         assert_eq!(super::hex(request), golden);
+        assert_eq!(Fingerprint::from_bytes(&stored), Some(request));
     }
 }

@@ -1,17 +1,16 @@
-//! Property tests of the pure parts: the fingerprint and its JSON
-//! canonicaliser, the key header parser, the stored-response encoding.
+//! Property tests of the pure public parts: the fingerprint and its JSON
+//! canonicaliser, the key header parser. (The stored-response encoding,
+//! crate-private, has its own in `idem-runtime/src/response.rs`.)
 //!
 //! Each property runs `PROPTEST_CASES` cases (256 unless set), so CI runs a
 //! bounded number; `PROPTEST_CASES=100000 cargo test --test properties`
 //! digs deeper. The fuzz targets in `fuzz/` cover the same ground with
 //! coverage guidance.
 
-use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, header::CONTENT_TYPE};
-use idem::__private::parse_key_value;
-use idem::__private::{Fingerprint, StoredResponse, canonicalize, decode_headers};
-use idem::KeyError;
+use axum::http::{HeaderMap, HeaderValue, Method, header::CONTENT_TYPE};
 use idem::MAX_KEY_LEN;
 use idem::redact;
+use idem::{Fingerprint, IdempotencyKey, KeyError};
 use proptest::prelude::*;
 use proptest::test_runner::Config;
 use serde_json::{Map, Value};
@@ -30,6 +29,12 @@ fn config() -> Config {
 }
 
 // ---------------------------------------------------------------- JSON
+
+/// [`idem::canonical::canonicalize`] as an `Option`: these properties
+/// compare forms, and its error says nothing more than `None`.
+fn canonicalize(json: &[u8]) -> Option<Vec<u8>> {
+    idem::canonical::canonicalize(json).ok()
+}
 
 /// Any JSON value: scalars (unicode strings included), nested arrays and
 /// objects, integers kept within 2^53 so that every two different values
@@ -622,13 +627,13 @@ proptest! {
 
     #[test]
     fn key_parser_accepts_exactly_the_documented_language(raw in key_bytes()) {
-        let parsed = parse_key_value(&raw);
+        let parsed = IdempotencyKey::parse(&raw);
         prop_assert_eq!(parsed.clone().ok(), key_model(&raw), "{:?} -> {:?}", String::from_utf8_lossy(&raw), parsed);
         if let Ok(key) = parsed {
             // What is accepted is a valid key in both spellings.
-            prop_assert_eq!(parse_key_value(quote(&key).as_bytes()), Ok(key.clone()));
+            prop_assert_eq!(IdempotencyKey::parse(quote(&key).as_bytes()), Ok(key.clone()));
             if !key.starts_with('"') && !key.contains(',') {
-                prop_assert_eq!(parse_key_value(key.as_bytes()), Ok(key));
+                prop_assert_eq!(IdempotencyKey::parse(key.as_bytes()), Ok(key));
             }
         }
     }
@@ -637,18 +642,18 @@ proptest! {
     fn every_valid_key_parses_in_both_spellings(key in valid_key(), pad in "[ \t]{0,3}") {
         // Bare, unless it would read as two (a comma) or as quoted.
         if !key.starts_with('"') && !key.contains(',') {
-            prop_assert_eq!(parse_key_value(format!("{pad}{key}{pad}").as_bytes()), Ok(key.clone()));
+            prop_assert_eq!(IdempotencyKey::parse(format!("{pad}{key}{pad}").as_bytes()), Ok(key.clone()));
         }
-        prop_assert_eq!(parse_key_value(format!("{pad}{}{pad}", quote(&key)).as_bytes()), Ok(key));
+        prop_assert_eq!(IdempotencyKey::parse(format!("{pad}{}{pad}", quote(&key)).as_bytes()), Ok(key));
     }
 
     #[test]
     fn keys_over_255_characters_are_too_long(key in "[!-~]{256,300}") {
         prop_assume!(!key.starts_with('"'));
         if !key.contains(',') {
-            prop_assert_eq!(parse_key_value(key.as_bytes()), Err(KeyError::TooLong));
+            prop_assert_eq!(IdempotencyKey::parse(key.as_bytes()), Err(KeyError::TooLong));
         }
-        prop_assert_eq!(parse_key_value(quote(&key).as_bytes()), Err(KeyError::TooLong));
+        prop_assert_eq!(IdempotencyKey::parse(quote(&key).as_bytes()), Err(KeyError::TooLong));
     }
 
     #[test]
@@ -659,78 +664,6 @@ proptest! {
         prop_assert!(tag.bytes().all(|b| b.is_ascii_hexdigit()));
         for part in parts {
             prop_assert!(!tag.contains(part));
-        }
-    }
-}
-
-// ---------------------------------------------------------------- stored responses
-
-fn header_name() -> impl Strategy<Value = HeaderName> {
-    prop_oneof![
-        prop::sample::select(idem::DEFAULT_REPLAY_HEADERS.to_vec()),
-        "[a-z][a-z0-9!#$%&'*+.^_`|~-]{0,30}"
-            .prop_map(|n| HeaderName::from_bytes(n.as_bytes()).unwrap()),
-    ]
-}
-
-/// Every byte `HeaderValue` accepts: visible ASCII, space, tab, obs-text.
-fn header_value() -> impl Strategy<Value = HeaderValue> {
-    let byte = prop_oneof![0x20u8..=0x7e, Just(b'\t'), 0x80u8..=0xff];
-    prop::collection::vec(byte, 0..40).prop_map(|v| HeaderValue::from_bytes(&v).unwrap())
-}
-
-fn stored_response() -> impl Strategy<Value = StoredResponse> {
-    (
-        100u16..=999,
-        prop::collection::vec((header_name(), header_value()), 0..8),
-        prop::collection::vec(any::<u8>(), 0..256),
-    )
-        .prop_map(|(status, headers, body)| StoredResponse {
-            status: StatusCode::from_u16(status).unwrap(),
-            headers,
-            body: body.into(),
-        })
-}
-
-proptest! {
-    #![proptest_config(config())]
-
-    #[test]
-    fn stored_responses_round_trip(response in stored_response()) {
-        let encoded = response.encode_headers();
-        prop_assert_eq!(decode_headers(&encoded), Some(response.headers.clone()));
-        let decoded = StoredResponse::decode(
-            response.status.as_u16().into(),
-            &encoded,
-            response.body.to_vec(),
-        );
-        prop_assert_eq!(decoded, Some(response));
-    }
-
-    #[test]
-    fn decoding_never_panics_and_what_decodes_re_encodes(
-        bytes in prop_oneof![
-            prop::collection::vec(any::<u8>(), 0..256),
-            // Mostly well-framed input, so the decoder gets past the lengths.
-            stored_response().prop_flat_map(|r| {
-                let encoded = r.encode_headers();
-                let len = encoded.len();
-                (Just(encoded), 0..=len, any::<u8>()).prop_map(|(mut e, at, b)| {
-                    if at < e.len() { e[at] = b } else { e.truncate(at) }
-                    e
-                })
-            }),
-        ],
-        status in any::<i64>(),
-    ) {
-        if let Some(headers) = decode_headers(&bytes) {
-            let again = StoredResponse { status: StatusCode::OK, headers, body: Default::default() };
-            prop_assert_eq!(decode_headers(&again.encode_headers()), Some(again.headers));
-        }
-        let decoded = StoredResponse::decode(status, &bytes, vec![1, 2, 3]);
-        if let Some(decoded) = decoded {
-            prop_assert!((100..=999).contains(&status));
-            prop_assert_eq!(i64::from(decoded.status.as_u16()), status);
         }
     }
 }

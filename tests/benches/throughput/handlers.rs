@@ -107,8 +107,7 @@ macro_rules! service {
             use axum::http::{HeaderMap, Method, StatusCode, Uri, header};
             use axum::response::{IntoResponse, Response};
             use axum::routing::post;
-            use idem::{Idem, Phases, Tx, idempotent};
-            use idem::__private::Fingerprint;
+            use idem::{Fingerprint, Idem, Phases, Tx, idempotent};
             use sqlx::{Connection, Pool};
 
             use super::Dialect;

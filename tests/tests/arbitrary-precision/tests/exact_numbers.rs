@@ -14,8 +14,8 @@ use axum::extract::FromRequestParts;
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header, request::Parts};
 use axum::routing::post;
 use axum::{Json, Router};
-use idem::__private::Fingerprint;
-use idem::{Idem, Scope, Tx, idempotent};
+use idem::canonical::canonicalize;
+use idem::{Fingerprint, Idem, Scope, Tx, idempotent};
 use sqlx::Sqlite;
 use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
 
@@ -165,7 +165,7 @@ fn ordinary_bodies_keep_their_default_fingerprint() {
     assert_eq!(hex::encode(fingerprint.as_bytes()), NESTED_FINGERPRINT);
     // Doubles RFC 8785 writes in full keep their form too.
     assert_eq!(
-        idem::__private::canonicalize(br#"[0.1, 1e21, 1.5e300, 123456.789, -0.000001]"#).unwrap(),
+        canonicalize(br#"[0.1, 1e21, 1.5e300, 123456.789, -0.000001]"#).unwrap(),
         b"[0.1,1e+21,1.5e+300,123456.789,-0.000001]"
     );
 }
