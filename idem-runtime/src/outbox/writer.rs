@@ -1,5 +1,6 @@
 //! Writing messages in the transaction whose commit makes them exist.
 
+use std::marker::PhantomData;
 use std::sync::Arc;
 
 use serde::Serialize;
@@ -11,6 +12,7 @@ use crate::tx::Tx;
 
 /// The longest topic the outbox takes, in bytes.
 pub const MAX_TOPIC_LEN: usize = 255;
+
 /// Writes outbox messages in a transaction: the request's ([`Tx::outbox`])
 /// or a phase's ([`Phases::outbox`]).
 ///
@@ -20,17 +22,28 @@ pub const MAX_TOPIC_LEN: usize = 255;
 /// relay and the broker redeliver it under the same id. (An id derived
 /// from the key would collide once the key expired or was forgotten and
 /// the same key came back.)
-#[derive(Debug)]
-pub struct OutboxWriter {
+pub struct OutboxWriter<DB> {
     table: Arc<str>,
     scope: String,
+    /// The engine whose connections it writes through, so that a phase's
+    /// `tx` is taken as it is, without naming the engine.
+    engine: PhantomData<fn() -> DB>,
 }
 
-impl OutboxWriter {
+impl<DB> std::fmt::Debug for OutboxWriter<DB> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OutboxWriter")
+            .field("table", &self.table)
+            .field("scope", &self.scope)
+            .finish()
+    }
+}
+
+impl<DB: Backend> OutboxWriter<DB> {
     /// Writes a message with `payload` as JSON on `topic`, in the
     /// transaction `conn` is in; returns its id. It is delivered only if
     /// that transaction commits.
-    pub async fn write<DB: Backend>(
+    pub async fn write(
         &self,
         conn: &mut DB::Connection,
         topic: &str,
@@ -41,7 +54,7 @@ impl OutboxWriter {
     }
 
     /// [`write`](Self::write) with a payload already in bytes.
-    pub async fn write_bytes<DB: Backend>(
+    pub async fn write_bytes(
         &self,
         conn: &mut DB::Connection,
         topic: &str,
@@ -115,15 +128,19 @@ impl<DB: Backend + Phased> Phases<DB> {
     /// phases
     ///     .local("record", async |tx| -> Result<(), ApiError> {
     ///         outbox
-    ///             .write::<sqlx::Postgres>(tx, "charge.created", &serde_json::json!({ "amount": 100 }))
+    ///             .write(tx, "charge.created", &serde_json::json!({ "amount": 100 }))
     ///             .await?;
     ///         Ok(())
     ///     })
     ///     .await?;
     /// # Ok(()) }
     /// ```
-    pub fn outbox(&self) -> OutboxWriter {
+    pub fn outbox(&self) -> OutboxWriter<DB> {
         let (table, scope) = self.outbox_parts();
-        OutboxWriter { table, scope }
+        OutboxWriter {
+            table,
+            scope,
+            engine: PhantomData,
+        }
     }
 }

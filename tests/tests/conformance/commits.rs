@@ -19,20 +19,24 @@ fn keyless(client: &Client, mode: &str) -> reqwest::RequestBuilder {
         .body(BODY)
 }
 
-/// Asserts a 503 `idempotency_store_unavailable`, with `Retry-After`
-/// exactly when the request had a key: without one, the outcome of a
-/// failed commit is unknown and a retry is not safe.
-fn assert_store_failure(answer: &Answer, keyed: bool) {
-    assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE, "{answer:?}");
-    assert_eq!(answer.problem_code(), "idempotency_store_unavailable");
-    // With a key, a retry tells whether the commit landed; without one,
-    // nothing does.
+/// Asserts the state a failed commit leaves: with a key, a retry tells
+/// whether the commit landed (`in_progress`); without one nothing does
+/// (`uncertain`). Neither makes a new key safe.
+fn assert_commit_unknown(answer: &Answer, keyed: bool) {
     let state = if keyed { "in_progress" } else { "uncertain" };
     assert_eq!(
         answer.operation_state(),
         (state.into(), false),
         "{answer:?}"
     );
+}
+
+/// Asserts a 503 `idempotency_store_unavailable`, with `Retry-After`
+/// exactly when the request had a key: without one, the outcome of a
+/// failed commit is unknown and a retry is not safe.
+fn assert_store_failure(answer: &Answer, keyed: bool) {
+    assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE, "{answer:?}");
+    assert_eq!(answer.problem_code(), "idempotency_store_unavailable");
     let retry_after = answer.header("retry-after");
     if keyed {
         assert_eq!(retry_after, Some("1"), "{answer:?}");
@@ -68,6 +72,7 @@ pub async fn lost_commits_are_503<DB: TestDb>() {
         let answer = answer.await.unwrap();
         drop(saboteur);
         assert_store_failure(&answer, keyed);
+        assert_commit_unknown(&answer, keyed);
         assert_eq!(server.effects(&caller).await, 0, "keyed {keyed}");
         assert_eq!(server.keys(&caller).await, 0, "keyed {keyed}");
     }
@@ -98,6 +103,8 @@ pub async fn handlers_that_lose_their_connection_are_503<DB: TestDb>(
     hold.release.notify_one();
     let answer = answer.await.unwrap();
     assert_store_failure(&answer, true);
+    // Another connection found no row of the claim: nothing was done.
+    assert_eq!(answer.operation_state(), ("not_started".into(), true));
     assert_eq!(server.effects(&caller).await, 0);
     assert_eq!(server.keys(&caller).await, 0);
     let retry = send(client.post("/effects", "k", BODY)).await;
@@ -260,6 +267,7 @@ pub async fn serialization_failures_at_commit_are_503<DB: TestDb>(pool: sqlx::Po
         }
         assert_eq!(answers[0].status, StatusCode::CREATED, "{:?}", answers[0]);
         assert_store_failure(&answers[1], keyed);
+        assert_commit_unknown(&answers[1], keyed);
         assert_eq!(server.effects(&caller).await, 1, "keyed {keyed}");
         if keyed {
             assert_eq!(server.keys(&caller).await, 1);
