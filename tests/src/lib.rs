@@ -29,5 +29,4 @@ pub mod proxy;
 pub mod round_trip_service;
 pub mod service;
 pub mod stats;
-pub mod store;
 pub mod unique;

@@ -159,35 +159,96 @@ impl KeyRow {
     }
 }
 
-/// An engine's reads and delete of single keys, for
+/// An engine whose single keys can be read and deleted: the bound of
 /// [`Idem::lookup`](crate::Idem::lookup), [`Idem::recent`](crate::Idem::recent)
-/// and [`Idem::forget`](crate::Idem::forget). Implemented by every engine
-/// `idem` keeps keys in.
-pub trait Admin: Backend {
+/// and [`Idem::forget`](crate::Idem::forget).
+///
+/// Implemented by every engine `idem` keeps keys in, and by no other type:
+/// its operations live on a supertrait no other crate can name.
+pub trait Admin: Backend + AdminStore {}
+
+/// How an engine writes the operators' reads, which are otherwise one
+/// statement text for every engine.
+#[derive(Debug)]
+pub struct KeyReads {
+    /// The columns [`key_row`](super::rows::key_row) reads, the times as
+    /// epoch milliseconds and judged by the database's clock.
+    pub columns: &'static str,
+    /// The key column, quoted where the engine reserves the word.
+    pub key: &'static str,
+    /// The statement's first and second parameters.
+    pub params: [&'static str; 2],
+}
+
+/// A read's parameter.
+#[derive(Debug, Clone, Copy)]
+pub enum Param<'a> {
+    /// Bytes: a scope, a key.
+    Bytes(&'a [u8]),
+    /// An integer: a limit.
+    Int(i64),
+}
+
+/// The key operations for operators: what [`Admin`] asks of an engine.
+/// Sealed: `pub` in a private module, so only this crate names it.
+pub trait AdminStore: Backend {
+    /// How the engine writes the reads.
+    const READS: KeyReads;
+
+    /// The rows `sql` finds with `params` as its two parameters, bound or
+    /// inlined as the engine sends values.
+    fn read_keys(
+        pool: &Pool<Self>,
+        sql: String,
+        params: [Param<'_>; 2],
+    ) -> impl Future<Output = Result<Vec<KeyRow>, sqlx::Error>> + Send;
+
     /// The key's row, if any (expired or not).
-    #[doc(hidden)]
     fn lookup(
         pool: &Pool<Self>,
         table: &str,
         scope: &str,
         key: &str,
-    ) -> impl Future<Output = Result<Option<KeyRow>, sqlx::Error>> + Send;
+    ) -> impl Future<Output = Result<Option<KeyRow>, sqlx::Error>> + Send {
+        let KeyReads {
+            columns,
+            key: key_column,
+            params: [first, second],
+        } = Self::READS;
+        let sql = format!(
+            "SELECT {columns} FROM {table} WHERE scope = {first} AND {key_column} = {second}"
+        );
+        async move {
+            let params = [Param::Bytes(scope.as_bytes()), Param::Bytes(key.as_bytes())];
+            Ok(Self::read_keys(pool, sql, params).await?.pop())
+        }
+    }
 
     /// Up to `limit` rows of `scope`, the latest created first.
-    #[doc(hidden)]
     fn recent(
         pool: &Pool<Self>,
         table: &str,
         scope: &str,
         limit: u32,
-    ) -> impl Future<Output = Result<Vec<KeyRow>, sqlx::Error>> + Send;
+    ) -> impl Future<Output = Result<Vec<KeyRow>, sqlx::Error>> + Send {
+        let KeyReads {
+            columns,
+            key,
+            params: [first, second],
+        } = Self::READS;
+        let sql = format!(
+            "SELECT {columns} FROM {table} WHERE scope = {first} \
+             ORDER BY created_at DESC, {key} DESC LIMIT {second}"
+        );
+        let params = [Param::Bytes(scope.as_bytes()), Param::Int(limit.into())];
+        Self::read_keys(pool, sql, params)
+    }
 
     /// Deletes the key's row if it is finished or expired, checked and
     /// deleted in one statement: `Deleted`; `InFlight` when another
     /// transaction holds the row (a claim in progress the engine makes
     /// the delete wait for); `Absent` when nothing was deleted, and the
     /// caller reads the row to tell an absent key from one in flight.
-    #[doc(hidden)]
     fn forget(
         pool: &Pool<Self>,
         table: &str,

@@ -28,7 +28,7 @@ pub enum Acquire {
 /// server, a restart, the network), not that a statement failed: an I/O
 /// error (the server closed the socket), sqlx's SQLite worker gone, or a
 /// database error the engine reads as a lost session
-/// ([`Backend::session_gone`]).
+/// ([`Store::session_gone`](super::store::Store::session_gone)).
 pub(crate) fn is_gone<DB: Backend>(error: &sqlx::Error) -> bool {
     match error {
         sqlx::Error::Io(_) | sqlx::Error::WorkerCrashed => true,
@@ -212,7 +212,7 @@ impl<DB: Database> std::fmt::Debug for OpenTx<DB> {
 /// Rolls back the connection's transaction: through sqlx's transaction
 /// manager when sqlx counts it (so its depth goes back to zero), or with a
 /// plain `ROLLBACK` when sqlx never counted it (a claim that failed inside
-/// the statement that opened it). Every engine's [`Backend::rollback`].
+/// the statement that opened it). Every engine's [`Store::rollback`](super::store::Store::rollback).
 pub(crate) async fn rollback_transaction<DB: Database>(
     conn: &mut PoolConnection<DB>,
 ) -> Result<(), sqlx::Error>
@@ -231,7 +231,7 @@ where
 }
 
 /// Whether `sql`, given the claim's scope and key as its two parameters,
-/// finds a row on `conn`. Every engine's [`Backend::stranded`].
+/// finds a row on `conn`. Every engine's [`Store::stranded`](super::store::Store::stranded).
 pub(crate) async fn row_exists<DB>(
     conn: &mut PoolConnection<DB>,
     sql: String,

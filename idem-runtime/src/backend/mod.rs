@@ -1,6 +1,16 @@
 //! Where keys are kept: the storage contract, the connection handling and
-//! claim policy the engines share, and one folder per engine, each with its
-//! logic (`mod.rs`), its SQL (`sql.rs`) and its tests (`tests.rs`).
+//! claim policy the engines share, and one folder per engine.
+//!
+//! Each contract is a public trait users name as a bound ([`Backend`],
+//! [`Phased`], [`Admin`]) over a sealed one that carries its methods
+//! ([`store::Store`], [`phased::PhasedStore`], [`admin::AdminStore`],
+//! [`outbox_store::OutboxStore`]): `pub` traits in private modules, so no
+//! other crate can name, call or implement them, and their arguments'
+//! types stay internal. A file is named after the trait it holds, in this
+//! folder and in every engine's: `store.rs`, `phased.rs`, `admin.rs`,
+//! `outbox_store.rs`. Besides them an engine has its shared helpers and
+//! documentation (`mod.rs`), its SQL (`sql.rs`) and its tests (`tests.rs`);
+//! the key table's rows are decoded for every engine in `rows.rs`.
 //!
 //! The shared logic of a request (outcomes, fingerprint, capture, replay)
 //! lives in [`crate::protocol`]; an engine only knows how to claim a key
@@ -11,31 +21,36 @@ mod admin;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 mod claim;
 mod connection;
-mod contract;
-mod lease;
 #[cfg(feature = "mysql")]
 mod mysql;
-mod outbox;
+mod outbox_store;
+mod phased;
 #[cfg(feature = "postgres")]
 mod postgres;
+mod rows;
 pub(crate) mod single_flight;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 mod sql;
 #[cfg(feature = "sqlite")]
 mod sqlite;
+mod store;
 #[cfg(test)]
 mod test_support;
 
 pub use admin::{Admin, Forgotten, KeyInfo, KeyState, MAX_RECENT};
 pub use connection::{Acquire, OpenTx};
 pub(crate) use connection::{abandon, in_autocommit, is_gone, transaction_depth};
-pub(crate) use contract::ConnectOptions;
-pub use contract::{Backend, Claim, ClaimOutcome, FinishError, StoreError};
-pub use lease::Phased;
-pub(crate) use lease::{Holder, LeaseClaim, LeaseOutcome, Release};
-pub(crate) use outbox::MessageRow;
-pub use outbox::{MAX_MESSAGE_ID_LEN, NewMessage, OutboxStore};
+pub(crate) use outbox_store::MessageRow;
+pub use outbox_store::{MAX_MESSAGE_ID_LEN, NewMessage};
+pub use phased::Phased;
+pub(crate) use phased::{Holder, LeaseClaim, LeaseOutcome, Release};
 pub(crate) use single_flight::waiting_duplicates;
+pub(crate) use store::ConnectOptions;
+pub use store::{Backend, Claim, ClaimOutcome, FinishError, StoreError};
+
+// `pub use` only while `idem::__private` re-exports it; once that line
+// goes, `pub(crate)`, and the trait is sealed like the others.
+pub use outbox_store::OutboxStore;
 
 /// FNV-1a: a stable 64-bit name for any text (a statement's, an index's),
 /// not a secret.

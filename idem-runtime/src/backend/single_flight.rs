@@ -27,7 +27,7 @@ use super::{Backend, ConnectOptions};
 pub(crate) struct Slot(Arc<[u8]>);
 
 impl Slot {
-    /// `database` writes the database's name (see `Backend::flight_database`).
+    /// `database` writes the database's name (see `Store::flight_database`).
     pub(crate) fn new(
         database: impl FnOnce(&mut Vec<u8>),
         table: &str,
@@ -160,7 +160,7 @@ pub(crate) fn enter(slot: &Slot) -> Result<Flight, Busy> {
 
 /// The single-flight slot of `(scope, key)` in `table` of `pool`'s
 /// database, and the connect options it is named after, for its flight to
-/// keep (see [`Backend::flight_database`]).
+/// keep (see [`Store::flight_database`](super::store::Store::flight_database)).
 pub(crate) fn flight_slot<DB: Backend>(
     pool: &Pool<DB>,
     table: &str,

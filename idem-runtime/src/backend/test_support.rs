@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use sqlx::Pool;
 
-use super::{Acquire, Backend, Claim, ClaimOutcome};
+use super::admin::{Admin, Forgotten, KeyInfo, KeyState, MAX_RECENT};
+use super::single_flight;
+use super::{Acquire, Backend, Claim, ClaimOutcome, OpenTx};
 use crate::fingerprint::Fingerprint;
 use crate::response::StoredResponse;
 
@@ -23,6 +25,52 @@ pub(crate) fn claim_of<'a>(scope: &'a str, key: &'a str, fill: u8, wait: Duratio
         advisory: true,
         pooled: false,
     }
+}
+
+/// A response of `status` with `body` and no headers, as a handler's
+/// answer is stored.
+pub(crate) fn response(status: http::StatusCode, body: &'static str) -> StoredResponse {
+    StoredResponse {
+        status,
+        headers: Vec::new(),
+        body: body.into(),
+    }
+}
+
+/// A 201 with `body`.
+pub(crate) fn created(body: &'static str) -> StoredResponse {
+    response(http::StatusCode::CREATED, body)
+}
+
+/// Claims `claim`'s fresh key in `table`; panics with `what` if the key
+/// was not claimed.
+pub(crate) async fn claimed<DB: Backend>(
+    pool: &Pool<DB>,
+    table: &str,
+    claim: &Claim<'_>,
+    what: &str,
+) -> OpenTx<DB> {
+    match DB::claim(pool, Acquire::default(), table, claim)
+        .await
+        .unwrap_or_else(|error| panic!("{what}: {error}"))
+    {
+        ClaimOutcome::Claimed(conn) => conn,
+        other => panic!("{what}: a fresh key is claimed, not {other:?}"),
+    }
+}
+
+/// Claims `claim`'s fresh key in `table` and stores `response` on it.
+pub(crate) async fn finished<DB: Backend>(
+    pool: &Pool<DB>,
+    table: &str,
+    claim: &Claim<'_>,
+    response: &StoredResponse,
+) {
+    let mut conn = claimed(pool, table, claim, claim.key).await;
+    DB::finish(&mut conn, table, Some(claim), Some(response))
+        .await
+        .expect("finish");
+    conn.release();
 }
 
 /// The key the tests' expired row has: `old` in `acct`, claimed anew
@@ -50,23 +98,7 @@ pub(crate) async fn in_use_then_taken_over<DB: Backend>(
     .expect("claim");
     assert!(matches!(outcome, ClaimOutcome::InUse { .. }), "{outcome:?}");
     release.await;
-    match DB::claim(pool, Acquire::default(), table, &claim)
-        .await
-        .expect("claim")
-    {
-        ClaimOutcome::Claimed(mut conn) => {
-            let response = StoredResponse {
-                status: http::StatusCode::CREATED,
-                headers: Vec::new(),
-                body: "{}".into(),
-            };
-            DB::finish(&mut conn, table, Some(&claim), Some(&response))
-                .await
-                .expect("finish");
-            conn.release();
-        }
-        other => panic!("the expired key was not taken over: {other:?}"),
-    }
+    finished(pool, table, &claim, &created("{}")).await;
 }
 
 /// The phased mode's storage contract on `table`, as every engine keeps
@@ -214,11 +246,7 @@ pub(crate) async fn lease_contract<DB: super::Phased>(pool: &Pool<DB>, table: &s
 
     // The response is stored under the holding token only, and finishes
     // the key for every later claim.
-    let response = StoredResponse {
-        status: http::StatusCode::CREATED,
-        headers: Vec::new(),
-        body: "{\"paid\":true}".into(),
-    };
+    let response = created("{\"paid\":true}");
     assert!(
         !DB::store(&mut *one(pool).await, table, &holder(second), &response)
             .await
@@ -271,42 +299,67 @@ async fn one<DB: Backend>(pool: &Pool<DB>) -> sqlx::pool::PoolConnection<DB> {
     pool.acquire().await.unwrap()
 }
 
-/// The operators' key operations on `table` (`Idem::lookup`, `recent`,
-/// `forget`), as every engine keeps them: a finished key read back and
-/// forgotten, after which it is claimed afresh; keys in flight (an open
-/// atomic claim, a phased lease) refused; expired keys forgotten; a
-/// scope's recent keys newest first, within the limit.
-pub(crate) async fn admin_contract<DB: super::Phased + super::Admin>(pool: &Pool<DB>, table: &str) {
+/// The operators' key operations of `pool`'s `table`, as
+/// [`Idem::lookup`](crate::Idem::lookup), `recent` and `forget` ask them
+/// of the store.
+struct Keys<'a, DB: Admin> {
+    pool: &'a Pool<DB>,
+    table: &'a str,
+}
+
+impl<DB: Admin> Keys<'_, DB> {
+    async fn lookup(&self, scope: &str, key: &str) -> Option<KeyInfo> {
+        let row = DB::lookup(self.pool, self.table, scope, key).await;
+        row.unwrap().map(super::admin::KeyRow::into_info)
+    }
+
+    async fn recent(&self, scope: &str, limit: u32) -> Vec<KeyInfo> {
+        let rows = DB::recent(self.pool, self.table, scope, limit.min(MAX_RECENT)).await;
+        rows.unwrap()
+            .into_iter()
+            .map(|row| row.into_info())
+            .collect()
+    }
+
+    /// What a forget answers: a key this process has in flight is
+    /// refused before the store is asked; a delete that deleted nothing
+    /// is told from a key in flight by a read.
+    async fn forget(&self, scope: &str, key: &str) -> Forgotten {
+        let (slot, _) = single_flight::flight_slot(self.pool, self.table, scope, key);
+        if single_flight::in_flight(&slot).is_some() {
+            return Forgotten::InFlight;
+        }
+        match DB::forget(self.pool, self.table, scope, key).await.unwrap() {
+            Forgotten::Absent => match self.lookup(scope, key).await {
+                Some(info) if info.state == KeyState::InFlight => Forgotten::InFlight,
+                Some(info) => panic!("{key}: left behind, {:?}", info.state),
+                None => Forgotten::Absent,
+            },
+            forgotten => forgotten,
+        }
+    }
+}
+
+/// The operators' key operations on `table` (what `Idem::lookup`, `recent`
+/// and `forget` ask of the store), as every engine keeps them: a finished
+/// key read back and forgotten, after which it is claimed afresh; keys in
+/// flight (an open atomic claim, a phased lease) refused; expired keys
+/// forgotten; a scope's recent keys newest first, within the limit.
+pub(crate) async fn admin_contract<DB: super::Phased + Admin>(pool: &Pool<DB>, table: &str) {
     use std::time::SystemTime;
 
-    use super::{Forgotten, KeyState, LeaseClaim, LeaseOutcome};
-    use crate::idem::Idem;
+    use super::{LeaseClaim, LeaseOutcome};
     use crate::request::StoredRequest;
 
-    let idem = Idem::new(pool.clone()).table(table).unwrap();
-    let response = |status| StoredResponse {
-        status,
-        headers: Vec::new(),
-        body: "{}".into(),
+    let keys_of = Keys { pool, table };
+    let finish = async |claim: &Claim<'_>, status| {
+        finished(pool, table, claim, &response(status, "{}")).await;
     };
-    let finish =
-        async |claim: &Claim<'_>, status| match DB::claim(pool, Acquire::default(), table, claim)
-            .await
-            .expect("claim")
-        {
-            ClaimOutcome::Claimed(mut conn) => {
-                DB::finish(&mut conn, table, Some(claim), Some(&response(status)))
-                    .await
-                    .expect("finish");
-                conn.release();
-            }
-            other => panic!("{} was not claimed: {other:?}", claim.key),
-        };
 
     // A finished key: read back, forgotten once, then claimed afresh.
     let done = claim_of("admin", "done", 3, Duration::ZERO);
     finish(&done, http::StatusCode::CREATED).await;
-    let info = idem.lookup("admin", "done").await.unwrap().expect("found");
+    let info = keys_of.lookup("admin", "done").await.expect("found");
     assert_eq!(info.state, KeyState::Finished);
     assert_eq!(info.status, Some(201));
     assert_eq!(info.fingerprint, "03".repeat(32));
@@ -314,39 +367,25 @@ pub(crate) async fn admin_contract<DB: super::Phased + super::Admin>(pool: &Pool
     assert!(info.phases.is_empty());
     assert!(info.created <= SystemTime::now() + Duration::from_secs(60));
     assert!(info.expires > info.created);
-    assert_eq!(
-        idem.forget("admin", "done").await.unwrap(),
-        Forgotten::Deleted
-    );
-    assert!(idem.lookup("admin", "done").await.unwrap().is_none());
-    assert_eq!(
-        idem.forget("admin", "done").await.unwrap(),
-        Forgotten::Absent
-    );
+    assert_eq!(keys_of.forget("admin", "done").await, Forgotten::Deleted);
+    assert!(keys_of.lookup("admin", "done").await.is_none());
+    assert_eq!(keys_of.forget("admin", "done").await, Forgotten::Absent);
     finish(&done, http::StatusCode::OK).await;
 
     // An atomic claim in progress is refused, and keeps its key.
     let open = claim_of("admin", "open", 4, Duration::ZERO);
-    let ClaimOutcome::Claimed(mut conn) = DB::claim(pool, Acquire::default(), table, &open)
-        .await
-        .expect("claim")
-    else {
-        panic!("a new key was not claimed");
-    };
-    assert_eq!(
-        idem.forget("admin", "open").await.unwrap(),
-        Forgotten::InFlight
-    );
+    let mut conn = claimed(pool, table, &open, "a new key").await;
+    assert_eq!(keys_of.forget("admin", "open").await, Forgotten::InFlight);
     DB::finish(
         &mut conn,
         table,
         Some(&open),
-        Some(&response(http::StatusCode::ACCEPTED)),
+        Some(&response(http::StatusCode::ACCEPTED, "{}")),
     )
     .await
     .expect("the claim finishes after the refused forget");
     conn.release();
-    let info = idem.lookup("admin", "open").await.unwrap().expect("found");
+    let info = keys_of.lookup("admin", "open").await.expect("found");
     assert_eq!((info.state, info.status), (KeyState::Finished, Some(202)));
 
     // A phased key under its lease: in flight, with its request and the
@@ -389,11 +428,7 @@ pub(crate) async fn admin_contract<DB: super::Phased + super::Admin>(pool: &Pool
         .await
         .unwrap()
     );
-    let info = idem
-        .lookup("admin", "phased")
-        .await
-        .unwrap()
-        .expect("found");
+    let info = keys_of.lookup("admin", "phased").await.expect("found");
     assert_eq!(info.state, KeyState::InFlight);
     assert!(info.leased);
     assert!(
@@ -405,11 +440,8 @@ pub(crate) async fn admin_contract<DB: super::Phased + super::Admin>(pool: &Pool
     assert_eq!(info.method.as_deref(), Some("POST"));
     assert_eq!(info.path.as_deref(), Some("/v1/payments?x=1"));
     assert_eq!(info.status, None);
-    assert_eq!(
-        idem.forget("admin", "phased").await.unwrap(),
-        Forgotten::InFlight
-    );
-    assert!(idem.lookup("admin", "phased").await.unwrap().is_some());
+    assert_eq!(keys_of.forget("admin", "phased").await, Forgotten::InFlight);
+    assert!(keys_of.lookup("admin", "phased").await.is_some());
 
     // Expired keys, finished or not, can be forgotten.
     let short = |key| Claim {
@@ -426,11 +458,11 @@ pub(crate) async fn admin_contract<DB: super::Phased + super::Admin>(pool: &Pool
     };
     tokio::time::sleep(Duration::from_millis(50)).await;
     for key in ["expired", "abandoned"] {
-        let info = idem.lookup("admin", key).await.unwrap().expect("found");
+        let info = keys_of.lookup("admin", key).await.expect("found");
         assert_eq!(info.state, KeyState::Expired, "{key}");
         assert!(!info.leased, "{key}");
         assert_eq!(
-            idem.forget("admin", key).await.unwrap(),
+            keys_of.forget("admin", key).await,
             Forgotten::Deleted,
             "{key}"
         );
@@ -445,18 +477,14 @@ pub(crate) async fn admin_contract<DB: super::Phased + super::Admin>(pool: &Pool
         )
         .await;
     }
-    let keys = |infos: Vec<crate::KeyInfo>| -> Vec<String> {
-        infos.into_iter().map(|info| info.key).collect()
-    };
+    let keys =
+        |infos: Vec<KeyInfo>| -> Vec<String> { infos.into_iter().map(|info| info.key).collect() };
+    assert_eq!(keys(keys_of.recent("recent", 3).await), ["r4", "r3", "r2"]);
     assert_eq!(
-        keys(idem.recent("recent", 3).await.unwrap()),
-        ["r4", "r3", "r2"]
-    );
-    assert_eq!(
-        keys(idem.recent("recent", u32::MAX).await.unwrap()),
+        keys(keys_of.recent("recent", u32::MAX).await),
         ["r4", "r3", "r2", "r1", "r0"]
     );
-    assert!(idem.recent("nobody", 10).await.unwrap().is_empty());
+    assert!(keys_of.recent("nobody", 10).await.is_empty());
 }
 
 /// The outbox's and consumers' storage contract: messages exist only once

@@ -10,8 +10,6 @@ mod bodies;
 mod commits;
 mod expiry;
 mod harness;
-#[cfg(feature = "mysql")]
-mod mysql_only;
 #[cfg(feature = "sqlite")]
 mod sqlite_only;
 mod suite;

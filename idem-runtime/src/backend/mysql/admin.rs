@@ -1,75 +1,43 @@
 //! MySQL/MariaDB's key operations for operators: plain bound statements,
 //! the times (kept in UTC) read as milliseconds since the epoch.
 
-use sqlx::mysql::MySqlRow;
 use sqlx::{AssertSqlSafe, Executor};
-use sqlx::{MySql, Pool, Row};
+use sqlx::{MySql, Pool};
 
 use super::{ER_LOCK_DEADLOCK, ER_LOCK_WAIT_TIMEOUT, number};
-use crate::backend::admin::{Admin, Forgotten, KeyRow};
-
-/// The columns every read selects, times as epoch milliseconds.
-const COLUMNS: &str = "scope, `key`, fingerprint, status, recovery, request, \
-     TIMESTAMPDIFF(MICROSECOND, '1970-01-01', created_at) DIV 1000 AS created_ms, \
-     TIMESTAMPDIFF(MICROSECOND, '1970-01-01', expires_at) DIV 1000 AS expires_ms, \
-     TIMESTAMPDIFF(MICROSECOND, '1970-01-01', lease_until) DIV 1000 AS lease_until_ms, \
-     TIMESTAMPDIFF(MICROSECOND, '1970-01-01', UTC_TIMESTAMP(6)) DIV 1000 AS now_ms";
-
-fn key_row(row: &MySqlRow) -> Result<KeyRow, sqlx::Error> {
-    Ok(KeyRow {
-        scope: row.try_get("scope")?,
-        key: row.try_get("key")?,
-        fingerprint: row.try_get("fingerprint")?,
-        status: row.try_get::<Option<i16>, _>("status")?.map(i64::from),
-        created_ms: row.try_get("created_ms")?,
-        expires_ms: row.try_get("expires_ms")?,
-        lease_until_ms: row.try_get("lease_until_ms")?,
-        now_ms: row.try_get("now_ms")?,
-        recovery: row.try_get("recovery")?,
-        request: row.try_get("request")?,
-    })
-}
+use crate::backend::admin::{Admin, AdminStore, Forgotten, KeyReads, KeyRow, Param};
+use crate::backend::rows::key_row;
 
 /// The session's lock wait, kept while the forget's delete waits at most
 /// a second for a claim in progress.
 const SAVED_LOCK_WAIT: &str = "@idem_admin_saved_lock_wait";
 
-impl Admin for MySql {
-    async fn lookup(
-        pool: &Pool<Self>,
-        table: &str,
-        scope: &str,
-        key: &str,
-    ) -> Result<Option<KeyRow>, sqlx::Error> {
-        let sql = format!("SELECT {COLUMNS} FROM {table} WHERE scope = ? AND `key` = ?");
-        sqlx::query(AssertSqlSafe(sql))
-            .bind(scope.as_bytes())
-            .bind(key.as_bytes())
-            .fetch_optional(pool)
-            .await?
-            .as_ref()
-            .map(key_row)
-            .transpose()
-    }
+impl Admin for MySql {}
 
-    async fn recent(
+impl AdminStore for MySql {
+    const READS: KeyReads = KeyReads {
+        columns: "scope, `key`, fingerprint, status, recovery, request, \
+             TIMESTAMPDIFF(MICROSECOND, '1970-01-01', created_at) DIV 1000 AS created_ms, \
+             TIMESTAMPDIFF(MICROSECOND, '1970-01-01', expires_at) DIV 1000 AS expires_ms, \
+             TIMESTAMPDIFF(MICROSECOND, '1970-01-01', lease_until) DIV 1000 AS lease_until_ms, \
+             TIMESTAMPDIFF(MICROSECOND, '1970-01-01', UTC_TIMESTAMP(6)) DIV 1000 AS now_ms",
+        key: "`key`",
+        params: ["?", "?"],
+    };
+
+    async fn read_keys(
         pool: &Pool<Self>,
-        table: &str,
-        scope: &str,
-        limit: u32,
+        sql: String,
+        params: [Param<'_>; 2],
     ) -> Result<Vec<KeyRow>, sqlx::Error> {
-        let sql = format!(
-            "SELECT {COLUMNS} FROM {table} WHERE scope = ? \
-             ORDER BY created_at DESC, `key` DESC LIMIT ?"
-        );
-        sqlx::query(AssertSqlSafe(sql))
-            .bind(scope.as_bytes())
-            .bind(limit)
-            .fetch_all(pool)
-            .await?
-            .iter()
-            .map(key_row)
-            .collect()
+        let mut query = sqlx::query(AssertSqlSafe(sql));
+        for param in params {
+            query = match param {
+                Param::Bytes(bytes) => query.bind(bytes),
+                Param::Int(int) => query.bind(int),
+            };
+        }
+        query.fetch_all(pool).await?.iter().map(key_row).collect()
     }
 
     async fn forget(

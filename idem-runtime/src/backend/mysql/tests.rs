@@ -2,17 +2,27 @@
 
 use std::time::{Duration, Instant};
 
-use sqlx::MySqlConnection;
 use sqlx::mysql::MySqlPoolOptions;
+use sqlx::{MySqlConnection, Pool, Row};
 
+use super::sql::delete_statements;
 use super::*;
+use crate::backend::admin::AdminStore;
+use crate::backend::store::Store;
+use crate::backend::test_support::{claim_of, claimed, created};
+use crate::backend::{Acquire, FinishError, Forgotten, KeyState};
+use crate::response::StoredResponse;
 
 /// A pool on the test server; fails loudly without one.
 async fn test_pool(max_connections: u32) -> Pool<MySql> {
+    connect(MySqlPoolOptions::new().max_connections(max_connections)).await
+}
+
+/// A pool of `options` on the test server; fails loudly without one.
+async fn connect(options: MySqlPoolOptions) -> Pool<MySql> {
     let url = std::env::var("IDEM_TEST_MYSQL_URL")
         .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_owned());
-    MySqlPoolOptions::new()
-        .max_connections(max_connections)
+    options
         .connect(&url)
         .await
         .unwrap_or_else(|error| panic!("MySQL/MariaDB is required at {url}: {error}"))
@@ -244,7 +254,7 @@ async fn sweeps_skip_a_row_a_claim_holds() {
     .execute(&pool)
     .await
     .unwrap();
-    let claim = crate::backend::test_support::claim_of("acct", "k2", 1, Duration::ZERO);
+    let claim = claim_of("acct", "k2", 1, Duration::ZERO);
     let ClaimOutcome::Claimed(held) = MySql::claim(&pool, Acquire::default(), &table, &claim)
         .await
         .unwrap()
@@ -291,7 +301,7 @@ async fn sweeps_never_wait_for_a_fresh_claim() {
     )
     .await
     .unwrap();
-    let claim = crate::backend::test_support::claim_of("acct", "fresh", 1, Duration::ZERO);
+    let claim = claim_of("acct", "fresh", 1, Duration::ZERO);
     let ClaimOutcome::Claimed(mut held) = MySql::claim(&pool, Acquire::default(), &table, &claim)
         .await
         .unwrap()
@@ -332,7 +342,7 @@ async fn sweeps_never_wait_for_a_fresh_claim() {
 async fn sweeps_a_batch_of_long_scopes_in_several_statements() {
     let pool = test_pool(2).await;
     let table = key_table(&pool, "sweep_long").await;
-    let scope = crate::MAX_SCOPE_LEN;
+    let scope = crate::scope::MAX_SCOPE_LEN;
     run(
         &mut pool.acquire().await.unwrap(),
         &format!(
@@ -382,7 +392,7 @@ async fn the_claims_idle_bound_ends_with_its_transaction() {
             .unwrap()
     };
     let before = idle().await;
-    let claim = crate::backend::test_support::claim_of("acct", "idle", 1, Duration::ZERO);
+    let claim = claim_of("acct", "idle", 1, Duration::ZERO);
     let ClaimOutcome::Claimed(mut conn) = MySql::claim(&pool, Acquire::default(), &table, &claim)
         .await
         .unwrap()
@@ -405,7 +415,7 @@ async fn the_claims_idle_bound_ends_with_its_transaction() {
     conn.release();
     assert_eq!(idle().await, before, "after a commit");
 
-    let again = crate::backend::test_support::claim_of("acct", "idle-2", 1, Duration::ZERO);
+    let again = claim_of("acct", "idle-2", 1, Duration::ZERO);
     let ClaimOutcome::Claimed(mut conn) = MySql::claim(&pool, Acquire::default(), &table, &again)
         .await
         .unwrap()
@@ -474,17 +484,20 @@ async fn a_claim_in_another_session_is_not_forgotten() {
     )
     .await
     .unwrap();
-    let idem = crate::Idem::new(pool.clone()).table(&table).unwrap();
     let started = Instant::now();
     assert_eq!(
-        idem.forget("admin", "other").await.unwrap(),
-        crate::Forgotten::InFlight
+        MySql::forget(&pool, &table, "admin", "other")
+            .await
+            .unwrap(),
+        Forgotten::InFlight
     );
     assert!(started.elapsed() < Duration::from_secs(5));
     run(&mut other, "COMMIT").await.unwrap();
     drop(other);
-    let info = idem.lookup("admin", "other").await.unwrap().expect("kept");
-    assert_eq!(info.state, crate::KeyState::InFlight);
+    let row = MySql::lookup(&pool, &table, "admin", "other")
+        .await
+        .unwrap();
+    assert_eq!(row.expect("kept").into_info().state, KeyState::InFlight);
     // Each session's own lock wait is back (both of the pool's).
     let mut sessions = [pool.acquire().await.unwrap(), pool.acquire().await.unwrap()];
     for session in &mut sessions {
@@ -515,4 +528,461 @@ async fn the_outbox_contract_holds() {
     run(&mut pool.acquire().await.unwrap(), &drop)
         .await
         .unwrap();
+}
+
+/// The lock wait the session pools' sessions are configured with.
+const SESSION_LOCK_WAIT: u64 = 7;
+
+async fn lock_wait(conn: &mut MySqlConnection) -> u64 {
+    sqlx::query_scalar("SELECT @@SESSION.innodb_lock_wait_timeout")
+        .fetch_one(conn)
+        .await
+        .unwrap()
+}
+
+/// Whether `conn`'s session is inside a transaction.
+async fn in_transaction(conn: &mut MySqlConnection) -> u64 {
+    sqlx::query_scalar("SELECT @@in_transaction")
+        .fetch_one(conn)
+        .await
+        .unwrap()
+}
+
+/// A two-connection pool on the test server whose every session first
+/// runs `set`: a session setting the claim and finish must hold under.
+async fn session_pool(set: String) -> Pool<MySql> {
+    connect(
+        MySqlPoolOptions::new()
+            .max_connections(2)
+            .after_connect(move |conn, _| {
+                let set = set.clone();
+                Box::pin(async move {
+                    sqlx::Executor::execute(conn, AssertSqlSafe(set)).await?;
+                    Ok(())
+                })
+            }),
+    )
+    .await
+}
+
+/// Waits until every connection of `pool` is back in it.
+async fn until_idle(pool: &Pool<MySql>) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while pool.num_idle() < pool.size() as usize {
+        assert!(Instant::now() < deadline, "a connection never came back");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+/// The handler runs with the session's own `innodb_lock_wait_timeout`, and
+/// the connection goes back to the pool with it, whatever the claim set
+/// for its insert and whether the claim won (`Claimed`), lost (`InUse`) or
+/// found the key finished (its batch stopped before the restore).
+#[tokio::test]
+async fn the_claim_restores_the_sessions_lock_wait() {
+    let table = key_table(&test_pool(1).await, "lockwait").await;
+    let pool = session_pool(format!(
+        "SET SESSION innodb_lock_wait_timeout = {SESSION_LOCK_WAIT}"
+    ))
+    .await;
+    let claim = claim_of("acct", "k", 7, Duration::from_millis(250));
+
+    let mut held = claimed(&pool, &table, &claim, "the claim").await;
+    assert_eq!(
+        lock_wait(&mut held).await,
+        SESSION_LOCK_WAIT,
+        "inside the handler"
+    );
+
+    // The duplicate's insert times out on the held row: its connection is
+    // reset before it goes back to the pool.
+    let duplicate = MySql::claim(&pool, Acquire::default(), &table, &claim)
+        .await
+        .unwrap();
+    assert!(
+        matches!(duplicate, ClaimOutcome::InUse { .. }),
+        "{duplicate:?}"
+    );
+    let mut other = pool.acquire().await.unwrap();
+    assert_eq!(
+        lock_wait(&mut other).await,
+        SESSION_LOCK_WAIT,
+        "after a lost claim"
+    );
+    assert_eq!(
+        in_transaction(&mut other).await,
+        0,
+        "the lost claim's transaction ended"
+    );
+    drop(other);
+
+    let response = created("{\"id\":7}");
+    MySql::finish(&mut held, &table, Some(&claim), Some(&response))
+        .await
+        .unwrap();
+    held.release();
+    let replay = MySql::claim(&pool, Acquire::default(), &table, &claim)
+        .await
+        .unwrap();
+    assert!(
+        matches!(replay, ClaimOutcome::Finished { .. }),
+        "{replay:?}"
+    );
+    // The pool's two connections, whichever the replay's claim used.
+    let (mut first, mut second) = (pool.acquire().await.unwrap(), pool.acquire().await.unwrap());
+    for conn in [&mut first, &mut second] {
+        assert_eq!(
+            lock_wait(conn).await,
+            SESSION_LOCK_WAIT,
+            "after a claim that found the key finished"
+        );
+    }
+    drop((first, second));
+    drop_table(&pool, &table).await;
+}
+
+/// The warnings logged on the test's thread while it runs, for it to read.
+#[derive(Clone, Default)]
+struct Warnings(std::sync::Arc<std::sync::Mutex<Vec<String>>>);
+
+impl Warnings {
+    fn lines(&self) -> Vec<String> {
+        self.0.lock().unwrap().clone()
+    }
+}
+
+/// A subscriber that keeps the fields of each `WARN` event as one line.
+impl tracing::Subscriber for Warnings {
+    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+        true
+    }
+
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+
+    fn event(&self, event: &tracing::Event<'_>) {
+        if *event.metadata().level() != tracing::Level::WARN {
+            return;
+        }
+        let mut line = String::new();
+        event.record(
+            &mut |field: &tracing::field::Field, value: &dyn std::fmt::Debug| {
+                line.push_str(&format!("{}={value:?} ", field.name()));
+            },
+        );
+        self.0.lock().unwrap().push(line);
+    }
+
+    fn enter(&self, _: &tracing::span::Id) {}
+
+    fn exit(&self, _: &tracing::span::Id) {}
+}
+
+/// A statement of the handler's that commits implicitly (DDL) ends the
+/// request's transaction by committing it, claim row and all: the finish
+/// then stores the response on that committed row, so the key replays
+/// instead of answering 409 until it expires; and it logs a warning, the
+/// operator's only sign that a response was stored after its effects.
+/// (On this test's thread, where the runtime runs everything, so the
+/// thread's own subscriber sees the finish's events.)
+#[tokio::test(flavor = "current_thread")]
+async fn an_implicit_commit_still_stores_the_response() {
+    let log = Warnings::default();
+    let _logging = tracing::subscriber::set_default(log.clone());
+    let pool = test_pool(2).await;
+    let table = key_table(&pool, "implicit").await;
+    let claim = claim_of("acct", "k", 9, Duration::ZERO);
+    let mut held = claimed(&pool, &table, &claim, "the claim").await;
+    run(
+        &mut held,
+        "CREATE TABLE IF NOT EXISTS idem_implicit_commit (id INT) ENGINE = InnoDB",
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        in_transaction(&mut held).await,
+        0,
+        "the DDL committed the transaction"
+    );
+    let response = created("{\"id\":1}");
+    assert_eq!(log.lines(), Vec::<String>::new());
+    MySql::finish(&mut held, &table, Some(&claim), Some(&response))
+        .await
+        .expect("the response is stored on the committed claim");
+    held.release();
+    let warnings = log.lines();
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert!(
+        warnings[0].contains("committed its transaction implicitly"),
+        "{warnings:?}"
+    );
+
+    match MySql::claim(&pool, Acquire::default(), &table, &claim)
+        .await
+        .unwrap()
+    {
+        ClaimOutcome::Finished {
+            fingerprint,
+            response: stored,
+        } => {
+            assert_eq!(fingerprint, claim.fingerprint);
+            assert_eq!(stored, response);
+        }
+        other => panic!("the key must replay: {other:?}"),
+    }
+    drop_table(&pool, &table).await;
+}
+
+/// In a session with `autocommit` off, the statement after a deadlock's
+/// rollback opens a new transaction, so the finish's open-transaction
+/// check passes: its `UPDATE` then misses the claim's row (rolled back),
+/// and the finish reports the transaction ended instead of a success,
+/// before its `COMMIT`: what the handler wrote after the error is rolled
+/// back too. (A `ROLLBACK` leaves the session as InnoDB's deadlock rollback
+/// does.)
+#[tokio::test]
+async fn without_autocommit_a_rolled_back_claim_is_not_a_success() {
+    let table = key_table(&test_pool(1).await, "noautocommit").await;
+    let effects = format!("idem_noautocommit_effects_{}", std::process::id());
+    let pool = session_pool("SET SESSION autocommit = 0".to_owned()).await;
+    run(
+        &mut pool.acquire().await.unwrap(),
+        &format!(
+            "DROP TABLE IF EXISTS {effects}; \
+             CREATE TABLE {effects} (note TEXT NOT NULL) ENGINE = InnoDB; COMMIT"
+        ),
+    )
+    .await
+    .unwrap();
+    let claim = claim_of("acct", "k", 5, Duration::ZERO);
+    let mut held = claimed(&pool, &table, &claim, "the claim").await;
+    run(&mut held, "ROLLBACK").await.unwrap();
+    // The handler goes on writing, in the transaction the session opened.
+    run(
+        &mut held,
+        &format!("INSERT INTO {effects} VALUES ('after the error')"),
+    )
+    .await
+    .unwrap();
+    let response = created("{}");
+    let finished = MySql::finish(&mut held, &table, Some(&claim), Some(&response)).await;
+    assert!(
+        matches!(finished, Err(FinishError::Ended(_))),
+        "{finished:?}"
+    );
+    MySql::rollback(&mut held).await.unwrap();
+    held.release();
+    let other = test_pool(1).await;
+    let count = async |table: &str| -> i64 {
+        sqlx::query_scalar(AssertSqlSafe(format!("SELECT count(*) FROM {table}")))
+            .fetch_one(&other)
+            .await
+            .unwrap()
+    };
+    assert_eq!(count(&table).await, 0, "nothing was stored");
+    assert_eq!(
+        count(&effects).await,
+        0,
+        "the write after the error was committed"
+    );
+    drop_table(&other, &effects).await;
+    drop_table(&other, &table).await;
+}
+
+/// A session's settings cannot defeat the claim's check: with a
+/// `sql_select_limit` of 1 or 0 (the read of a finished key's row has its
+/// own `LIMIT`), or an `sql_mode` without strictness (where many errors
+/// are warnings; the check's overflow stays an error),
+/// a fresh key is still claimed and a finished one still replayed, never
+/// claimed again.
+#[tokio::test]
+async fn a_sessions_settings_cannot_defeat_the_claim() {
+    let table = key_table(&test_pool(1).await, "sessionsettings").await;
+    for (fill, setting) in [
+        "sql_select_limit = 1",
+        "sql_select_limit = 0",
+        "sql_mode = 'NO_UNSIGNED_SUBTRACTION'",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let pool = session_pool(format!("SET SESSION {setting}")).await;
+        let key = format!("k{fill}");
+        let claim = claim_of("acct", &key, 6, Duration::ZERO);
+        let mut held = claimed(&pool, &table, &claim, setting).await;
+        let response = created("{\"id\":1}");
+        MySql::finish(&mut held, &table, Some(&claim), Some(&response))
+            .await
+            .unwrap_or_else(|error| panic!("{setting}: {error}"));
+        held.release();
+        match MySql::claim(&pool, Acquire::default(), &table, &claim)
+            .await
+            .unwrap()
+        {
+            ClaimOutcome::Finished {
+                response: stored, ..
+            } => assert_eq!(stored, response, "{setting}"),
+            other => panic!("{setting}: a finished key must replay: {other:?}"),
+        }
+    }
+    drop_table(&test_pool(1).await, &table).await;
+}
+
+/// With `autocommit` off, neither the sweeper nor a replay's read leaves a
+/// transaction open on the connection it hands back to the pool: the
+/// sweep's deletes are committed (another session sees them, and their
+/// locks are gone), and the read's snapshot ends with it.
+#[tokio::test]
+async fn without_autocommit_sweeps_and_reads_leave_no_transaction_open() {
+    let other = test_pool(1).await;
+    let table = key_table(&other, "noautocommit_sweep").await;
+    let pool = session_pool("SET SESSION autocommit = 0".to_owned()).await;
+    let live = claim_of("acct", "k", 9, Duration::ZERO);
+    run(
+        &mut pool.acquire().await.unwrap(),
+        &format!(
+            "INSERT INTO {table} (scope, `key`, fingerprint, status, created_at, expires_at) \
+             VALUES \
+             ('acct', 'old', X'00', 201, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6) - INTERVAL 1 SECOND), \
+             ('acct', 'k', X'{fingerprint}', 201, UTC_TIMESTAMP(6), \
+              UTC_TIMESTAMP(6) + INTERVAL 1 HOUR); COMMIT",
+            fingerprint = "09".repeat(32),
+        ),
+    )
+    .await
+    .unwrap();
+
+    assert_eq!(MySql::sweep(&pool, &table, 100).await.unwrap(), 1);
+    let found = MySql::peek(&pool, Acquire::default(), &table, &live)
+        .await
+        .unwrap();
+    assert!(
+        matches!(found, Some(ClaimOutcome::Finished { .. })),
+        "{found:?}"
+    );
+
+    let left: Vec<String> = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT CAST(`key` AS CHAR) FROM {table} ORDER BY `key`"
+    )))
+    .fetch_all(&other)
+    .await
+    .unwrap();
+    assert_eq!(left, ["k"], "the sweep's delete was not committed");
+    let (mut a, mut b) = (pool.acquire().await.unwrap(), pool.acquire().await.unwrap());
+    for conn in [&mut a, &mut b] {
+        assert_eq!(
+            in_transaction(conn).await,
+            0,
+            "a pooled connection came back inside a transaction"
+        );
+    }
+    drop((a, b));
+    drop_table(&other, &table).await;
+}
+
+/// A claim that waits less than a second for another process's attempt
+/// (MariaDB's `max_statement_time`: error 1969, SQLSTATE 70100, on a live
+/// session) answers 409 and hands its connection back to the pool, reset,
+/// in either way of acquiring: it is not taken for a connection that was
+/// gone and closed.
+#[tokio::test]
+async fn a_claim_that_waited_keeps_its_connection() {
+    let mut holder = test_pool(1).await.acquire().await.unwrap();
+    let table = key_table(&test_pool(1).await, "waited").await;
+    let pool = connect(
+        MySqlPoolOptions::new()
+            .max_connections(1)
+            .after_connect(|conn, _| {
+                Box::pin(async move {
+                    let set = format!("SET SESSION innodb_lock_wait_timeout = {SESSION_LOCK_WAIT}");
+                    sqlx::Executor::execute(conn, AssertSqlSafe(set)).await?;
+                    Ok(())
+                })
+            }),
+    )
+    .await;
+    // Another process's attempt in flight: its uncommitted claim row.
+    run(
+        &mut holder,
+        &format!(
+            "START TRANSACTION; INSERT INTO {table} (scope, `key`, fingerprint, created_at, \
+             expires_at) VALUES ('acct', 'k', X'{}', UTC_TIMESTAMP(6), \
+             UTC_TIMESTAMP(6) + INTERVAL 1 HOUR)",
+            "07".repeat(32),
+        ),
+    )
+    .await
+    .unwrap();
+    let session = async || {
+        // The pool's one connection, once it is back.
+        until_idle(&pool).await;
+        let mut conn = pool.try_acquire().expect("an idle connection");
+        let id: u64 = sqlx::query_scalar("SELECT CONNECTION_ID()")
+            .fetch_one(&mut *conn)
+            .await
+            .unwrap();
+        (id, lock_wait(&mut conn).await)
+    };
+    // One connection in the pool: the claim takes it.
+    drop(pool.acquire().await.unwrap());
+    for acquire in [Acquire::Idle, Acquire::Checked] {
+        let (before, _) = session().await;
+        let claim = claim_of("acct", "k", 7, Duration::from_millis(100));
+        let outcome = MySql::claim(&pool, acquire, &table, &claim).await.unwrap();
+        assert!(matches!(outcome, ClaimOutcome::InUse { .. }), "{outcome:?}");
+        let (after, lock_wait) = session().await;
+        assert_eq!(
+            after, before,
+            "{acquire:?}: the claim's connection was closed"
+        );
+        assert_eq!(lock_wait, SESSION_LOCK_WAIT, "{acquire:?}: not reset");
+    }
+    run(&mut holder, "ROLLBACK").await.unwrap();
+    drop(holder);
+    drop_table(&pool, &table).await;
+}
+
+/// The statements a new key costs the server, as docs/engines.md counts
+/// them: the claim's batch 4 (set the session's timeouts, `START
+/// TRANSACTION`, the upsert, the check that restores them), the finish's 6
+/// (a savepoint and its release, the response's `UPDATE`, its check,
+/// `COMMIT`, the empty transaction sqlx counts) and sqlx's `ROLLBACK` of
+/// that transaction. Counted by the session's `Questions`, on a pool of one
+/// connection that is not pinged.
+#[tokio::test]
+async fn a_new_key_costs_eleven_statements() {
+    let table = key_table(&test_pool(1).await, "statements").await;
+    let pool = connect(
+        MySqlPoolOptions::new()
+            .max_connections(1)
+            .test_before_acquire(false),
+    )
+    .await;
+    async fn questions(pool: &Pool<MySql>) -> u64 {
+        // A text-protocol statement: one question, no statement prepared.
+        let row = sqlx::raw_sql("SHOW SESSION STATUS LIKE 'Questions'")
+            .fetch_one(pool)
+            .await
+            .unwrap();
+        row.get::<String, _>(1).parse().unwrap()
+    }
+    let claim = claim_of("acct", "k", 8, Duration::ZERO);
+    let before = questions(&pool).await;
+    let mut held = claimed(&pool, &table, &claim, "the claim").await;
+    MySql::finish(&mut held, &table, Some(&claim), Some(&created("{}")))
+        .await
+        .unwrap();
+    held.release();
+    // The second `SHOW` counts itself.
+    let statements = questions(&pool).await - before - 1;
+    assert_eq!(
+        statements, 11,
+        "statements of a claim, its finish and sqlx's rollback"
+    );
+    drop_table(&pool, &table).await;
 }

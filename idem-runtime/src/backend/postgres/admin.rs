@@ -2,74 +2,38 @@
 //! inlined (`super::simple`), the times read as milliseconds by the
 //! server's clock.
 
-use sqlx::postgres::PgRow;
-use sqlx::{Pool, Postgres, Row};
+use sqlx::{Pool, Postgres};
 
 use super::simple;
 use super::sql::Arg;
 
-use crate::backend::admin::{Admin, Forgotten, KeyRow};
+use crate::backend::admin::{Admin, AdminStore, Forgotten, KeyReads, KeyRow, Param};
+use crate::backend::rows::key_row;
 
-/// The columns every read selects, times as epoch milliseconds.
-const COLUMNS: &str = "scope, key, fingerprint, status, recovery, request, \
-     (extract(epoch FROM created_at) * 1000)::bigint AS created_ms, \
-     (extract(epoch FROM expires_at) * 1000)::bigint AS expires_ms, \
-     (extract(epoch FROM lease_until) * 1000)::bigint AS lease_until_ms, \
-     (extract(epoch FROM clock_timestamp()) * 1000)::bigint AS now_ms";
+impl Admin for Postgres {}
 
-fn key_row(row: &PgRow) -> Result<KeyRow, sqlx::Error> {
-    Ok(KeyRow {
-        scope: row.try_get("scope")?,
-        key: row.try_get("key")?,
-        fingerprint: row.try_get("fingerprint")?,
-        status: row.try_get::<Option<i16>, _>("status")?.map(i64::from),
-        created_ms: row.try_get("created_ms")?,
-        expires_ms: row.try_get("expires_ms")?,
-        lease_until_ms: row.try_get("lease_until_ms")?,
-        now_ms: row.try_get("now_ms")?,
-        recovery: row.try_get("recovery")?,
-        request: row.try_get("request")?,
-    })
-}
+impl AdminStore for Postgres {
+    const READS: KeyReads = KeyReads {
+        columns: "scope, key, fingerprint, status, recovery, request, \
+             (extract(epoch FROM created_at) * 1000)::bigint AS created_ms, \
+             (extract(epoch FROM expires_at) * 1000)::bigint AS expires_ms, \
+             (extract(epoch FROM lease_until) * 1000)::bigint AS lease_until_ms, \
+             (extract(epoch FROM clock_timestamp()) * 1000)::bigint AS now_ms",
+        key: "key",
+        params: ["$1", "$2"],
+    };
 
-impl Admin for Postgres {
-    async fn lookup(
+    async fn read_keys(
         pool: &Pool<Self>,
-        table: &str,
-        scope: &str,
-        key: &str,
-    ) -> Result<Option<KeyRow>, sqlx::Error> {
-        let sql = format!("SELECT {COLUMNS} FROM {table} WHERE scope = $1 AND key = $2");
-        simple(
-            &sql,
-            &[Arg::Bytes(scope.as_bytes()), Arg::Bytes(key.as_bytes())],
-        )
-        .fetch_optional(pool)
-        .await?
-        .as_ref()
-        .map(key_row)
-        .transpose()
-    }
-
-    async fn recent(
-        pool: &Pool<Self>,
-        table: &str,
-        scope: &str,
-        limit: u32,
+        sql: String,
+        params: [Param<'_>; 2],
     ) -> Result<Vec<KeyRow>, sqlx::Error> {
-        let sql = format!(
-            "SELECT {COLUMNS} FROM {table} WHERE scope = $1 \
-             ORDER BY created_at DESC, key DESC LIMIT $2"
-        );
-        simple(
-            &sql,
-            &[Arg::Bytes(scope.as_bytes()), Arg::Int(limit.into())],
-        )
-        .fetch_all(pool)
-        .await?
-        .iter()
-        .map(key_row)
-        .collect()
+        let args = params.map(|param| match param {
+            Param::Bytes(bytes) => Arg::Bytes(bytes),
+            Param::Int(int) => Arg::Signed(int),
+        });
+        let rows = simple(&sql, &args).fetch_all(pool).await?;
+        rows.iter().map(key_row).collect()
     }
 
     async fn forget(

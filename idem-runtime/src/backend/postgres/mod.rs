@@ -19,21 +19,20 @@ use sqlx::postgres::{PgRow, PgTransactionManager};
 use sqlx::{AssertSqlSafe, Pool, Postgres, Row, SqlSafeStr};
 use sqlx_core::transaction::TransactionManager;
 
-use self::sql::{Arg, ClaimRow, PEEK, fnv1a, inline};
+use self::sql::{Arg, ClaimRow, fnv1a, inline};
 use super::claim::Failure;
-use super::contract::decode_finished;
-use super::{Acquire, Backend, Claim, ClaimOutcome, FinishError, OpenTx, StoreError};
+use super::rows::finished_row;
+use super::{ClaimOutcome, FinishError, OpenTx, StoreError};
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 use crate::response::StoredResponse;
 
 mod admin;
 mod advisory;
-mod lease;
-mod outbox;
+mod outbox_store;
+mod phased;
 mod sql;
-
-impl super::contract::sealed::Sealed for Postgres {}
+mod store;
 
 const LOCK_NOT_AVAILABLE: &str = "55P03";
 /// `invalid_text_representation`: the advisory claim found the key's lock
@@ -55,223 +54,6 @@ const DUPLICATE_STATEMENT: &str = "42P05";
 /// after its snapshot, vanished (swept) or was claimed anew, before giving up
 /// with a store error.
 const SETTLE_ATTEMPTS: usize = 4;
-
-impl Backend for Postgres {
-    async fn migrate(pool: &Pool<Self>, table: &str) -> Result<(), Error> {
-        // The phased mode's columns and its index of leases came later:
-        // a table from before gets them, once. No index names a column the
-        // atomic finish writes (`status`, `headers`, `body`), not even in
-        // its predicate: the finish's update then stays heap-only.
-        let (index, lease_index) = (
-            index_name(table, "expires_at_idx"),
-            index_name(table, "lease_idx"),
-        );
-        let ddl = format!(
-            "CREATE TABLE IF NOT EXISTS {table} (
-                scope bytea NOT NULL,
-                key bytea NOT NULL,
-                fingerprint bytea NOT NULL,
-                status smallint,
-                headers bytea,
-                body bytea,
-                created_at timestamptz NOT NULL DEFAULT now(),
-                expires_at timestamptz NOT NULL,
-                lease_token bigint,
-                lease_until timestamptz,
-                recovery bytea,
-                request bytea,
-                attempts integer,
-                PRIMARY KEY (scope, key)
-            );
-            ALTER TABLE {table}
-                ADD COLUMN IF NOT EXISTS lease_token bigint,
-                ADD COLUMN IF NOT EXISTS lease_until timestamptz,
-                ADD COLUMN IF NOT EXISTS recovery bytea,
-                ADD COLUMN IF NOT EXISTS request bytea,
-                ADD COLUMN IF NOT EXISTS attempts integer;
-            CREATE INDEX IF NOT EXISTS {index} ON {table} (expires_at);
-            CREATE INDEX IF NOT EXISTS {lease_index} ON {table} (lease_until)
-                WHERE lease_until IS NOT NULL;"
-        );
-        // `CREATE INDEX IF NOT EXISTS` takes a SHARE lock on the table before
-        // it looks for the index: on a live table it would wait for every
-        // open claim and queue every new claim behind it. The catalog read
-        // locks nothing, so a migrated table costs a start-up nothing.
-        if regclasses_exist(
-            pool,
-            &[
-                table,
-                &qualified(table, &index),
-                &qualified(table, &lease_index),
-            ],
-        )
-        .await?
-        {
-            return Ok(());
-        }
-        run_ddl(pool, &ddl).await
-    }
-
-    async fn claim(
-        pool: &Pool<Self>,
-        acquire: Acquire,
-        table: &str,
-        claim: &Claim<'_>,
-    ) -> Result<ClaimOutcome<Self>, StoreError> {
-        let (flight, mut claim) = super::claim::wait_in_process(pool, table, claim).await;
-        if claim.advisory {
-            // Boxed: asked once per server, the probe would otherwise sit
-            // in every claim's future.
-            claim.advisory = match advisory::known(pool) {
-                Some(offered) => offered,
-                None => Box::pin(advisory::probe(pool)).await,
-            };
-        }
-        let row = ClaimRow::new(table, &claim);
-        let outcome = super::claim::claim_with_retries(pool, acquire, PgClaim { row }).await;
-        super::claim::held(outcome, flight)
-    }
-
-    async fn peek(
-        pool: &Pool<Self>,
-        acquire: Acquire,
-        table: &str,
-        claim: &Claim<'_>,
-    ) -> Result<Option<ClaimOutcome<Self>>, StoreError> {
-        // Without a pooler, an ordinary sqlx query, prepared and cached
-        // by sqlx per connection; behind one, its values inlined.
-        let row = super::connection::on_connection(pool, acquire, |mut conn| async move {
-            let row = if claim.pooled {
-                let args = [
-                    Arg::Bytes(claim.scope.as_bytes()),
-                    Arg::Bytes(claim.key.as_bytes()),
-                ];
-                simple(&PEEK.replace("{table}", table), &args)
-                    .fetch_optional(&mut **conn)
-                    .await
-            } else {
-                sqlx::query(AssertSqlSafe(PEEK.replace("{table}", table)))
-                    .bind(claim.scope.as_bytes())
-                    .bind(claim.key.as_bytes())
-                    .fetch_optional(&mut **conn)
-                    .await
-            };
-            conn.release_unless_gone(&row);
-            row
-        })
-        .await
-        .map_err(StoreError::Database)?;
-        Ok(match row.as_ref().map(read_row).transpose()? {
-            Some(Found::Finished(fingerprint, response)) => Some(ClaimOutcome::Finished {
-                fingerprint,
-                response,
-            }),
-            _ => None,
-        })
-    }
-
-    async fn begin(pool: &Pool<Self>, acquire: Acquire) -> Result<OpenTx<Self>, sqlx::Error> {
-        super::connection::on_connection(pool, acquire, |mut conn| async move {
-            PgTransactionManager::begin(&mut conn, None).await?;
-            Ok(conn)
-        })
-        .await
-    }
-
-    async fn finish(
-        conn: &mut OpenTx<Self>,
-        table: &str,
-        claim: Option<&Claim<'_>>,
-        response: Option<&StoredResponse>,
-    ) -> Result<(), FinishError> {
-        let (text, keyed) = match (claim, response) {
-            (Some(claim), Some(response)) => {
-                let mut row = ClaimRow::new(table, claim);
-                row.prepared = !conn.inlined;
-                (
-                    row.finish_and_commit(response, conn.outlived(claim.ttl)),
-                    true,
-                )
-            }
-            _ => (COMMIT_UNLESS_FAILED.to_owned(), false),
-        };
-        let result = sqlx::raw_sql(AssertSqlSafe(text))
-            .execute(&mut ***conn)
-            .await;
-        if let Err(error) = &result
-            && has_code(error, &[UNDEFINED_STATEMENT])
-        {
-            // Someone deallocated the finish statement but not the claim's,
-            // so the claim did not notice: a new connection prepares all.
-            conn.close_on_drop();
-        }
-        let done = result.map_err(finish_error)?;
-        if keyed && done.rows_affected() != 1 {
-            // The claim's row was not there to store the response on: the
-            // handler ended the transaction itself (a raw `ROLLBACK`), and
-            // its later statements committed on their own. The `COMMIT`
-            // committed nothing of the claim's; the client must not be told
-            // the work is done. The connection's state is unknown: closed.
-            conn.close_on_drop();
-            return Err(FinishError::Ended(StoreError::ClaimGone));
-        }
-        // The commit landed, and the text opened an empty transaction in
-        // its place: the one sqlx counts. sqlx's rollback of it is queued,
-        // and sent with the ping the pool sends anyway when the connection
-        // comes back: no round trip of its own.
-        PgTransactionManager::start_rollback(conn);
-        Ok(())
-    }
-
-    async fn stranded(
-        conn: &mut PoolConnection<Self>,
-        table: &str,
-        claim: &Claim<'_>,
-    ) -> Result<bool, sqlx::Error> {
-        let sql = simple(
-            &format!("SELECT 1 FROM {table} WHERE scope = $1 AND key = $2 AND status IS NULL"),
-            &[
-                Arg::Bytes(claim.scope.as_bytes()),
-                Arg::Bytes(claim.key.as_bytes()),
-            ],
-        );
-        Ok(sql.fetch_optional(&mut **conn).await?.is_some())
-    }
-
-    async fn rollback(conn: &mut PoolConnection<Self>) -> Result<(), sqlx::Error> {
-        super::connection::rollback_transaction(conn).await
-    }
-
-    /// Also `57P01`..`57P03` and `57P05`: a backend terminated, or ended by
-    /// `idle_session_timeout`, while idle leaves its `FATAL` to be read by
-    /// the next statement.
-    fn session_gone(error: &dyn sqlx::error::DatabaseError) -> bool {
-        error.code().is_some_and(|code| {
-            code.starts_with("08") || matches!(&*code, "57P01" | "57P02" | "57P03" | "57P05")
-        })
-    }
-
-    async fn sweep(pool: &Pool<Self>, table: &str, batch: u32) -> Result<u64, sqlx::Error> {
-        // The expiry is checked again on the row the delete meets, and rows
-        // another transaction holds are skipped. With the check only in the
-        // subquery, a delete that waited on the lock of a writer making an
-        // expired row live again (in place) re-checked nothing but the key
-        // once that writer committed, and deleted the live row. Oldest
-        // first, so the expiry index bounds every batch: without the order,
-        // a table whose expiries do not follow its physical order (mixed
-        // TTLs) was swept by sequential scans (docs/benchmarks.md).
-        let sql = format!(
-            "DELETE FROM {table} WHERE (scope, key) IN \
-             (SELECT scope, key FROM {table} WHERE expires_at < now() \
-              ORDER BY expires_at LIMIT {batch} FOR UPDATE SKIP LOCKED) \
-             AND expires_at < now()"
-        );
-        Ok(sqlx::raw_sql(AssertSqlSafe(sql))
-            .execute(pool)
-            .await?
-            .rows_affected())
-    }
-}
 
 /// A failed finish: `Ended` when the handler's own writes failed it, so a
 /// retry would fail alike: its first statement met a failed transaction
@@ -509,20 +291,10 @@ fn read_row(row: &PgRow) -> Result<Found, StoreError> {
     {
         return Ok(Found::Expired);
     }
-    let Some(status) = row
-        .try_get::<Option<i16>, _>("status")
-        .map_err(StoreError::Database)?
-    else {
-        return Ok(Found::Unfinished);
-    };
-    let (fingerprint, response) = decode_finished(
-        status.into(),
-        &row.try_get::<Vec<u8>, _>("fingerprint")
-            .map_err(StoreError::Database)?,
-        row.try_get("headers").map_err(StoreError::Database)?,
-        row.try_get("body").map_err(StoreError::Database)?,
-    )?;
-    Ok(Found::Finished(fingerprint, response))
+    Ok(match finished_row(row)? {
+        Some((fingerprint, response)) => Found::Finished(fingerprint, response),
+        None => Found::Unfinished,
+    })
 }
 
 /// Runs migration DDL. Two services migrating at once can both pass

@@ -8,6 +8,8 @@ use http::StatusCode;
 use sqlx::postgres::PgPoolOptions;
 
 use super::*;
+use crate::backend::store::Store;
+use crate::backend::{Acquire, Claim};
 
 /// A pool on the test server, `configure`d; fails loudly without one.
 async fn test_pool(

@@ -1,65 +1,37 @@
 //! SQLite's key operations for operators: plain bound statements, times as
 //! the key table keeps them (milliseconds since the epoch).
 
-use sqlx::sqlite::SqliteRow;
-use sqlx::{AssertSqlSafe, Pool, Row, Sqlite};
+use sqlx::{AssertSqlSafe, Pool, Sqlite};
 
 use super::now_ms;
-use crate::backend::admin::{Admin, Forgotten, KeyRow};
+use crate::backend::admin::{Admin, AdminStore, Forgotten, KeyReads, KeyRow, Param};
+use crate::backend::rows::key_row;
 
-/// The columns every read selects.
-const COLUMNS: &str = "scope, \"key\", fingerprint, status, recovery, request, \
-     created_at, expires_at, lease_until";
+impl Admin for Sqlite {}
 
-fn key_row(row: &SqliteRow, now_ms: i64) -> Result<KeyRow, sqlx::Error> {
-    Ok(KeyRow {
-        scope: row.try_get("scope")?,
-        key: row.try_get("key")?,
-        fingerprint: row.try_get("fingerprint")?,
-        status: row.try_get("status")?,
-        created_ms: row.try_get("created_at")?,
-        expires_ms: row.try_get("expires_at")?,
-        lease_until_ms: row.try_get("lease_until")?,
-        now_ms,
-        recovery: row.try_get("recovery")?,
-        request: row.try_get("request")?,
-    })
-}
+impl AdminStore for Sqlite {
+    const READS: KeyReads = KeyReads {
+        columns: "scope, \"key\", fingerprint, status, recovery, request, \
+             created_at AS created_ms, expires_at AS expires_ms, \
+             lease_until AS lease_until_ms, \
+             CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER) AS now_ms",
+        key: "\"key\"",
+        params: ["?1", "?2"],
+    };
 
-impl Admin for Sqlite {
-    async fn lookup(
+    async fn read_keys(
         pool: &Pool<Self>,
-        table: &str,
-        scope: &str,
-        key: &str,
-    ) -> Result<Option<KeyRow>, sqlx::Error> {
-        let sql = format!("SELECT {COLUMNS} FROM {table} WHERE scope = ?1 AND \"key\" = ?2");
-        let row = sqlx::query(AssertSqlSafe(sql))
-            .bind(scope.as_bytes())
-            .bind(key.as_bytes())
-            .fetch_optional(pool)
-            .await?;
-        let now = now_ms();
-        row.as_ref().map(|row| key_row(row, now)).transpose()
-    }
-
-    async fn recent(
-        pool: &Pool<Self>,
-        table: &str,
-        scope: &str,
-        limit: u32,
+        sql: String,
+        params: [Param<'_>; 2],
     ) -> Result<Vec<KeyRow>, sqlx::Error> {
-        let sql = format!(
-            "SELECT {COLUMNS} FROM {table} WHERE scope = ?1 \
-             ORDER BY created_at DESC, \"key\" DESC LIMIT ?2"
-        );
-        let rows = sqlx::query(AssertSqlSafe(sql))
-            .bind(scope.as_bytes())
-            .bind(i64::from(limit))
-            .fetch_all(pool)
-            .await?;
-        let now = now_ms();
-        rows.iter().map(|row| key_row(row, now)).collect()
+        let mut query = sqlx::query(AssertSqlSafe(sql));
+        for param in params {
+            query = match param {
+                Param::Bytes(bytes) => query.bind(bytes),
+                Param::Int(int) => query.bind(int),
+            };
+        }
+        query.fetch_all(pool).await?.iter().map(key_row).collect()
     }
 
     async fn forget(

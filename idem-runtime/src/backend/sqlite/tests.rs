@@ -3,9 +3,13 @@
 use std::time::Duration;
 
 use http::StatusCode;
-use sqlx::sqlite::SqlitePoolOptions;
+use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
+use sqlx::{Pool, Sqlite};
 
 use super::*;
+use crate::backend::store::Store;
+use crate::backend::{Acquire, ClaimOutcome, FinishError};
+use crate::response::StoredResponse;
 
 /// A one-connection in-memory database with a migrated key table.
 async fn key_table() -> Pool<Sqlite> {
@@ -167,4 +171,160 @@ async fn the_outbox_contract_holds() {
     crate::backend::test_support::outbox_contract(&pool, "outbox", "consumed").await;
     pool.close().await;
     let _ = std::fs::remove_file(&path);
+}
+
+/// A database file of one test, with its own pool of `size` connections
+/// (WAL): removed, with its WAL, when dropped.
+struct FileDatabase {
+    path: std::path::PathBuf,
+    pool: Pool<Sqlite>,
+}
+
+impl FileDatabase {
+    /// A fresh file named after `name` and this process, its key table
+    /// `idem_keys` migrated.
+    async fn new(name: &str, size: u32) -> Self {
+        let path = std::env::temp_dir().join(format!("idem_{name}_{}.db", std::process::id()));
+        let database = Self {
+            pool: SqlitePoolOptions::new()
+                .max_connections(size)
+                .connect_with(
+                    SqliteConnectOptions::new()
+                        .filename(&path)
+                        .create_if_missing(true)
+                        .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal),
+                )
+                .await
+                .expect("SQLite file"),
+            path,
+        };
+        Sqlite::migrate(&database.pool, "idem_keys")
+            .await
+            .expect("migrate");
+        database
+    }
+}
+
+impl Drop for FileDatabase {
+    fn drop(&mut self) {
+        for suffix in ["", "-wal", "-shm"] {
+            let mut path = self.path.clone().into_os_string();
+            path.push(suffix);
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+/// A deferred foreign key the handler's writes broke fails SQLite's
+/// `COMMIT`: the handler's doing (a retry fails alike), so the finish says
+/// the transaction ended (500) rather than blaming the store, and nothing
+/// commits, neither the claim nor the write.
+#[tokio::test]
+async fn a_deferred_foreign_key_broken_at_commit_ends_the_transaction() {
+    use crate::backend::test_support::{claim_of, claimed, created};
+
+    let file = FileDatabase::new("deferred", 4).await;
+    let pool = &file.pool;
+    sqlx::raw_sql(
+        "CREATE TABLE parents (id INTEGER PRIMARY KEY);
+         CREATE TABLE children (parent INTEGER REFERENCES parents (id)
+             DEFERRABLE INITIALLY DEFERRED);",
+    )
+    .execute(pool)
+    .await
+    .unwrap();
+    let claim = claim_of("s", "k", 4, Duration::ZERO);
+    let mut conn = claimed(pool, "idem_keys", &claim, "the claim").await;
+    sqlx::raw_sql("INSERT INTO children VALUES (7)")
+        .execute(&mut **conn)
+        .await
+        .expect("a deferred check waits for the commit");
+    let response = created("{}");
+    let finished = Sqlite::finish(&mut conn, "idem_keys", Some(&claim), Some(&response)).await;
+    assert!(
+        matches!(finished, Err(FinishError::Ended(_))),
+        "{finished:?}"
+    );
+    Sqlite::rollback(&mut conn).await.unwrap();
+    conn.release();
+    let counts: (i64, i64) =
+        sqlx::query_as("SELECT (SELECT count(*) FROM idem_keys), (SELECT count(*) FROM children)")
+            .fetch_one(pool)
+            .await
+            .unwrap();
+    assert_eq!(counts, (0, 0), "nothing committed");
+}
+
+/// A handler that ends the request's transaction itself (a raw `COMMIT`
+/// through its `Tx`, a misuse) has committed the claim and its effects:
+/// the finish stores the response on that row in autocommit and reports
+/// success, so the key replays; the connection, whose sqlx count is now
+/// wrong, is closed rather than pooled.
+#[tokio::test]
+async fn a_handlers_own_commit_still_stores_the_response() {
+    use crate::backend::test_support::{claim_of, claimed, created};
+
+    let file = FileDatabase::new("owncommit", 4).await;
+    let pool = &file.pool;
+    let claim = claim_of("s", "k", 8, Duration::ZERO);
+    let mut conn = claimed(pool, "idem_keys", &claim, "the claim").await;
+    sqlx::raw_sql("COMMIT").execute(&mut **conn).await.unwrap();
+    let response = created("{\"id\":1}");
+    Sqlite::finish(&mut conn, "idem_keys", Some(&claim), Some(&response))
+        .await
+        .expect("the response is stored on the committed claim");
+    conn.release();
+    // Whatever the pool holds now, none of it is counted inside a
+    // transaction (the finished connection, so counted, was not pooled).
+    let mut held = Vec::new();
+    for _ in 0..pool.size() {
+        let pooled = pool.acquire().await.unwrap();
+        assert!(
+            !sqlx::Connection::is_in_transaction(&*pooled),
+            "a connection came back counted inside a transaction"
+        );
+        held.push(pooled);
+    }
+    drop(held);
+    match Sqlite::claim(pool, Acquire::default(), "idem_keys", &claim)
+        .await
+        .unwrap()
+    {
+        ClaimOutcome::Finished {
+            response: stored, ..
+        } => assert_eq!(stored, response),
+        other => panic!("the key must replay: {other:?}"),
+    }
+}
+
+/// Two private in-memory databases (`SqliteConnectOptions::new()`, both
+/// named `:memory:`) are two databases: a claim held on one does not make
+/// the same scope and key in use on the other (found by review: they
+/// shared their in-process slot).
+#[tokio::test]
+async fn private_memory_databases_do_not_share_keys() {
+    let mut pools = Vec::new();
+    for _ in 0..2 {
+        let pool = SqlitePoolOptions::new()
+            .max_connections(1)
+            .connect_with(SqliteConnectOptions::new())
+            .await
+            .expect("an in-memory database");
+        Sqlite::migrate(&pool, "keys").await.expect("migrate");
+        pools.push(pool);
+    }
+    let claim = crate::backend::test_support::claim_of("acct", "k", 7, Duration::ZERO);
+    let ClaimOutcome::Claimed(_held) = Sqlite::claim(&pools[0], Acquire::default(), "keys", &claim)
+        .await
+        .unwrap()
+    else {
+        panic!("the first database's claim");
+    };
+    let other = Sqlite::claim(&pools[1], Acquire::default(), "keys", &claim)
+        .await
+        .unwrap();
+    assert!(
+        matches!(other, ClaimOutcome::Claimed(_)),
+        "the other database's key is free: {other:?}"
+    );
 }

@@ -4,17 +4,19 @@
 
 use std::time::Duration;
 
-use sqlx::sqlite::SqliteRow;
 use sqlx::{AssertSqlSafe, Pool, Row, Sqlite, SqliteConnection};
 
 use super::{now_ms, ttl_ms};
-use crate::backend::lease::{
-    Abandoned, Holder, LeaseClaim, LeaseOutcome, Phased, Release, Unclaimed, commit_if, ms,
+use crate::backend::phased::{
+    Abandoned, Holder, LeaseClaim, LeaseOutcome, Phased, PhasedStore, Release, abandoned_sql, ms,
 };
-use crate::backend::{Acquire, FinishError, OpenTx, StoreError, in_autocommit};
+use crate::backend::rows::{abandoned, unclaimed};
+use crate::backend::{Acquire, StoreError, in_autocommit};
 use crate::response::StoredResponse;
 
-impl Phased for Sqlite {
+impl Phased for Sqlite {}
+
+impl PhasedStore for Sqlite {
     async fn lease(
         pool: &Pool<Self>,
         acquire: Acquire,
@@ -71,7 +73,8 @@ impl Phased for Sqlite {
             });
         }
         let select = format!(
-            "SELECT status, fingerprint, headers, body, lease_token, lease_until \
+            "SELECT status, fingerprint, headers, body, lease_token, \
+                 lease_until - ?3 AS remaining_ms \
              FROM {table} WHERE scope = ?1 AND \"key\" = ?2"
         );
         let select = &select;
@@ -79,6 +82,7 @@ impl Phased for Sqlite {
             let row = sqlx::query(AssertSqlSafe(select.clone()))
                 .bind(claim.scope.as_bytes())
                 .bind(claim.key.as_bytes())
+                .bind(now_ms())
                 .fetch_optional(&mut **conn)
                 .await;
             (conn, row)
@@ -86,19 +90,9 @@ impl Phased for Sqlite {
         .await
         .map_err(StoreError::Database)?
         .ok_or(StoreError::Vanished)?;
-        let until: Option<i64> = row.try_get("lease_until").map_err(StoreError::Database)?;
-        Unclaimed {
-            status: row.try_get("status").map_err(StoreError::Database)?,
-            fingerprint: row.try_get("fingerprint").map_err(StoreError::Database)?,
-            headers: row.try_get("headers").map_err(StoreError::Database)?,
-            body: row.try_get("body").map_err(StoreError::Database)?,
-            leased: row
-                .try_get::<Option<i64>, _>("lease_token")
-                .map_err(StoreError::Database)?
-                .is_some(),
-            remaining_ms: until.map_or(0, |until| until.saturating_sub(now_ms())),
-        }
-        .outcome(&claim.fingerprint)
+        unclaimed(&row)
+            .map_err(StoreError::Database)?
+            .outcome(&claim.fingerprint)
     }
 
     async fn record(
@@ -121,27 +115,6 @@ impl Phased for Sqlite {
             .execute(conn)
             .await?;
         Ok(done.rows_affected() == 1)
-    }
-
-    async fn record_and_commit(
-        conn: &mut OpenTx<Self>,
-        table: &str,
-        holder: &Holder,
-        recovery: &[u8],
-        lease: Duration,
-    ) -> Result<bool, FinishError> {
-        let written = Self::record(&mut ***conn, table, holder, recovery, lease).await;
-        commit_if(conn, table, written).await
-    }
-
-    async fn store_and_commit(
-        conn: &mut OpenTx<Self>,
-        table: &str,
-        holder: &Holder,
-        response: &StoredResponse,
-    ) -> Result<bool, FinishError> {
-        let written = Self::store(&mut ***conn, table, holder, response).await;
-        commit_if(conn, table, written).await
     }
 
     async fn store(
@@ -197,12 +170,7 @@ impl Phased for Sqlite {
         table: &str,
         limit: u32,
     ) -> Result<Vec<Abandoned>, sqlx::Error> {
-        let sql = format!(
-            "SELECT scope, \"key\", lease_token, attempts, request FROM {table} \
-             WHERE status IS NULL AND lease_token IS NOT NULL AND lease_until <= ?1 \
-                 AND expires_at > ?1 \
-             ORDER BY lease_until LIMIT {limit}"
-        );
+        let sql = abandoned_sql(table, "\"key\"", "?1", limit);
         let rows = sqlx::query(AssertSqlSafe(sql))
             .bind(now_ms())
             .fetch_all(pool)
@@ -233,19 +201,4 @@ impl Phased for Sqlite {
             .fetch_optional(pool)
             .await
     }
-}
-
-fn abandoned(row: &SqliteRow) -> Result<Abandoned, sqlx::Error> {
-    let scope: Vec<u8> = row.try_get("scope")?;
-    let key: Vec<u8> = row.try_get("key")?;
-    let attempts: Option<i64> = row.try_get("attempts")?;
-    Ok(Abandoned {
-        holder: Holder {
-            scope: String::from_utf8_lossy(&scope).into_owned(),
-            key: String::from_utf8_lossy(&key).into_owned(),
-            token: row.try_get("lease_token")?,
-        },
-        attempts: u32::try_from(attempts.unwrap_or(0)).unwrap_or(u32::MAX),
-        request: row.try_get("request")?,
-    })
 }

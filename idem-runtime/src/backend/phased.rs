@@ -1,6 +1,7 @@
-//! The storage contract of the phased mode: a claim that commits on its
-//! own with a lease and a fencing token, recovery points written under that
-//! token, and what the completer reads and writes.
+//! The storage contract of the phased mode ([`Phased`], its operations
+//! [`PhasedStore`]): a claim that commits on its own with a lease and a
+//! fencing token, recovery points written under that token, and what the
+//! completer reads and writes.
 //!
 //! Every write after the claim names the token it holds and matches no row
 //! once another attempt took the key over (a new token): that is the fence.
@@ -12,7 +13,7 @@ use std::time::Duration;
 
 use sqlx::Pool;
 
-use super::contract::decode_finished;
+use super::store::decode_finished;
 use super::{Acquire, Backend, Claim, FinishError, OpenTx, StoreError};
 use crate::fingerprint::Fingerprint;
 use crate::response::StoredResponse;
@@ -97,17 +98,24 @@ pub enum Release {
     Keep(Duration),
 }
 
-/// An engine that supports the phased mode.
+/// An engine that supports the phased mode: the bound of
+/// [`Phases<DB>`](crate::Phases) and of the completer.
+///
+/// Implemented by every engine `idem` keeps keys in, and by no other type:
+/// its operations live on a supertrait no other crate can name.
 #[diagnostic::on_unimplemented(
     message = "the phased mode (`Phases<{Self}>`) is not available on `{Self}`",
     label = "phases need a key store with leases",
     note = "the phased mode runs on the engines `idem` keeps keys in: `sqlx::Postgres`, \
             `sqlx::Sqlite` and `sqlx::MySql`, each with its cargo feature"
 )]
-pub trait Phased: Backend {
+pub trait Phased: Backend + PhasedStore {}
+
+/// The phased mode's storage operations: what [`Phased`] asks of an
+/// engine. Sealed: `pub` in a private module, so only this crate names it.
+pub trait PhasedStore: Backend {
     /// Claims the key with a lease, or takes over a lease that ended (or
     /// that `reserved` names), in one statement that commits on its own.
-    #[doc(hidden)]
     fn lease(
         pool: &Pool<Self>,
         acquire: Acquire,
@@ -118,7 +126,6 @@ pub trait Phased: Backend {
     /// Writes the recovery point and renews the lease, if `holder` still
     /// holds the key: inside a phase's transaction (its last write) or on
     /// its own. `false`: fenced, nothing written.
-    #[doc(hidden)]
     fn record(
         conn: &mut Self::Connection,
         table: &str,
@@ -128,31 +135,39 @@ pub trait Phased: Backend {
     ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
 
     /// [`record`](Self::record) as a phase's last write, then its commit:
-    /// one round trip where the engine allows. `false`: fenced, nothing
-    /// committed (the caller rolls back).
-    #[doc(hidden)]
+    /// one round trip where the engine allows (by default two, the write
+    /// and then the commit). `false`: fenced, nothing committed (the
+    /// caller rolls back).
     fn record_and_commit(
         conn: &mut OpenTx<Self>,
         table: &str,
         holder: &Holder,
         recovery: &[u8],
         lease: Duration,
-    ) -> impl Future<Output = Result<bool, FinishError>> + Send;
+    ) -> impl Future<Output = Result<bool, FinishError>> + Send {
+        async move {
+            let written = Self::record(&mut ***conn, table, holder, recovery, lease).await;
+            commit_if(conn, table, written).await
+        }
+    }
 
     /// [`store`](Self::store) in the last phase, then its commit, as
     /// `record_and_commit`.
-    #[doc(hidden)]
     fn store_and_commit(
         conn: &mut OpenTx<Self>,
         table: &str,
         holder: &Holder,
         response: &StoredResponse,
-    ) -> impl Future<Output = Result<bool, FinishError>> + Send;
+    ) -> impl Future<Output = Result<bool, FinishError>> + Send {
+        async move {
+            let written = Self::store(&mut ***conn, table, holder, response).await;
+            commit_if(conn, table, written).await
+        }
+    }
 
     /// Stores the response on the key, in the final phase's transaction, if
     /// `holder` still holds it; the recovery point and kept request go.
     /// `false`: fenced, nothing written.
-    #[doc(hidden)]
     fn store(
         conn: &mut Self::Connection,
         table: &str,
@@ -161,7 +176,6 @@ pub trait Phased: Backend {
     ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
 
     /// Leaves the key after a failed attempt, if `holder` still holds it.
-    #[doc(hidden)]
     fn release(
         conn: &mut Self::Connection,
         table: &str,
@@ -170,7 +184,6 @@ pub trait Phased: Backend {
     ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
 
     /// Up to `limit` abandoned keys, the longest abandoned first.
-    #[doc(hidden)]
     fn abandoned(
         pool: &Pool<Self>,
         table: &str,
@@ -180,7 +193,6 @@ pub trait Phased: Backend {
     /// Reserves an abandoned key for one completer's attempt: a new token
     /// and a lease of `lease`, and one more attempt counted, if its lease is
     /// still over and `holder` names its token. `None`: someone else has it.
-    #[doc(hidden)]
     fn reserve(
         pool: &Pool<Self>,
         table: &str,
@@ -195,8 +207,9 @@ pub(crate) struct Unclaimed {
     pub(crate) fingerprint: Vec<u8>,
     pub(crate) headers: Option<Vec<u8>>,
     pub(crate) body: Option<Vec<u8>>,
-    /// Whether the row has a lease (a phased claim's) at all.
-    pub(crate) leased: bool,
+    /// The row's fencing token: `None` without a lease (an atomic
+    /// claim's row).
+    pub(crate) token: Option<i64>,
     /// The lease's time left (negative: over).
     pub(crate) remaining_ms: i64,
 }
@@ -215,7 +228,7 @@ impl Unclaimed {
         if self.fingerprint[..] != fingerprint.as_bytes()[..] {
             return Ok(LeaseOutcome::Reused);
         }
-        if !self.leased {
+        if self.token.is_none() {
             return Ok(LeaseOutcome::Held);
         }
         // A lease that ended since the claim's statement: its taker is
@@ -227,6 +240,18 @@ impl Unclaimed {
     }
 }
 
+/// The completer's list of abandoned keys, one text for every engine:
+/// `key` is the key column as the engine quotes it, `now` its clock (or a
+/// parameter bound to it).
+pub(crate) fn abandoned_sql(table: &str, key: &str, now: &str, limit: u32) -> String {
+    format!(
+        "SELECT scope, {key}, lease_token, attempts, request FROM {table} \
+         WHERE status IS NULL AND lease_token IS NOT NULL \
+             AND lease_until <= {now} AND expires_at > {now} \
+         ORDER BY lease_until LIMIT {limit}"
+    )
+}
+
 /// Whole milliseconds, as the engines bind them.
 pub(crate) fn ms(duration: Duration) -> i64 {
     i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
@@ -234,7 +259,7 @@ pub(crate) fn ms(duration: Duration) -> i64 {
 
 /// Commits after a guarded write that `written` says matched (engines that
 /// send the two apart); `false` commits nothing.
-pub(crate) async fn commit_if<DB: Backend>(
+async fn commit_if<DB: Backend>(
     conn: &mut OpenTx<DB>,
     table: &str,
     written: Result<bool, sqlx::Error>,

@@ -8,9 +8,10 @@ use std::time::Duration;
 use sqlx::{AssertSqlSafe, Pool, Sqlite};
 
 use super::now_ms;
-use crate::backend::outbox::{
-    MESSAGE_COLUMNS, MessageRow, NewMessage, OutboxStore, message_row, millis, seq_list,
+use crate::backend::outbox_store::{
+    MESSAGE_COLUMNS, MessageRow, NewMessage, OutboxStore, millis, seq_list,
 };
+use crate::backend::rows::message_row;
 use crate::error::Error;
 
 /// `table`'s schema prefix (`schema.`, or empty) and its own name: SQLite

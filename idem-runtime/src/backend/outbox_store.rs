@@ -51,11 +51,11 @@ pub struct MessageRow {
     pub attempts: i32,
 }
 
-/// What the outbox and the consumers ask of an engine. Every engine
-/// implements it; sealed with [`Backend`](super::Backend).
+/// What the outbox and the consumers ask of an engine: a supertrait of
+/// [`Backend`](super::Backend), implemented by every engine. Sealed as the
+/// others once `idem::__private` no longer re-exports it.
 pub trait OutboxStore: Database {
     /// Creates the outbox and the consumed-messages tables if missing.
-    #[doc(hidden)]
     fn migrate_outbox(
         pool: &Pool<Self>,
         outbox: &str,
@@ -63,7 +63,6 @@ pub trait OutboxStore: Database {
     ) -> impl Future<Output = Result<(), Error>> + Send;
 
     /// Writes a message in the transaction `conn` is in.
-    #[doc(hidden)]
     fn enqueue(
         conn: &mut Self::Connection,
         outbox: &str,
@@ -73,7 +72,6 @@ pub trait OutboxStore: Database {
     /// Leases up to `batch` deliverable messages under `token` for
     /// `lease`, oldest first, each scope's a prefix of its undelivered
     /// ones; commits before returning.
-    #[doc(hidden)]
     fn lease_messages(
         pool: &Pool<Self>,
         outbox: &str,
@@ -83,7 +81,6 @@ pub trait OutboxStore: Database {
     ) -> impl Future<Output = Result<Vec<MessageRow>, sqlx::Error>> + Send;
 
     /// Marks these messages, leased under `token`, delivered.
-    #[doc(hidden)]
     fn mark_delivered(
         pool: &Pool<Self>,
         outbox: &str,
@@ -93,7 +90,6 @@ pub trait OutboxStore: Database {
 
     /// Ends the lease of these messages under `token`; `retry_after`:
     /// counts a failed delivery and makes them wait that long.
-    #[doc(hidden)]
     fn unlease(
         pool: &Pool<Self>,
         outbox: &str,
@@ -103,7 +99,6 @@ pub trait OutboxStore: Database {
     ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
 
     /// Deletes up to `batch` messages delivered more than `retention` ago.
-    #[doc(hidden)]
     fn sweep_delivered(
         pool: &Pool<Self>,
         outbox: &str,
@@ -112,7 +107,6 @@ pub trait OutboxStore: Database {
     ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
 
     /// How many messages are not delivered yet.
-    #[doc(hidden)]
     fn pending_messages(
         pool: &Pool<Self>,
         outbox: &str,
@@ -121,7 +115,6 @@ pub trait OutboxStore: Database {
     /// Records `(scope, id)` as processed in the transaction `conn` is in,
     /// kept for `retention`. `false`: it was recorded before (by a
     /// committed transaction; an uncommitted one is waited for).
-    #[doc(hidden)]
     fn record_consumed(
         conn: &mut Self::Connection,
         consumed: &str,
@@ -131,7 +124,6 @@ pub trait OutboxStore: Database {
     ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
 
     /// Deletes up to `batch` processed-message records past their retention.
-    #[doc(hidden)]
     fn sweep_consumed(
         pool: &Pool<Self>,
         consumed: &str,
@@ -154,25 +146,6 @@ pub(crate) fn seq_list(seqs: &[i64]) -> String {
 /// A duration in whole milliseconds, for SQL arithmetic.
 pub(crate) fn millis(duration: Duration) -> i64 {
     i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
-}
-
-/// A leased message as every engine's row of [`MESSAGE_COLUMNS`] holds it.
-pub(crate) fn message_row<R: sqlx::Row>(row: &R) -> Result<MessageRow, sqlx::Error>
-where
-    for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-    for<'r> i32: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-    for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-    for<'r> Vec<u8>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-    for<'c> &'c str: sqlx::ColumnIndex<R>,
-{
-    Ok(MessageRow {
-        seq: row.try_get("seq")?,
-        id: row.try_get("id")?,
-        scope: row.try_get("scope")?,
-        topic: row.try_get("topic")?,
-        payload: row.try_get("payload")?,
-        attempts: row.try_get("attempts")?,
-    })
 }
 
 /// The message columns every engine's lease returns, in this order.

@@ -8,9 +8,10 @@ use sqlx::{Pool, Postgres, Row};
 
 use super::sql::{Arg, fnv1a};
 use super::{index_name, qualified, regclasses_exist, run_ddl, simple};
-use crate::backend::outbox::{
-    MESSAGE_COLUMNS, MessageRow, NewMessage, OutboxStore, message_row, millis, seq_list,
+use crate::backend::outbox_store::{
+    MESSAGE_COLUMNS, MessageRow, NewMessage, OutboxStore, millis, seq_list,
 };
+use crate::backend::rows::message_row;
 use crate::error::Error;
 
 impl OutboxStore for Postgres {

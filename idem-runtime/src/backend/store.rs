@@ -1,5 +1,5 @@
-//! The storage contract: what a claim asks, what it finds, and the trait
-//! each engine implements.
+//! The atomic mode's storage contract: what a claim asks, what it finds,
+//! the public bound [`Backend`] and its sealed operations [`Store`].
 
 use std::future::Future;
 use std::sync::Arc;
@@ -133,7 +133,8 @@ impl StoreError {
     }
 }
 
-/// Why [`Backend::finish`] did not commit.
+/// Why the finish of a request's transaction (`Store::finish`) did not
+/// commit.
 #[derive(Debug, thiserror::Error)]
 pub enum FinishError {
     /// The request's transaction had already failed or ended before the
@@ -160,23 +161,24 @@ impl FinishError {
     }
 }
 
-pub(crate) mod sealed {
-    pub trait Sealed {}
-}
-
-/// A database engine `idem` can keep keys in.
+/// A database engine `idem` can keep keys in: the bound of
+/// [`Idem<DB>`](crate::Idem), [`Tx<DB>`](crate::Tx) and everything built
+/// on them.
 ///
 /// Implemented for the sqlx database types of the enabled features
 /// (`sqlx::Postgres` with `postgres`, `sqlx::Sqlite` with `sqlite`,
-/// `sqlx::MySql` with `mysql`); sealed, because every engine must keep
+/// `sqlx::MySql` with `mysql`), and for no other type: its operations live
+/// on a supertrait no other crate can name, because every engine must keep
 /// the atomic contract, which the conformance suite checks.
-pub trait Backend: Database + sealed::Sealed + super::OutboxStore {
+pub trait Backend: Database + Store + super::OutboxStore {}
+
+/// The atomic mode's storage operations: what [`Backend`] asks of an
+/// engine. Sealed: `pub` in a private module, so only this crate names it.
+pub trait Store: Database {
     /// Creates the key table and its expiry index if they do not exist.
-    #[doc(hidden)]
     fn migrate(pool: &Pool<Self>, table: &str) -> impl Future<Output = Result<(), Error>> + Send;
 
     /// Opens a transaction and claims the key as its first write.
-    #[doc(hidden)]
     fn claim(
         pool: &Pool<Self>,
         acquire: Acquire,
@@ -188,8 +190,7 @@ pub trait Backend: Database + sealed::Sealed + super::OutboxStore {
     /// with one indexed read outside any transaction: the fast path for a
     /// retry of a key this process saw finish. `None`, or a database error
     /// (the server refused the read), sends the request through
-    /// [`Backend::claim`], the authority.
-    #[doc(hidden)]
+    /// [`Store::claim`], the authority.
     fn peek(
         pool: &Pool<Self>,
         acquire: Acquire,
@@ -198,7 +199,6 @@ pub trait Backend: Database + sealed::Sealed + super::OutboxStore {
     ) -> impl Future<Output = Result<Option<ClaimOutcome<Self>>, StoreError>> + Send;
 
     /// Opens a plain transaction (a request without a key, `key = "optional"`).
-    #[doc(hidden)]
     fn begin(
         pool: &Pool<Self>,
         acquire: Acquire,
@@ -207,7 +207,6 @@ pub trait Backend: Database + sealed::Sealed + super::OutboxStore {
     /// Stores the response on the claimed row and commits, in as few round
     /// trips as the engine allows. `None` commits without storing. Neither
     /// commits a transaction that has already failed or ended.
-    #[doc(hidden)]
     fn finish(
         conn: &mut OpenTx<Self>,
         table: &str,
@@ -220,7 +219,6 @@ pub trait Backend: Database + sealed::Sealed + super::OutboxStore {
     /// handler that committed the transaction itself (a raw `COMMIT`, or a
     /// MySQL statement that commits implicitly) leaves one; the key then
     /// answers 409 until it expires.
-    #[doc(hidden)]
     fn stranded(
         conn: &mut PoolConnection<Self>,
         table: &str,
@@ -228,13 +226,11 @@ pub trait Backend: Database + sealed::Sealed + super::OutboxStore {
     ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
 
     /// Rolls the open transaction back.
-    #[doc(hidden)]
     fn rollback(
         conn: &mut PoolConnection<Self>,
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
 
     /// Deletes up to `batch` expired rows; returns how many went.
-    #[doc(hidden)]
     fn sweep(
         pool: &Pool<Self>,
         table: &str,
@@ -244,7 +240,6 @@ pub trait Backend: Database + sealed::Sealed + super::OutboxStore {
     /// Whether a database error says the session is gone rather than that a
     /// statement failed. By default SQLSTATE class 08 (connection
     /// exception).
-    #[doc(hidden)]
     fn session_gone(error: &dyn sqlx::error::DatabaseError) -> bool {
         error.code().is_some_and(|code| code.starts_with("08"))
     }
@@ -256,7 +251,6 @@ pub trait Backend: Database + sealed::Sealed + super::OutboxStore {
     /// can take the address while the flight lives. (After
     /// `Pool::set_connect_options` the pool has a new name; duplicates of
     /// attempts begun before then wait in the database instead.)
-    #[doc(hidden)]
     fn flight_database(options: &Arc<ConnectOptions<Self>>, out: &mut Vec<u8>) {
         out.extend_from_slice(&(Arc::as_ptr(options) as usize).to_le_bytes());
     }
@@ -265,19 +259,14 @@ pub trait Backend: Database + sealed::Sealed + super::OutboxStore {
 /// A pool's connect options.
 pub(crate) type ConnectOptions<DB> = <<DB as Database>::Connection as sqlx::Connection>::Options;
 
-/// A finished row read from its `status`, `fingerprint`, `headers` and
-/// `body`.
+/// What a claim found in a finished row ([`finished_row`](super::rows::finished_row)).
 pub(crate) fn finished<DB: Database>(
-    status: i64,
-    fingerprint: &[u8],
-    headers: Option<Vec<u8>>,
-    body: Option<Vec<u8>>,
-) -> Result<ClaimOutcome<DB>, StoreError> {
-    let (fingerprint, response) = decode_finished(status, fingerprint, headers, body)?;
-    Ok(ClaimOutcome::Finished {
+    (fingerprint, response): (Fingerprint, StoredResponse),
+) -> ClaimOutcome<DB> {
+    ClaimOutcome::Finished {
         fingerprint,
         response,
-    })
+    }
 }
 
 /// A finished row's fingerprint and response, as every engine reads them.

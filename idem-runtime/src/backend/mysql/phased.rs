@@ -8,14 +8,15 @@
 
 use std::time::Duration;
 
-use sqlx::mysql::MySqlRow;
 use sqlx::{AssertSqlSafe, MySql, MySqlConnection, Pool, Row};
 
 use super::MAX_SCOPE_BYTES;
-use crate::backend::lease::{
-    Abandoned, Holder, LeaseClaim, LeaseOutcome, Phased, Release, Unclaimed, commit_if, ms,
+use crate::backend::phased::{
+    Abandoned, Holder, LeaseClaim, LeaseOutcome, Phased, PhasedStore, Release, abandoned_sql, ms,
 };
-use crate::backend::{Acquire, Backend, FinishError, OpenTx, StoreError, abandon};
+use crate::backend::rows::{abandoned, unclaimed};
+use crate::backend::store::Store;
+use crate::backend::{Acquire, FinishError, StoreError, abandon};
 use crate::response::StoredResponse;
 
 /// `UTC_TIMESTAMP(6)` plus a bound number of milliseconds.
@@ -24,7 +25,9 @@ const AFTER: &str = "UTC_TIMESTAMP(6) + INTERVAL ? * 1000 MICROSECOND";
 /// The key's row, as `WHERE` names it (scope and key bound in that order).
 const ROW: &str = "scope = ? AND `key` = ?";
 
-impl Phased for MySql {
+impl Phased for MySql {}
+
+impl PhasedStore for MySql {
     async fn lease(
         pool: &Pool<Self>,
         acquire: Acquire,
@@ -80,27 +83,6 @@ impl Phased for MySql {
             .execute(conn)
             .await?;
         Ok(done.rows_affected() == 1)
-    }
-
-    async fn record_and_commit(
-        conn: &mut OpenTx<Self>,
-        table: &str,
-        holder: &Holder,
-        recovery: &[u8],
-        lease: Duration,
-    ) -> Result<bool, FinishError> {
-        let written = Self::record(&mut ***conn, table, holder, recovery, lease).await;
-        commit_if(conn, table, written).await
-    }
-
-    async fn store_and_commit(
-        conn: &mut OpenTx<Self>,
-        table: &str,
-        holder: &Holder,
-        response: &StoredResponse,
-    ) -> Result<bool, FinishError> {
-        let written = Self::store(&mut ***conn, table, holder, response).await;
-        commit_if(conn, table, written).await
     }
 
     async fn store(
@@ -162,12 +144,7 @@ impl Phased for MySql {
         table: &str,
         limit: u32,
     ) -> Result<Vec<Abandoned>, sqlx::Error> {
-        let sql = format!(
-            "SELECT scope, `key`, lease_token, attempts, request FROM {table} \
-             WHERE status IS NULL AND lease_token IS NOT NULL \
-                 AND lease_until <= UTC_TIMESTAMP(6) AND expires_at > UTC_TIMESTAMP(6) \
-             ORDER BY lease_until LIMIT {limit}"
-        );
+        let sql = abandoned_sql(table, "`key`", "UTC_TIMESTAMP(6)", limit);
         let rows = sqlx::query(AssertSqlSafe(sql)).fetch_all(pool).await?;
         rows.iter().map(abandoned).collect()
     }
@@ -235,9 +212,8 @@ async fn take(
         .fetch_one(&mut *conn)
         .await
         .map_err(StoreError::Database)?;
-    let token: Option<i64> = row.try_get("lease_token").map_err(StoreError::Database)?;
-    let status: Option<i16> = row.try_get("status").map_err(StoreError::Database)?;
-    let fingerprint: Vec<u8> = row.try_get("fingerprint").map_err(StoreError::Database)?;
+    let found = unclaimed(&row).map_err(StoreError::Database)?;
+    let token = found.token;
     let expired = row
         .try_get::<i64, _>("expired")
         .map_err(StoreError::Database)?
@@ -246,8 +222,8 @@ async fn take(
         .try_get::<i64, _>("ended")
         .map_err(StoreError::Database)?
         != 0;
-    let same = fingerprint[..] == claim.fingerprint.as_bytes()[..];
-    let resumable = status.is_none()
+    let same = found.fingerprint[..] == claim.fingerprint.as_bytes()[..];
+    let resumable = found.status.is_none()
         && same
         && token.is_some_and(|token| token > 0 && (ended || Some(token) == lease.reserved));
     let (set, recovery) = match token {
@@ -264,17 +240,7 @@ async fn take(
             row.try_get::<Option<Vec<u8>>, _>("recovery")
                 .map_err(StoreError::Database)?,
         ),
-        _ => {
-            return Unclaimed {
-                status: status.map(i64::from),
-                fingerprint,
-                headers: row.try_get("headers").map_err(StoreError::Database)?,
-                body: row.try_get("body").map_err(StoreError::Database)?,
-                leased: token.is_some(),
-                remaining_ms: row.try_get("remaining_ms").map_err(StoreError::Database)?,
-            }
-            .outcome(&claim.fingerprint);
-        }
+        _ => return found.outcome(&claim.fingerprint),
     };
     let update =
         format!("UPDATE {table} SET {set}, lease_until = {AFTER}, request = ? WHERE {ROW}");
@@ -295,20 +261,5 @@ async fn take(
     Ok(LeaseOutcome::Owned {
         token: token.map_or(1, |token| token + 1),
         recovery,
-    })
-}
-
-fn abandoned(row: &MySqlRow) -> Result<Abandoned, sqlx::Error> {
-    let scope: Vec<u8> = row.try_get("scope")?;
-    let key: Vec<u8> = row.try_get("key")?;
-    let attempts: Option<i32> = row.try_get("attempts")?;
-    Ok(Abandoned {
-        holder: Holder {
-            scope: String::from_utf8_lossy(&scope).into_owned(),
-            key: String::from_utf8_lossy(&key).into_owned(),
-            token: row.try_get("lease_token")?,
-        },
-        attempts: u32::try_from(attempts.unwrap_or(0)).unwrap_or(u32::MAX),
-        request: row.try_get("request")?,
     })
 }

@@ -7,16 +7,17 @@
 
 use std::time::Duration;
 
-use sqlx::postgres::{PgRow, PgTransactionManager};
+use sqlx::postgres::PgTransactionManager;
 use sqlx::{AssertSqlSafe, PgConnection, Pool, Postgres, Row};
 
 use super::simple;
 use super::sql::Arg;
 use sqlx_core::transaction::TransactionManager;
 
-use crate::backend::lease::{
-    Abandoned, Holder, LeaseClaim, LeaseOutcome, Phased, Release, Unclaimed, ms,
+use crate::backend::phased::{
+    Abandoned, Holder, LeaseClaim, LeaseOutcome, Phased, PhasedStore, Release, abandoned_sql, ms,
 };
+use crate::backend::rows::{abandoned, unclaimed};
 use crate::backend::{Acquire, FinishError, OpenTx, StoreError, in_autocommit};
 use crate::response::StoredResponse;
 
@@ -25,7 +26,9 @@ fn after(n: u8) -> String {
     format!("clock_timestamp() + ${n} * interval '1 millisecond'")
 }
 
-impl Phased for Postgres {
+impl Phased for Postgres {}
+
+impl PhasedStore for Postgres {
     async fn lease(
         pool: &Pool<Self>,
         acquire: Acquire,
@@ -98,24 +101,9 @@ impl Phased for Postgres {
         .await
         .map_err(StoreError::Database)?
         .ok_or(StoreError::Vanished)?;
-        Unclaimed {
-            status: row
-                .try_get::<Option<i16>, _>("status")
-                .map_err(StoreError::Database)?
-                .map(i64::from),
-            fingerprint: row.try_get("fingerprint").map_err(StoreError::Database)?,
-            headers: row.try_get("headers").map_err(StoreError::Database)?,
-            body: row.try_get("body").map_err(StoreError::Database)?,
-            leased: row
-                .try_get::<Option<i64>, _>("lease_token")
-                .map_err(StoreError::Database)?
-                .is_some(),
-            remaining_ms: row
-                .try_get::<Option<i64>, _>("remaining_ms")
-                .map_err(StoreError::Database)?
-                .unwrap_or(0),
-        }
-        .outcome(&claim.fingerprint)
+        unclaimed(&row)
+            .map_err(StoreError::Database)?
+            .outcome(&claim.fingerprint)
     }
 
     async fn record(
@@ -227,12 +215,7 @@ impl Phased for Postgres {
         table: &str,
         limit: u32,
     ) -> Result<Vec<Abandoned>, sqlx::Error> {
-        let sql = format!(
-            "SELECT scope, key, lease_token, attempts, request FROM {table} \
-             WHERE status IS NULL AND lease_token IS NOT NULL \
-                 AND lease_until <= clock_timestamp() AND expires_at > clock_timestamp() \
-             ORDER BY lease_until LIMIT {limit}"
-        );
+        let sql = abandoned_sql(table, "key", "clock_timestamp()", limit);
         let rows = simple(&sql, &[]).fetch_all(pool).await?;
         rows.iter().map(abandoned).collect()
     }
@@ -263,21 +246,6 @@ impl Phased for Postgres {
             .map(|row| row.try_get("lease_token"))
             .transpose()
     }
-}
-
-fn abandoned(row: &PgRow) -> Result<Abandoned, sqlx::Error> {
-    let scope: Vec<u8> = row.try_get("scope")?;
-    let key: Vec<u8> = row.try_get("key")?;
-    let attempts: Option<i32> = row.try_get("attempts")?;
-    Ok(Abandoned {
-        holder: Holder {
-            scope: String::from_utf8_lossy(&scope).into_owned(),
-            key: String::from_utf8_lossy(&key).into_owned(),
-            token: row.try_get("lease_token")?,
-        },
-        attempts: u32::try_from(attempts.unwrap_or(0)).unwrap_or(u32::MAX),
-        request: row.try_get("request")?,
-    })
 }
 
 /// `SQLSTATE` `division_by_zero`: how a guarded write that matched no row

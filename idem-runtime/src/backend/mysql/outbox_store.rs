@@ -10,9 +10,10 @@ use sqlx::{AssertSqlSafe, Connection, MySql, Pool};
 use super::MAX_SCOPE_BYTES;
 use crate::backend::MAX_MESSAGE_ID_LEN;
 use crate::backend::fnv1a;
-use crate::backend::outbox::{
-    MESSAGE_COLUMNS, MessageRow, NewMessage, OutboxStore, message_row, millis, seq_list,
+use crate::backend::outbox_store::{
+    MESSAGE_COLUMNS, MessageRow, NewMessage, OutboxStore, millis, seq_list,
 };
+use crate::backend::rows::message_row;
 use crate::error::Error;
 
 /// How long a relay waits for another's lease before leasing nothing.

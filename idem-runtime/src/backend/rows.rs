@@ -1,0 +1,159 @@
+//! The key table's rows decoded once for every engine: each engine's
+//! statements name their columns (or aliases) as these readers expect,
+//! with the types every engine decodes alike.
+
+use sqlx::{ColumnIndex, Decode, Row, Type};
+
+use super::admin::KeyRow;
+use super::outbox_store::MessageRow;
+use super::phased::{Abandoned, Holder, Unclaimed};
+use super::store::{StoreError, decode_finished};
+use crate::fingerprint::Fingerprint;
+use crate::response::StoredResponse;
+
+/// An engine's row, read by column name into the types `idem`'s tables
+/// hold, each decoded as every engine decodes it. Every engine's row is
+/// one; the readers below need nothing else of it.
+pub(crate) trait Columns {
+    /// Bytes (a scope, a key, a fingerprint, a payload).
+    fn bytes(&self, name: &str) -> Result<Vec<u8>, sqlx::Error>;
+    /// Bytes or `NULL` (a response's parts, a recovery point, a request).
+    fn bytes_or_null(&self, name: &str) -> Result<Option<Vec<u8>>, sqlx::Error>;
+    /// Text (a message's id and topic).
+    fn text(&self, name: &str) -> Result<String, sqlx::Error>;
+    /// A 64-bit integer (a time in milliseconds, a token, a sequence number).
+    fn int(&self, name: &str) -> Result<i64, sqlx::Error>;
+    /// A 64-bit integer or `NULL`.
+    fn int_or_null(&self, name: &str) -> Result<Option<i64>, sqlx::Error>;
+    /// A 32-bit count.
+    fn count(&self, name: &str) -> Result<i32, sqlx::Error>;
+    /// A 32-bit count or `NULL`.
+    fn count_or_null(&self, name: &str) -> Result<Option<i32>, sqlx::Error>;
+    /// A 16-bit status, maybe `NULL`.
+    fn status_or_null(&self, name: &str) -> Result<Option<i16>, sqlx::Error>;
+}
+
+impl<R: Row> Columns for R
+where
+    for<'c> &'c str: ColumnIndex<R>,
+    for<'r> Vec<u8>: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> String: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> i64: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> i32: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> i16: Decode<'r, R::Database> + Type<R::Database>,
+{
+    fn bytes(&self, name: &str) -> Result<Vec<u8>, sqlx::Error> {
+        self.try_get(name)
+    }
+
+    fn bytes_or_null(&self, name: &str) -> Result<Option<Vec<u8>>, sqlx::Error> {
+        self.try_get(name)
+    }
+
+    fn text(&self, name: &str) -> Result<String, sqlx::Error> {
+        self.try_get(name)
+    }
+
+    fn int(&self, name: &str) -> Result<i64, sqlx::Error> {
+        self.try_get(name)
+    }
+
+    fn int_or_null(&self, name: &str) -> Result<Option<i64>, sqlx::Error> {
+        self.try_get(name)
+    }
+
+    fn count(&self, name: &str) -> Result<i32, sqlx::Error> {
+        self.try_get(name)
+    }
+
+    fn count_or_null(&self, name: &str) -> Result<Option<i32>, sqlx::Error> {
+        self.try_get(name)
+    }
+
+    fn status_or_null(&self, name: &str) -> Result<Option<i16>, sqlx::Error> {
+        self.try_get(name)
+    }
+}
+
+/// A key's row for the operators' reads, its times aliased `created_ms`,
+/// `expires_ms`, `lease_until_ms` and `now_ms` (epoch milliseconds).
+pub(crate) fn key_row(row: &impl Columns) -> Result<KeyRow, sqlx::Error> {
+    Ok(KeyRow {
+        scope: row.bytes("scope")?,
+        key: row.bytes("key")?,
+        fingerprint: row.bytes("fingerprint")?,
+        status: row.status_or_null("status")?.map(i64::from),
+        created_ms: row.int("created_ms")?,
+        expires_ms: row.int("expires_ms")?,
+        lease_until_ms: row.int_or_null("lease_until_ms")?,
+        now_ms: row.int("now_ms")?,
+        recovery: row.bytes_or_null("recovery")?,
+        request: row.bytes_or_null("request")?,
+    })
+}
+
+/// An abandoned key of the completer's list: `scope`, `key`,
+/// `lease_token`, `attempts` and `request`.
+pub(crate) fn abandoned(row: &impl Columns) -> Result<Abandoned, sqlx::Error> {
+    let text = |column| {
+        row.bytes(column)
+            .map(|bytes| String::from_utf8_lossy(&bytes).into_owned())
+    };
+    let attempts = row.count_or_null("attempts")?.unwrap_or(0);
+    Ok(Abandoned {
+        holder: Holder {
+            scope: text("scope")?,
+            key: text("key")?,
+            token: row.int("lease_token")?,
+        },
+        attempts: u32::try_from(attempts).unwrap_or(u32::MAX),
+        request: row.bytes_or_null("request")?,
+    })
+}
+
+/// A key's row a phased claim did not take: `status`, `fingerprint`,
+/// `headers`, `body`, `lease_token` and the lease's `remaining_ms` (`NULL`
+/// without a lease).
+pub(crate) fn unclaimed(row: &impl Columns) -> Result<Unclaimed, sqlx::Error> {
+    Ok(Unclaimed {
+        status: row.status_or_null("status")?.map(i64::from),
+        fingerprint: row.bytes("fingerprint")?,
+        headers: row.bytes_or_null("headers")?,
+        body: row.bytes_or_null("body")?,
+        token: row.int_or_null("lease_token")?,
+        remaining_ms: row.int_or_null("remaining_ms")?.unwrap_or(0),
+    })
+}
+
+/// A leased message, as every engine's lease returns
+/// [`MESSAGE_COLUMNS`](super::outbox_store::MESSAGE_COLUMNS).
+pub(crate) fn message_row(row: &impl Columns) -> Result<MessageRow, sqlx::Error> {
+    Ok(MessageRow {
+        seq: row.int("seq")?,
+        id: row.text("id")?,
+        scope: row.bytes("scope")?,
+        topic: row.text("topic")?,
+        payload: row.bytes("payload")?,
+        attempts: row.count("attempts")?,
+    })
+}
+
+/// A key's row as a claim or a replay reads it: its fingerprint and stored
+/// response once `status` is set (`headers` and `body` with it); `None`
+/// while unfinished.
+pub(crate) fn finished_row(
+    row: &impl Columns,
+) -> Result<Option<(Fingerprint, StoredResponse)>, StoreError> {
+    let Some(status) = row.status_or_null("status").map_err(StoreError::Database)? else {
+        return Ok(None);
+    };
+    let read = || -> Result<_, sqlx::Error> {
+        Ok((
+            row.bytes("fingerprint")?,
+            row.bytes_or_null("headers")?,
+            row.bytes_or_null("body")?,
+        ))
+    };
+    let (fingerprint, headers, body) = read().map_err(StoreError::Database)?;
+    decode_finished(status.into(), &fingerprint, headers, body).map(Some)
+}
