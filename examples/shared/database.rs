@@ -52,6 +52,9 @@ pub async fn connect(default_file: &str, what: &str) -> Result<Database, Box<dyn
     if pooler()? == Pooler::Transaction {
         tracing::info!("DATABASE_POOLER=transaction: statements keep nothing in the session");
     }
+    // Only the SQLite default file uses them.
+    #[cfg(not(feature = "sqlite"))]
+    let _ = (default_file, what);
     let url = std::env::var("DATABASE_URL").ok();
     let scheme = url
         .as_deref()

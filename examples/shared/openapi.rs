@@ -1,12 +1,13 @@
 //! The charges API's OpenAPI 3.1 document, served at `GET /openapi.json`.
 //!
-//! The API's own operations are described here with utoipa (the handlers
-//! are stamped out per engine by macros, so they carry no annotations);
-//! `idem` then adds to each idempotent route, from its handler's policy,
-//! what the client must know of the protocol: the `Idempotency-Key`
-//! parameter, the problems `idem` answers (400, 409 with `Retry-After`,
-//! 422, 503, ...), the replay header on replayable responses, and the
-//! retention and fingerprint policy (`x-idempotency` and the description).
+//! The API's own operations are described here with utoipa (the
+//! idempotent handlers are stamped out per engine by a macro, so they carry
+//! no annotations); `idem` then adds to each idempotent route, from its
+//! handler's policy, what the client must know of the protocol: the
+//! `Idempotency-Key` parameter, the problems `idem` answers (400, 409
+//! with `Retry-After`, 422, 503, ...), the replay header on replayable
+//! responses, and the retention and fingerprint policy (`x-idempotency` and
+//! the description).
 //! Only the public API is documented: the operators' routes
 //! (`ADMIN_TOKEN`) are not.
 //!
