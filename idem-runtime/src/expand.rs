@@ -1,17 +1,14 @@
-//! What `#[idempotent]` expands to, and the storage contract and encoders
-//! the project's own tests and benchmarks reach. Not a public API: it
-//! changes without notice.
+//! What `#[idempotent]`'s expansion names, and nothing else. Not a public
+//! API: it changes without notice.
 
 pub use crate::backend::Phased;
-pub use crate::backend::{Acquire, Claim, ClaimOutcome, FinishError, OpenTx, StoreError};
-pub use crate::backend::{NewMessage, OutboxStore};
 pub use crate::extract::{__IdemFromBody, __IdemFromParts, __IdemFromRef, __IdemFromRequest};
-pub use crate::fingerprint::Fingerprint;
-pub use crate::protocol::{Answer, Config, KeyMode, Prepared, prepare, run, run_phased};
-pub use crate::response::{StoredResponse, is_storable};
-pub use axum::extract::{FromRef, FromRequest, FromRequestParts, Request};
+pub use crate::protocol::{Answer, Config, KeyMode, prepare, run, run_phased};
+pub use axum::extract::Request;
 pub use axum::handler::Handler;
-pub use axum::response::{IntoResponse, Response};
+pub use axum::response::IntoResponse;
+
+use axum::response::Response;
 
 use crate::backend::Backend;
 use crate::tx::Tx;

@@ -41,16 +41,13 @@ pub use admin::{Admin, Forgotten, KeyInfo, KeyState, MAX_RECENT};
 pub use connection::{Acquire, OpenTx};
 pub(crate) use connection::{abandon, in_autocommit, is_gone, transaction_depth};
 pub(crate) use outbox_store::MessageRow;
+pub(crate) use outbox_store::OutboxStore;
 pub use outbox_store::{MAX_MESSAGE_ID_LEN, NewMessage};
 pub use phased::Phased;
 pub(crate) use phased::{Holder, LeaseClaim, LeaseOutcome, Release};
 pub(crate) use single_flight::waiting_duplicates;
 pub(crate) use store::ConnectOptions;
 pub use store::{Backend, Claim, ClaimOutcome, FinishError, StoreError};
-
-// `pub use` only while `idem::__private` re-exports it; once that line
-// goes, `pub(crate)`, and the trait is sealed like the others.
-pub use outbox_store::OutboxStore;
 
 /// FNV-1a: a stable 64-bit name for any text (a statement's, an index's),
 /// not a secret.
