@@ -10,6 +10,7 @@ use tokio::sync::oneshot;
 use crate::backend::{FinishError, Holder, OpenTx, Phased, StoreError, abandon, in_autocommit};
 use crate::idem::Idem;
 use crate::key::IdempotencyKey;
+use crate::outbox::Written;
 use crate::problem::Problem;
 
 /// The steps of a phased `#[idempotent]` handler: local phases, each its
@@ -78,6 +79,9 @@ pub(crate) struct PhaseState<DB: Phased> {
     pub(crate) last: Option<OpenTx<DB>>,
     /// The phases and steps this attempt ran or skipped.
     pub(crate) seen: Vec<String>,
+    /// Marked by this attempt's outbox writers; taken by each commit of a
+    /// phase, which then wakes the relays.
+    pub(crate) written: Written,
 }
 
 /// The recovery point: each recorded result by its phase's name, and
@@ -180,12 +184,14 @@ impl<DB: Phased> Phases<DB> {
         &self.state.as_ref().expect("Phases used after drop").key
     }
 
-    /// The outbox table and the request's scope, for an outbox writer.
-    pub(crate) fn outbox_parts(&self) -> (std::sync::Arc<str>, String) {
+    /// The outbox table, the request's scope and the mark its writes
+    /// leave, for an outbox writer.
+    pub(crate) fn outbox_parts(&self) -> (std::sync::Arc<str>, String, Written) {
         let state = self.state.as_ref().expect("Phases used after drop");
         (
             std::sync::Arc::clone(&state.idem.inner().messages.outbox),
             state.key.scope().to_owned(),
+            state.written.clone(),
         )
     }
 
@@ -218,6 +224,8 @@ impl<DB: Phased> Phases<DB> {
             Ok(value) => value,
             Err(error) => {
                 abandon(conn).await;
+                // Its messages rolled back with it.
+                self.state().written.take();
                 crate::observe::phase(name, "failed");
                 return Err(error);
             }
@@ -235,17 +243,25 @@ impl<DB: Phased> Phases<DB> {
         match recorded {
             Ok(true) => {
                 conn.release();
+                // After the commit, never before: a relay woken earlier
+                // would not see the phase's messages.
+                if state.written.take() {
+                    state.idem.wake_relays();
+                }
                 crate::observe::phase(name, "committed");
                 Ok(value)
             }
             Ok(false) => {
                 abandon(conn).await;
+                state.written.take();
                 Err(state.fence(name).into())
             }
             Err(error) => {
                 // The commit may have landed: a later attempt then skips
-                // the phase, or runs it again if it did not.
+                // the phase, or runs it again if it did not. (Messages it
+                // wrote, if it landed, wait for the relays' next poll.)
                 abandon(conn).await;
+                state.written.take();
                 state.recovery.steps.remove(name);
                 crate::observe::phase(name, "failed");
                 let (FinishError::Ended(error) | FinishError::Store(error)) = error;

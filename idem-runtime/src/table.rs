@@ -5,6 +5,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::outbox::Wake;
+
 /// Whether `name` is a plain identifier, optionally `schema.table`, each
 /// part within PostgreSQL's 63 bytes: safe to write into SQL unquoted.
 pub(crate) fn is_table_name(name: &str) -> bool {
@@ -29,6 +31,10 @@ pub(crate) struct Tables {
     explicit_outbox: bool,
     explicit_consumed: bool,
     pub(crate) retention: Duration,
+    /// Wakes this process's relays after a commit that wrote messages;
+    /// shared by the `Idem`s configured from one another, so a relay made
+    /// from any of them hears every commit.
+    pub(crate) wake: Arc<Wake>,
 }
 
 /// How long a processed message's record is kept by default.
@@ -42,6 +48,7 @@ impl Tables {
             explicit_outbox: false,
             explicit_consumed: false,
             retention: DEFAULT_CONSUMED_RETENTION,
+            wake: Arc::new(Wake::new()),
         }
     }
 

@@ -33,10 +33,17 @@ use crate::key::IdempotencyKey;
 pub struct Tx<DB: Database> {
     conn: Option<OpenTx<DB>>,
     key: Option<IdempotencyKey>,
-    home: Option<oneshot::Sender<OpenTx<DB>>>,
+    home: Option<oneshot::Sender<Returned<DB>>>,
     /// The outbox table.
     outbox: Arc<str>,
+    /// Whether [`outbox`](Self::outbox) wrote a message: the commit then
+    /// wakes this process's relays.
+    wrote_outbox: bool,
 }
+
+/// What a [`Tx`] hands back when dropped: its connection, and whether a
+/// message was written to the outbox in its transaction.
+pub(crate) type Returned<DB> = (OpenTx<DB>, bool);
 
 impl<DB: Database> Tx<DB> {
     /// Hands a connection with an open transaction to a handler; the
@@ -45,13 +52,14 @@ impl<DB: Database> Tx<DB> {
         conn: OpenTx<DB>,
         key: Option<IdempotencyKey>,
         outbox: Arc<str>,
-    ) -> (Self, oneshot::Receiver<OpenTx<DB>>) {
+    ) -> (Self, oneshot::Receiver<Returned<DB>>) {
         let (home, back) = oneshot::channel();
         let tx = Self {
             conn: Some(conn),
             key,
             home: Some(home),
             outbox,
+            wrote_outbox: false,
         };
         (tx, back)
     }
@@ -60,6 +68,11 @@ impl<DB: Database> Tx<DB> {
     /// on a handler with `key = "optional"`.
     pub fn key(&self) -> Option<&IdempotencyKey> {
         self.key.as_ref()
+    }
+
+    /// Notes that a message was written in the transaction.
+    pub(crate) fn wrote_outbox(&mut self) {
+        self.wrote_outbox = true;
     }
 
     /// The transaction's connection, the outbox table and the scope.
@@ -113,7 +126,7 @@ impl<DB: Database> Drop for Tx<DB> {
         // outlived its handler), `OpenTx` closes the connection when
         // dropped, so the server rolls the transaction back.
         if let (Some(conn), Some(home)) = (self.conn.take(), self.home.take()) {
-            let _ = home.send(conn);
+            let _ = home.send((conn, self.wrote_outbox));
         }
     }
 }

@@ -4,6 +4,7 @@
 
 mod relay;
 mod sink;
+mod wake;
 mod writer;
 
 #[cfg(feature = "nats")]
@@ -11,6 +12,7 @@ pub mod nats;
 
 pub use relay::{Relay, RelayRun};
 pub use sink::{FnSink, Message, Sink, SinkError, sink_fn};
+pub(crate) use wake::{Wake, Written};
 pub use writer::{MAX_TOPIC_LEN, OutboxWriter};
 
 use std::sync::Arc;
@@ -67,6 +69,12 @@ impl<DB: Backend> Idem<DB> {
     pub async fn migrate_outbox(&self) -> Result<(), Error> {
         let tables = &self.inner().messages;
         DB::migrate_outbox(self.pool(), &tables.outbox, &tables.consumed).await
+    }
+
+    /// Wakes this process's relays of this outbox: called after a commit
+    /// that wrote messages, never before it.
+    pub(crate) fn wake_relays(&self) {
+        self.inner().messages.wake.committed();
     }
 
     /// How many outbox messages are not delivered yet.

@@ -1,13 +1,15 @@
 //! The relay: committed messages leased in batches and delivered to a
-//! [`Sink`], at least once, in order within each scope.
+//! [`Sink`], at least once, in order within each scope, woken by this
+//! process's commits and polling for the rest.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures_util::{StreamExt, stream};
 use tokio::time::Instant;
 
-use crate::backend::Backend;
+use crate::backend::{Backend, MessageRow};
 use crate::error::Error;
 use crate::idem::Idem;
 use crate::observe;
@@ -39,7 +41,9 @@ impl<DB: Backend> Idem<DB> {
             idem: self.clone(),
             sink: Arc::new(sink),
             every: Duration::from_millis(500),
+            busy_every: Duration::from_millis(10),
             batch: 100,
+            concurrency: 32,
             lease: Duration::from_secs(30),
             delivery_timeout: Duration::from_secs(10),
             backoff: Duration::from_secs(1),
@@ -54,20 +58,36 @@ impl<DB: Backend> Idem<DB> {
 /// [`Idem::relay`].
 ///
 /// Each pass leases a batch of messages (several relays, in one process
-/// or several, never lease one message at the same time), delivers them
-/// one by one, marks the delivered ones and sweeps messages delivered
-/// longer than [`retention`](Self::retention) ago. A message whose
-/// delivery fails (an error, or no answer within the delivery timeout) is
-/// retried after a backoff doubling from [`backoff`](Self::backoff) up to
-/// [`max_backoff`](Self::max_backoff), and its scope's later messages wait
-/// for it; it is never dropped. A relay that stops mid-batch leaves its
-/// lease to lapse, and the batch is delivered again.
+/// or several, never lease one message at the same time) and delivers
+/// them: different scopes at once (up to
+/// [`concurrency`](Self::concurrency) deliveries in flight together), a
+/// scope's messages one after another, each waiting for the one before it
+/// to be taken. It then marks the delivered ones in one statement and
+/// sweeps messages delivered longer than [`retention`](Self::retention)
+/// ago. A message whose delivery fails (an error, or no answer within the
+/// delivery timeout) is retried after a backoff doubling from
+/// [`backoff`](Self::backoff) up to [`max_backoff`](Self::max_backoff),
+/// and its scope's later messages wait for it; it is never dropped. A
+/// relay that stops mid-batch leaves its lease to lapse, and the batch is
+/// delivered again.
+///
+/// A [spawned](Self::spawn) relay is woken as soon as a request of the
+/// same [`Idem`] in this process commits messages ([`Tx::outbox`],
+/// or a phase's [`OutboxWriter`](super::OutboxWriter)), so they go out
+/// within milliseconds of the commit. Messages other processes write are
+/// found by polling: at once after a full batch, after
+/// [`busy_every`](Self::busy_every) while passes find work, and backing
+/// off to [`every`](Self::every) when idle.
+///
+/// [`Tx::outbox`]: crate::Tx::outbox
 #[derive(Debug)]
 pub struct Relay<DB: Backend, S> {
     idem: Idem<DB>,
     sink: Arc<S>,
     every: Duration,
+    busy_every: Duration,
     batch: u32,
+    concurrency: usize,
     lease: Duration,
     delivery_timeout: Duration,
     backoff: Duration,
@@ -88,17 +108,43 @@ pub struct RelayRun {
     pub deferred: u32,
 }
 
+/// What a pass did with one scope's share of its batch.
+#[derive(Debug, Default)]
+struct ScopeRun {
+    delivered: Vec<i64>,
+    /// The message that failed, and how long it waits before its retry.
+    failed: Option<(i64, Duration)>,
+    deferred: Vec<i64>,
+}
+
 impl<DB: Backend, S: Sink> Relay<DB, S> {
-    /// How long the spawned relay waits between passes that found less
-    /// than a batch (500 ms by default); a full batch is followed at once.
+    /// How long the spawned relay waits between passes when idle (500 ms
+    /// by default): the backstop for messages written by other processes
+    /// (this process's commits wake it at once).
     pub fn every(mut self, every: Duration) -> Self {
         self.every = every;
+        self
+    }
+
+    /// How long the spawned relay waits after a pass that delivered less
+    /// than a full batch (10 ms by default; never longer than
+    /// [`every`](Self::every)). Each pass that then finds nothing doubles
+    /// the wait, up to `every`.
+    pub fn busy_every(mut self, busy: Duration) -> Self {
+        self.busy_every = busy;
         self
     }
 
     /// The most messages one pass leases (100 by default, at least 1).
     pub fn batch(mut self, batch: u32) -> Self {
         self.batch = batch.max(1);
+        self
+    }
+
+    /// How many scopes a pass delivers to at once, each with one message
+    /// in flight (32 by default, at least 1).
+    pub fn concurrency(mut self, scopes: usize) -> Self {
+        self.concurrency = scopes.max(1);
         self
     }
 
@@ -138,7 +184,8 @@ impl<DB: Backend, S: Sink> Relay<DB, S> {
         self
     }
 
-    /// One pass: lease a batch, deliver it, mark what was delivered.
+    /// One pass: lease a batch, deliver it (scopes at once, each in
+    /// order), mark what was delivered.
     ///
     /// # Panics
     ///
@@ -152,25 +199,88 @@ impl<DB: Backend, S: Sink> Relay<DB, S> {
         let token = rand::random::<i64>() & i64::MAX;
         let leased_at = Instant::now();
         let rows = DB::lease_messages(pool, table, token, self.lease, self.batch).await?;
-        let mut run = RelayRun::default();
-        let (mut delivered, mut deferred, mut failed) = (Vec::new(), Vec::new(), Vec::new());
-        let mut blocked: HashSet<Vec<u8>> = HashSet::new();
+        if rows.is_empty() {
+            return Ok(RelayRun::default());
+        }
+        // Each scope's share, in `seq` order (the lease returns it so):
+        // a scope's chain delivers it one message after another.
+        let mut scopes: Vec<Vec<MessageRow>> = Vec::new();
+        let mut index: HashMap<Vec<u8>, usize> = HashMap::new();
         for row in rows {
+            match index.get(&row.scope) {
+                Some(&at) => scopes[at].push(row),
+                None => {
+                    index.insert(row.scope.clone(), scopes.len());
+                    scopes.push(vec![row]);
+                }
+            }
+        }
+        let runs: Vec<ScopeRun> = stream::iter(
+            scopes
+                .into_iter()
+                .map(|rows| self.deliver_scope(rows, leased_at)),
+        )
+        .buffer_unordered(self.concurrency)
+        .collect()
+        .await;
+
+        let mut run = RelayRun::default();
+        let (mut delivered, mut deferred) = (Vec::new(), Vec::new());
+        let mut failed: Vec<(Duration, Vec<i64>)> = Vec::new();
+        for scope in runs {
+            delivered.extend(scope.delivered);
+            deferred.extend(scope.deferred);
+            if let Some((seq, wait)) = scope.failed {
+                run.failed += 1;
+                match failed.iter_mut().find(|(same, _)| *same == wait) {
+                    Some((_, seqs)) => seqs.push(seq),
+                    None => failed.push((wait, vec![seq])),
+                }
+            }
+        }
+        // What the sink took is marked first, in one statement: a store
+        // error after it would otherwise leave it to be delivered again.
+        if !delivered.is_empty() {
+            DB::mark_delivered(pool, table, token, &delivered).await?;
+            run.delivered = count(delivered.len());
+        }
+        // A failed message is unleased before its scope's deferred ones,
+        // so those stay behind it (the lease skips a scope whose older
+        // message waits for its retry).
+        for (wait, seqs) in failed {
+            DB::unlease(pool, table, token, &seqs, Some(wait)).await?;
+        }
+        if !deferred.is_empty() {
+            DB::unlease(pool, table, token, &deferred, None).await?;
+            run.deferred = count(deferred.len());
+        }
+        observe::relayed("delivered", u64::from(run.delivered));
+        observe::relayed("failed", u64::from(run.failed));
+        Ok(run)
+    }
+
+    /// Delivers one scope's leased messages in order: each after the one
+    /// before it was taken; after a failure, or once the lease is too
+    /// short for another delivery, the rest are deferred.
+    async fn deliver_scope(&self, rows: Vec<MessageRow>, leased_at: Instant) -> ScopeRun {
+        let mut run = ScopeRun::default();
+        let mut rows = rows.into_iter();
+        while let Some(row) = rows.next() {
             // A delivery must end inside the lease, or another relay could
             // lease the message while it is still on its way.
             let spent = leased_at.elapsed() + self.delivery_timeout;
-            if blocked.contains(&row.scope) || spent * 2 > self.lease {
-                deferred.push(row.seq);
-                continue;
+            if spent * 2 > self.lease {
+                run.deferred.push(row.seq);
+                run.deferred.extend(rows.map(|row| row.seq));
+                break;
             }
             let seq = row.seq;
-            let scope = row.scope.clone();
             let message = Message::from_row(row);
             let outcome =
                 tokio::time::timeout(self.delivery_timeout, self.sink.deliver(&message)).await;
             let failure = match outcome {
                 Ok(Ok(())) => {
-                    delivered.push(seq);
+                    run.delivered.push(seq);
                     continue;
                 }
                 Ok(Err(error)) => error.to_string(),
@@ -185,26 +295,11 @@ impl<DB: Backend, S: Sink> Relay<DB, S> {
                 error = %failure,
                 "delivering an outbox message failed; it is delivered again later"
             );
-            failed.push((seq, wait));
-            blocked.insert(scope);
-            run.failed += 1;
+            run.failed = Some((seq, wait));
+            run.deferred.extend(rows.map(|row| row.seq));
+            break;
         }
-        // What the sink took is marked first: a store error after it
-        // would otherwise leave it to be delivered again.
-        if !delivered.is_empty() {
-            DB::mark_delivered(pool, table, token, &delivered).await?;
-            run.delivered = u32::try_from(delivered.len()).unwrap_or(u32::MAX);
-        }
-        for (seq, wait) in failed {
-            DB::unlease(pool, table, token, &[seq], Some(wait)).await?;
-        }
-        if !deferred.is_empty() {
-            DB::unlease(pool, table, token, &deferred, None).await?;
-            run.deferred = u32::try_from(deferred.len()).unwrap_or(u32::MAX);
-        }
-        observe::relayed("delivered", delivered.len() as u64);
-        observe::relayed("failed", u64::from(run.failed));
-        Ok(run)
+        run
     }
 
     /// Deletes up to `batch` messages delivered longer than the retention
@@ -230,9 +325,13 @@ impl<DB: Backend, S: Sink> Relay<DB, S> {
             .min(self.max_backoff)
     }
 
-    /// Runs passes until the returned handle is aborted: at once after a
-    /// full batch, otherwise every [`every`](Self::every); a failed pass (the
-    /// database unreachable) is logged and tried again at the next tick.
+    /// Runs passes until the returned handle is aborted. A commit of this
+    /// process that wrote messages starts a pass at once, cutting any wait
+    /// short; otherwise the next pass follows at once after a full batch,
+    /// after [`busy_every`](Self::busy_every) after one that delivered
+    /// something, and after twice the last wait (up to
+    /// [`every`](Self::every)) after one that found nothing. A failed pass
+    /// (the database unreachable) is logged and tried again after `every`.
     /// Delivered messages are swept once a minute.
     ///
     /// # Panics
@@ -240,28 +339,55 @@ impl<DB: Backend, S: Sink> Relay<DB, S> {
     /// As [`run_once`](Self::run_once), here rather than in the task.
     pub fn spawn(self) -> tokio::task::JoinHandle<()> {
         self.check_lease();
+        let mut woken = self.idem.inner().messages.wake.subscribe();
         tokio::spawn(async move {
+            let busy = self.busy_every.min(self.every);
             let mut swept = Instant::now();
+            let mut wait = self.every;
             loop {
-                let full = match self.run_once().await {
-                    // After a failure, wait: the sink may be down.
-                    Ok(run) => run.failed == 0 && run.delivered + run.deferred >= self.batch,
+                // Commits up to here are this pass's to find; one during
+                // the pass (perhaps after its lease) wakes the next.
+                woken.borrow_and_update();
+                match self.run_once().await {
+                    Ok(run) if run.failed == 0 && run.delivered + run.deferred >= self.batch => {
+                        // A full batch: more may be waiting.
+                        wait = Duration::ZERO;
+                    }
+                    Ok(run) if run.delivered > 0 => wait = busy,
+                    // Nothing, or only failures (the sink may be down):
+                    // back off towards the idle period.
+                    Ok(_) => wait = wait.saturating_mul(2).clamp(busy, self.every),
                     Err(error) => {
                         let cause = std::error::Error::source(&error)
                             .map(ToString::to_string)
                             .unwrap_or_default();
                         tracing::warn!(error = %error, cause, "an outbox relay pass failed");
-                        false
+                        wait = self.every;
                     }
-                };
+                }
                 if swept.elapsed() >= Duration::from_secs(60) {
                     swept = Instant::now();
                     while let Ok(1000) = self.sweep(1000).await {}
                 }
-                if !full {
-                    tokio::time::sleep(self.every).await;
+                if wait.is_zero() {
+                    continue;
+                }
+                tokio::select! {
+                    () = tokio::time::sleep(wait) => {}
+                    woke = woken.changed() => {
+                        if woke.is_err() {
+                            // No sender: unreachable while this relay holds
+                            // its Idem; fall back to polling.
+                            tokio::time::sleep(wait).await;
+                        }
+                    }
                 }
             }
         })
     }
+}
+
+/// A count of messages as [`RelayRun`] keeps it.
+fn count(messages: usize) -> u32 {
+    u32::try_from(messages).unwrap_or(u32::MAX)
 }

@@ -10,6 +10,8 @@ use crate::error::Error;
 use crate::phases::Phases;
 use crate::tx::Tx;
 
+use super::Written;
+
 /// The longest topic the outbox takes, in bytes.
 pub const MAX_TOPIC_LEN: usize = 255;
 
@@ -22,9 +24,14 @@ pub const MAX_TOPIC_LEN: usize = 255;
 /// relay and the broker redeliver it under the same id. (An id derived
 /// from the key would collide once the key expired or was forgotten and
 /// the same key came back.)
+///
+/// A phase's commit ([`Phases::local`], or the last phase's with the
+/// response) wakes this process's relays when the writer wrote in it; a
+/// message written on another connection waits for the relays' poll.
 pub struct OutboxWriter<DB> {
     table: Arc<str>,
     scope: String,
+    written: Written,
     /// The engine whose connections it writes through, so that a phase's
     /// `tx` is taken as it is, without naming the engine.
     engine: PhantomData<fn() -> DB>,
@@ -50,7 +57,7 @@ impl<DB: Backend> OutboxWriter<DB> {
         payload: &impl Serialize,
     ) -> Result<String, Error> {
         let payload = serde_json::to_vec(payload).map_err(Error::Payload)?;
-        enqueue::<DB>(conn, &self.table, &self.scope, topic, &payload).await
+        self.write_bytes(conn, topic, &payload).await
     }
 
     /// [`write`](Self::write) with a payload already in bytes.
@@ -60,7 +67,9 @@ impl<DB: Backend> OutboxWriter<DB> {
         topic: &str,
         payload: &[u8],
     ) -> Result<String, Error> {
-        enqueue::<DB>(conn, &self.table, &self.scope, topic, payload).await
+        let id = enqueue::<DB>(conn, &self.table, &self.scope, topic, payload).await?;
+        self.written.mark();
+        Ok(id)
     }
 }
 
@@ -96,7 +105,8 @@ impl<DB: Backend> Tx<DB> {
     /// transaction, and returns its id: the message exists if and only if
     /// the handler's writes commit, so a rolled-back attempt sends nothing
     /// and a replay (which does not run the handler) sends nothing again.
-    /// A relay ([`Idem::relay`]) delivers it after the commit.
+    /// A relay ([`Idem::relay`](crate::Idem::relay)) delivers it after the
+    /// commit, woken by it.
     ///
     /// ```no_run
     /// # use idem_runtime as idem;
@@ -109,7 +119,9 @@ impl<DB: Backend> Tx<DB> {
     pub async fn outbox(&mut self, topic: &str, payload: &impl Serialize) -> Result<String, Error> {
         let payload = serde_json::to_vec(payload).map_err(Error::Payload)?;
         let (conn, table, scope) = self.outbox_parts();
-        enqueue::<DB>(conn, table, scope, topic, &payload).await
+        let id = enqueue::<DB>(conn, table, scope, topic, &payload).await?;
+        self.wrote_outbox();
+        Ok(id)
     }
 }
 
@@ -136,10 +148,11 @@ impl<DB: Backend + Phased> Phases<DB> {
     /// # Ok(()) }
     /// ```
     pub fn outbox(&self) -> OutboxWriter<DB> {
-        let (table, scope) = self.outbox_parts();
+        let (table, scope, written) = self.outbox_parts();
         OutboxWriter {
             table,
             scope,
+            written,
             engine: PhantomData,
         }
     }

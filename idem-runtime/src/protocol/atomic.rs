@@ -128,10 +128,10 @@ async fn run_keyed<'f, DB: Backend>(
         }
     };
     let key = IdempotencyKey::new(claim.scope.to_owned(), claim.key.to_owned());
-    let (response, mut conn) = match execute(conn, Some(key), idem, claim.timeout(), handler).await
-    {
-        Ok((answer, conn)) if answer.commits() => (answer.response, conn),
-        Ok((answer, conn)) => return rolled_back(conn, idem, claim, answer.response).await,
+    let executed = execute(conn, Some(key), idem, claim.timeout(), handler).await;
+    let (response, mut conn, wrote_outbox) = match executed {
+        Ok((answer, conn, wrote)) if answer.commits() => (answer.response, conn, wrote),
+        Ok((answer, conn, _)) => return rolled_back(conn, idem, claim, answer.response).await,
         Err(ended) => return ended,
     };
     let (stored, parts) = match StoredResponse::capture(
@@ -164,6 +164,10 @@ async fn run_keyed<'f, DB: Backend>(
     match DB::finish(&mut conn, idem.table_name(), Some(claim), Some(&stored)).await {
         Ok(()) => {
             conn.release();
+            // Committed: the messages exist now, so a relay woken finds them.
+            if wrote_outbox {
+                idem.wake_relays();
+            }
             idem.finished_keys().remember(claim.scope, claim.key);
             (Outcome::Claimed, stored.into_original(parts))
         }
@@ -306,9 +310,10 @@ async fn run_without_key<'f, DB: Backend>(
             );
         }
     };
-    let (response, mut conn) = match execute(conn, None, idem, timeout, handler).await {
-        Ok((answer, conn)) if answer.commits() => (answer.response, conn),
-        Ok((answer, conn)) => {
+    let (response, mut conn, wrote_outbox) = match execute(conn, None, idem, timeout, handler).await
+    {
+        Ok((answer, conn, wrote)) if answer.commits() => (answer.response, conn, wrote),
+        Ok((answer, conn, _)) => {
             abandon(conn).await;
             return (Outcome::RolledBack, answer.response);
         }
@@ -317,6 +322,9 @@ async fn run_without_key<'f, DB: Backend>(
     match DB::finish(&mut conn, idem.table_name(), None, None).await {
         Ok(()) => {
             conn.release();
+            if wrote_outbox {
+                idem.wake_relays();
+            }
             (Outcome::Unkeyed, response)
         }
         Err(error) => commit_failed(conn, error, false).await,
@@ -324,14 +332,15 @@ async fn run_without_key<'f, DB: Backend>(
 }
 
 /// Runs the handler on the claimed transaction and takes the connection
-/// back. A panic, or a `Tx` that outlives its handler, rolls back.
+/// back, with whether the handler wrote to the outbox. A panic, or a `Tx`
+/// that outlives its handler, rolls back.
 async fn execute<'f, DB: Backend>(
     conn: OpenTx<DB>,
     key: Option<IdempotencyKey>,
     idem: &Idem<DB>,
     timeout: Duration,
     handler: &mut DynHandler<'_, 'f, Tx<DB>>,
-) -> Result<(Answer, OpenTx<DB>), (Outcome, Response)> {
+) -> Result<(Answer, OpenTx<DB>, bool), (Outcome, Response)> {
     let outbox = Arc::clone(&idem.inner().messages.outbox);
     let (tx, mut back) = Tx::new(conn, key, outbox);
     let run = tokio::time::timeout(timeout, AssertUnwindSafe(handler(tx)).catch_unwind());
@@ -352,14 +361,14 @@ async fn execute<'f, DB: Backend>(
     let mut conn = back.try_recv();
     // Whether the handler left the transaction as the claim opened it.
     let intact = match &mut conn {
-        Ok(conn) => settled_depth(conn).await == 1,
+        Ok((conn, _)) => settled_depth(conn).await == 1,
         Err(_) => false,
     };
     let response = match outcome {
         Ok(answer) => answer,
         Err(_) => {
             // A connection whose transaction the handler ended is closed.
-            if let Ok(conn) = conn
+            if let Ok((conn, _)) = conn
                 && intact
             {
                 abandon(conn).await;
@@ -372,8 +381,8 @@ async fn execute<'f, DB: Backend>(
         }
     };
     match conn {
-        Ok(conn) if intact => Ok((response, conn)),
-        Ok(conn) => {
+        Ok((conn, wrote)) if intact => Ok((response, conn, wrote)),
+        Ok((conn, _)) => {
             // Not the transaction the claim opened: something in the handler
             // ended it (see `Tx`'s `DerefMut`) or left a savepoint open. What
             // the connection is in is unknown, so it is dropped unreleased,

@@ -28,6 +28,7 @@ use crate::backend::{
 use crate::idem::Idem;
 use crate::key::IdempotencyKey;
 use crate::observe::{self, Outcome};
+use crate::outbox::Written;
 use crate::phases::{PhaseState, Phases, Recovery};
 use crate::problem::{OperationState, Problem, restate};
 use crate::response::{CaptureError, StoredResponse};
@@ -176,6 +177,7 @@ async fn run_keyed<'f, DB: Phased>(
         fenced: false,
         last: None,
         seen: Vec::new(),
+        written: Written::default(),
     };
     let (phases, mut back) = Phases::new(state);
     let timeout = claim.timeout();
@@ -283,6 +285,10 @@ async fn store<DB: Phased>(
     match DB::store_and_commit(&mut conn, table, &state.holder, &stored).await {
         Ok(true) => {
             conn.release();
+            // The last phase's messages are committed: wake the relays.
+            if state.written.take() {
+                idem.wake_relays();
+            }
             idem.finished_keys()
                 .remember(&state.holder.scope, &state.holder.key);
             (Outcome::Claimed, stored.into_original(parts))

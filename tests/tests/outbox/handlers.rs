@@ -1,6 +1,8 @@
 //! The service under test, per engine: `POST /emails` sends a receipt
 //! through the outbox in the request's transaction, and fails (rolling
-//! back) when asked to.
+//! back) when asked to; `POST /phased-emails` sends it from a phased
+//! handler's local phase (`"phase": "local"`) or its last phase
+//! (`"phase": "last"`), through the phases' outbox writer.
 
 use std::future::Future;
 
@@ -9,7 +11,7 @@ use idem::Idem;
 
 /// What each engine's handler module provides.
 pub trait OutboxDb: idem_tests::phased::PhasedDb {
-    /// `POST /emails` on `idem`.
+    /// `POST /emails` and `POST /phased-emails` on `idem`.
     fn outbox_router(idem: Idem<Self>) -> Router;
     /// Runs `sql` (statements without parameters).
     fn run(
@@ -33,8 +35,9 @@ macro_rules! handlers {
             mod $module {
                 use axum::Json;
                 use axum::http::StatusCode;
+                use axum::response::{IntoResponse, Response};
                 use axum::routing::post;
-                use idem::{Idem, Tx, idempotent};
+                use idem::{Idem, Phases, Tx, idempotent};
                 use idem_tests::account::Account;
                 use serde_json::{Value, json};
 
@@ -56,9 +59,42 @@ macro_rules! handlers {
                     Ok((StatusCode::CREATED, Json(json!({ "message": id }))))
                 }
 
+                #[idempotent(scope = "account", lease = "30s")]
+                async fn send_phased(
+                    account: Account,
+                    mut phases: Phases<$db>,
+                    Json(email): Json<Value>,
+                ) -> Result<(StatusCode, Json<Value>), Response> {
+                    let outbox = phases.outbox();
+                    let payload = json!({ "to": email["to"], "n": email["n"], "account": account.0 });
+                    let failed = |error: idem::Error| {
+                        (StatusCode::INTERNAL_SERVER_ERROR, error.to_string()).into_response()
+                    };
+                    let id: String = if email["phase"] == json!("last") {
+                        let tx = phases.last_phase().await?;
+                        outbox
+                            .write(tx, "email.receipt", &payload)
+                            .await
+                            .map_err(failed)?
+                    } else {
+                        phases
+                            .local("email", async |tx| -> Result<String, Response> {
+                                outbox
+                                    .write(tx, "email.receipt", &payload)
+                                    .await
+                                    .map_err(failed)
+                            })
+                            .await?
+                    };
+                    Ok((StatusCode::CREATED, Json(json!({ "message": id }))))
+                }
+
                 impl super::OutboxDb for $db {
                     fn outbox_router(idem: Idem<$db>) -> axum::Router {
-                        axum::Router::new().route("/emails", post(send)).with_state(idem)
+                        axum::Router::new()
+                            .route("/emails", post(send))
+                            .route("/phased-emails", post(send_phased))
+                            .with_state(idem)
                     }
 
                     async fn run(pool: &sqlx::Pool<$db>, sql: String) -> Result<(), sqlx::Error> {

@@ -3,11 +3,13 @@
 //! "email" through the outbox to a recording sink; relays deliver; a
 //! consumer records what it processed. Written once and instantiated per
 //! engine in a module named after it (`cargo test --test outbox sqlite::`).
-//! The kill test serves from a child process (this test binary, run as
-//! `outbox_child_server`) that aborts right after a commit, before its
-//! response.
+//! `relay.rs` holds the relay's wake-up on commit and its concurrent
+//! delivery of scopes. The kill test serves from a child process (this
+//! test binary, run as `outbox_child_server`) that aborts right after a
+//! commit, before its response.
 
 mod handlers;
+mod relay;
 mod suite;
 
 macro_rules! outbox {
@@ -21,6 +23,8 @@ macro_rules! outbox {
                     relays_keep_each_scope_in_order_and_never_overlap,
                     a_failing_delivery_holds_its_scope_and_is_retried,
                     consumers_apply_each_message_once,
+                    a_commit_wakes_the_relay_at_once,
+                    a_pass_delivers_scopes_at_once_each_in_order,
                 );
             }
         )*

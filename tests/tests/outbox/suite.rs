@@ -18,6 +18,11 @@ use tokio::sync::watch;
 
 use crate::handlers::OutboxDb;
 
+// The relay's wake-up and concurrency, in a module of their own.
+pub use crate::relay::{
+    a_commit_wakes_the_relay_at_once, a_pass_delivers_scopes_at_once_each_in_order,
+};
+
 /// Env vars of the child process's server.
 pub const CHILD_ENGINE: &str = "IDEM_OUTBOX_CHILD_ENGINE";
 const CHILD_DATABASE: &str = "IDEM_OUTBOX_CHILD_DATABASE";
@@ -30,21 +35,21 @@ const CHILD_RECORDER: &str = "IDEM_OUTBOX_CHILD_RECORDER";
 const DIE_AFTER_COMMIT: &str = "x-die-after-commit";
 
 /// The longest any test waits for what it waits for.
-const DEADLINE: Duration = Duration::from_secs(30);
+pub(crate) const DEADLINE: Duration = Duration::from_secs(30);
 
 /// One test's world: its database, key table (and the outbox and
 /// consumed tables beside it), a served router and its caller.
-struct Fixture<DB: OutboxDb> {
+pub(crate) struct Fixture<DB: OutboxDb> {
     database: String,
     keys: String,
     pool: Pool<DB>,
-    idem: Idem<DB>,
-    account: String,
-    http: reqwest::Client,
+    pub(crate) idem: Idem<DB>,
+    pub(crate) account: String,
+    pub(crate) http: reqwest::Client,
 }
 
 impl<DB: OutboxDb> Fixture<DB> {
-    async fn new() -> Self {
+    pub(crate) async fn new() -> Self {
         let database = DB::fresh_database();
         let keys = unique("outbox_keys");
         let pool = DB::open(&database, 8).await;
@@ -65,7 +70,7 @@ impl<DB: OutboxDb> Fixture<DB> {
     }
 
     /// Serves the router in this process.
-    async fn serve(&self) -> SocketAddr {
+    pub(crate) async fn serve(&self) -> SocketAddr {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let router = DB::outbox_router(self.idem.clone());
@@ -88,7 +93,7 @@ impl<DB: OutboxDb> Fixture<DB> {
     }
 
     /// Sends [`post`](Self::post) and waits for the answer.
-    async fn send(
+    pub(crate) async fn send(
         &self,
         addr: SocketAddr,
         account: &str,
@@ -99,7 +104,7 @@ impl<DB: OutboxDb> Fixture<DB> {
     }
 
     /// Runs `relay` until nothing is pending.
-    async fn drain<S: Sink>(&self, relay: &Relay<DB, S>) {
+    pub(crate) async fn drain<S: Sink>(&self, relay: &Relay<DB, S>) {
         tokio::time::timeout(DEADLINE, async {
             while self.idem.pending_messages().await.unwrap() > 0 {
                 relay.run_once().await.expect("relay pass");
@@ -109,7 +114,7 @@ impl<DB: OutboxDb> Fixture<DB> {
         .expect("the outbox drained");
     }
 
-    async fn finish(self) {
+    pub(crate) async fn finish(self) {
         for table in [
             self.keys.clone(),
             self.idem.outbox_table_name().to_owned(),
