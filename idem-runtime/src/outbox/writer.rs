@@ -83,7 +83,7 @@ impl<DB: Backend> Tx<DB> {
     /// transaction, and returns its id: the message exists if and only if
     /// the handler's writes commit, so a rolled-back attempt sends nothing
     /// and a replay (which does not run the handler) sends nothing again.
-    /// A relay ([`Idem::relay`]) delivers it after the commit.
+    /// A relay ([`Idem::relay`](crate::Idem::relay)) delivers it after the commit.
     ///
     /// ```no_run
     /// # use idem_runtime as idem;
