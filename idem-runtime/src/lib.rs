@@ -67,6 +67,8 @@ pub use key::{IDEMPOTENCY_KEY, IdempotencyKey, KeyError, MAX_KEY_LEN};
 pub use observe::{Outcome, metrics, redact};
 #[cfg(feature = "nats")]
 pub use outbox::nats;
+#[cfg(feature = "rabbitmq")]
+pub use outbox::rabbitmq;
 pub use outbox::{
     FnSink, MAX_TOPIC_LEN, Message, OutboxWriter, Relay, RelayRun, Sink, SinkError, sink_fn,
 };

@@ -26,6 +26,8 @@ pub mod phased;
 pub mod postgres_user;
 pub mod proxied;
 pub mod proxy;
+#[cfg(feature = "rabbitmq")]
+pub mod rabbitmq;
 pub mod round_trip_service;
 pub mod service;
 pub mod stats;

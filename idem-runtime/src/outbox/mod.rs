@@ -9,6 +9,8 @@ mod writer;
 
 #[cfg(feature = "nats")]
 pub mod nats;
+#[cfg(feature = "rabbitmq")]
+pub mod rabbitmq;
 
 pub use relay::{Relay, RelayRun};
 pub use sink::{FnSink, Message, Sink, SinkError, sink_fn};

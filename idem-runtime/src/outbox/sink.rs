@@ -21,7 +21,7 @@ pub struct Message {
     /// The topic it was written on.
     pub topic: String,
     /// Its payload: JSON, unless written with
-    /// [`OutboxWriter::write_bytes`].
+    /// [`OutboxWriter::write_bytes`](super::OutboxWriter::write_bytes).
     pub payload: Bytes,
     /// How many deliveries of it failed before this one.
     pub attempts: u32,
