@@ -41,6 +41,7 @@ mod backend;
 mod pooler;
 mod recent;
 mod table;
+mod wake;
 
 // The leaves: what a request is made of and what an answer is.
 pub mod canonical;

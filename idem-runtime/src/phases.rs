@@ -10,8 +10,8 @@ use tokio::sync::oneshot;
 use crate::backend::{FinishError, Holder, OpenTx, Phased, StoreError, abandon, in_autocommit};
 use crate::idem::Idem;
 use crate::key::IdempotencyKey;
-use crate::outbox::Written;
 use crate::problem::Problem;
+use crate::wake::Written;
 
 /// The steps of a phased `#[idempotent]` handler: local phases, each its
 /// own transaction that commits a recovery point, external steps between

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::outbox::Wake;
+use crate::wake::Wake;
 
 /// Whether `name` is a plain identifier, optionally `schema.table`, each
 /// part within PostgreSQL's 63 bytes: safe to write into SQL unquoted.

@@ -4,7 +4,6 @@
 
 mod relay;
 mod sink;
-mod wake;
 mod writer;
 
 #[cfg(feature = "nats")]
@@ -14,7 +13,7 @@ pub mod rabbitmq;
 
 pub use relay::{Relay, RelayRun};
 pub use sink::{FnSink, Message, Sink, SinkError, sink_fn};
-pub(crate) use wake::{Wake, Written};
+
 pub use writer::{MAX_TOPIC_LEN, OutboxWriter};
 
 use std::sync::Arc;

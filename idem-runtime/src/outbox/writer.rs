@@ -10,7 +10,7 @@ use crate::error::Error;
 use crate::phases::Phases;
 use crate::tx::Tx;
 
-use super::Written;
+use crate::wake::Written;
 
 /// The longest topic the outbox takes, in bytes.
 pub const MAX_TOPIC_LEN: usize = 255;

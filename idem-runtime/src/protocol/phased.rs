@@ -28,10 +28,10 @@ use crate::backend::{
 use crate::idem::Idem;
 use crate::key::IdempotencyKey;
 use crate::observe::{self, Outcome};
-use crate::outbox::Written;
 use crate::phases::{PhaseState, Phases, Recovery};
 use crate::problem::{OperationState, Problem, restate};
 use crate::response::{CaptureError, StoredResponse};
+use crate::wake::Written;
 
 /// Claims the key with a lease (or resumes it), runs the handler's phases,
 /// and stores its response with the last phase; see the module docs for
