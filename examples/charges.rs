@@ -38,6 +38,12 @@
 //!   `<NATS_SUBJECT_PREFIX>charge.>`), where `cargo run --example consumer`
 //!   reads them. Unset, the relay prints each message instead. A broker that
 //!   is down delays the messages, not the API.
+//! - `BROKER`: `nats` (the default: `NATS_URL` above) or `rabbitmq`: the
+//!   relay publishes to RabbitMQ at `AMQP_URL` (default
+//!   `amqp://guest:guest@127.0.0.1:5672/%2f`), into the durable quorum
+//!   queue `AMQP_QUEUE` (default `charges`, declared if missing), with
+//!   publisher confirms; `BROKER=rabbitmq cargo run --example consumer`
+//!   reads it.
 //!
 //! `POST /v1/payments` (same authorization and body as `/v1/charges`) is a
 //! phased handler: a local phase writes a pending payment, the provider is

@@ -1,11 +1,16 @@
 //! Keeps a ledger of the charges example's charges: reads its
-//! `charge.created` messages from NATS JetStream and applies each exactly
-//! once, however often the broker delivers it.
+//! `charge.created` messages from NATS JetStream (or RabbitMQ) and applies
+//! each exactly once, however often the broker delivers it.
 //!
 //! ```text
 //! NATS_URL=nats://127.0.0.1:4222 cargo run --example charges &
 //! cargo run --example consumer
+//! BROKER=rabbitmq cargo run --example charges &
+//! BROKER=rabbitmq cargo run --example consumer
 //! ```
+//!
+//! It prints nothing until a charge event arrives that it has not
+//! acknowledged before: post a charge to see one.
 //!
 //! Each message is applied through `idem.consume("ledger", id, ...)`: the
 //! ledger row and the record of the message's id commit in one
@@ -17,12 +22,16 @@
 //! amount=<n> <currency>`, or `duplicate <subject> <id>`.
 //!
 //! Environment:
+//! - `BROKER`: `nats` (the default) or `rabbitmq`.
 //! - `NATS_URL`: the broker, default `nats://127.0.0.1:4222`; a cluster's
 //!   servers separated by commas.
 //! - `NATS_STREAM`, `NATS_SUBJECT_PREFIX`: the stream and the subjects'
 //!   prefix, as for the charges example (default `CHARGES`, none).
 //! - `CONSUMER_NAME`: the durable consumer's name, default `ledger`: the
 //!   broker remembers what it acknowledged, across restarts.
+//! - `AMQP_URL`, `AMQP_QUEUE` (with `BROKER=rabbitmq`): the broker, default
+//!   `amqp://guest:guest@127.0.0.1:5672/%2f`, and the queue, default
+//!   `charges` (a durable quorum queue, declared if missing).
 //! - `DATABASE_URL`: unset, the ledger is the SQLite file `ledger.db` in the
 //!   working directory; `postgres://...`, `mysql://...` (`--features mysql`)
 //!   or `sqlite:...` choose the database instead.
@@ -49,6 +58,10 @@ use async_nats::jetstream::AckKind;
 use async_nats::jetstream::consumer::{AckPolicy, pull};
 use futures::StreamExt;
 use idem::Consumed;
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions, BasicRejectOptions,
+};
+use lapin::types::FieldTable;
 use serde::Deserialize;
 
 /// A `charge.created` message, as the charges example writes it.
@@ -175,14 +188,92 @@ fn number(name: &str) -> Result<Option<u64>, Box<dyn std::error::Error>> {
 
 /// Consumes until the process ends, the ledger in `pool`.
 async fn run<DB: Ledger>(pool: sqlx::Pool<DB>) -> Result<(), Box<dyn std::error::Error>> {
-    let crash_after = number("CONSUMER_CRASH_AFTER")?;
-    let ack_wait = Duration::from_millis(number("CONSUMER_ACK_WAIT_MS")?.unwrap_or(30_000));
-    let name = std::env::var("CONSUMER_NAME").unwrap_or_else(|_| "ledger".into());
-
     let idem = database::idem(&pool);
     idem.migrate_outbox().await?;
     DB::create(&pool).await?;
+    let ledger = Applier {
+        idem,
+        crash_after: number("CONSUMER_CRASH_AFTER")?,
+        applied: 0,
+    };
+    match broker::which()? {
+        broker::Which::Nats => from_nats(ledger).await,
+        broker::Which::RabbitMq => from_rabbitmq(ledger).await,
+    }
+}
 
+/// What became of one message, and so what to tell the broker.
+enum Verdict {
+    /// Applied now or before: acknowledge it.
+    Done,
+    /// Unreadable: acknowledge it as never to be delivered again.
+    Dropped,
+    /// Nothing committed: the broker delivers it again.
+    Again,
+}
+
+/// Applies messages to the ledger, each once.
+struct Applier<DB: Ledger> {
+    idem: idem::Idem<DB>,
+    crash_after: Option<u64>,
+    applied: u64,
+}
+
+impl<DB: Ledger> Applier<DB> {
+    /// Applies the message `id` read from `source` (its subject or topic),
+    /// printing one line.
+    async fn apply(&mut self, source: &str, id: Option<&str>, payload: &[u8]) -> Verdict {
+        let Some(id) = id else {
+            tracing::warn!(source, "a message without its outbox id: dropped");
+            return Verdict::Dropped;
+        };
+        let charge: ChargeCreated = match serde_json::from_slice(payload) {
+            Ok(charge) => charge,
+            Err(error) => {
+                tracing::warn!(%error, id, "an unreadable charge.created: dropped");
+                return Verdict::Dropped;
+            }
+        };
+        let done = self
+            .idem
+            .consume("ledger", id, async |tx| DB::insert(tx, id, &charge).await)
+            .await;
+        match done {
+            Ok(Consumed::Applied(())) => {
+                println!(
+                    "applied {source} {id} charge={} account={} amount={} {}",
+                    charge.charge_id, charge.account, charge.amount, charge.currency
+                );
+                self.applied += 1;
+                if self.crash_after == Some(self.applied) {
+                    eprintln!(
+                        "consumer: CONSUMER_CRASH_AFTER={}: aborting before the ack",
+                        self.applied
+                    );
+                    std::process::abort();
+                }
+                Verdict::Done
+            }
+            Ok(Consumed::Duplicate) => {
+                println!("duplicate {source} {id}");
+                Verdict::Done
+            }
+            Err(error) => {
+                let cause = std::error::Error::source(&error)
+                    .map(ToString::to_string)
+                    .unwrap_or_default();
+                tracing::warn!(%error, cause, id, "applying a message failed; redelivered");
+                Verdict::Again
+            }
+        }
+    }
+}
+
+/// Reads the charge events from NATS JetStream's durable consumer
+/// `CONSUMER_NAME`.
+async fn from_nats<DB: Ledger>(mut ledger: Applier<DB>) -> Result<(), Box<dyn std::error::Error>> {
+    let ack_wait = Duration::from_millis(number("CONSUMER_ACK_WAIT_MS")?.unwrap_or(30_000));
+    let name = std::env::var("CONSUMER_NAME").unwrap_or_else(|_| "ledger".into());
     let url = std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into());
     let broker = broker::Broker::from_env(url);
     let jetstream = broker.connect().await?;
@@ -209,8 +300,6 @@ async fn run<DB: Ledger>(pool: sqlx::Pool<DB>) -> Result<(), Box<dyn std::error:
         "consumer {name} reading {subject} from NATS stream {}",
         broker.stream
     );
-
-    let mut applied = 0;
     while let Some(message) = messages.next().await {
         let message = match message {
             Ok(message) => message,
@@ -219,55 +308,68 @@ async fn run<DB: Ledger>(pool: sqlx::Pool<DB>) -> Result<(), Box<dyn std::error:
                 continue;
             }
         };
-        let Some(id) = idem::nats::message_id(&message).map(str::to_owned) else {
-            tracing::warn!(subject = %message.subject, "a message without Nats-Msg-Id: dropped");
-            let _ = message.ack_with(AckKind::Term).await;
-            continue;
-        };
-        let charge: ChargeCreated = match serde_json::from_slice(&message.payload) {
-            Ok(charge) => charge,
-            Err(error) => {
-                tracing::warn!(%error, id, "an unreadable charge.created: dropped");
-                let _ = message.ack_with(AckKind::Term).await;
-                continue;
-            }
-        };
-        let done = idem
-            .consume("ledger", &id, async |tx| DB::insert(tx, &id, &charge).await)
-            .await;
-        match done {
-            Ok(Consumed::Applied(())) => {
-                println!(
-                    "applied {} {id} charge={} account={} amount={} {}",
-                    message.subject,
-                    charge.charge_id,
-                    charge.account,
-                    charge.amount,
-                    charge.currency
-                );
-                applied += 1;
-                if crash_after == Some(applied) {
-                    eprintln!("consumer: CONSUMER_CRASH_AFTER={applied}: aborting before the ack");
-                    std::process::abort();
-                }
-            }
-            Ok(Consumed::Duplicate) => println!("duplicate {} {id}", message.subject),
-            Err(error) => {
-                // Nothing committed: the broker delivers it again.
-                let cause = std::error::Error::source(&error)
-                    .map(ToString::to_string)
-                    .unwrap_or_default();
-                tracing::warn!(%error, cause, id, "applying a message failed; redelivered");
-                let _ = message
+        let id = idem::nats::message_id(&message);
+        let verdict = ledger.apply(&message.subject, id, &message.payload).await;
+        let acked = match verdict {
+            Verdict::Done => message.ack().await,
+            Verdict::Dropped => message.ack_with(AckKind::Term).await,
+            Verdict::Again => {
+                message
                     .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
-                    .await;
-                continue;
+                    .await
             }
-        }
-        if let Err(error) = message.ack().await {
+        };
+        if let Err(error) = acked {
             // Delivered again after the ack wait, and then a duplicate.
-            tracing::warn!(%error, id, "acknowledging failed");
+            tracing::warn!(%error, "acknowledging failed");
         }
     }
     Err("the NATS message stream ended".into())
+}
+
+/// Reads the charge events from the RabbitMQ queue `AMQP_QUEUE`.
+async fn from_rabbitmq<DB: Ledger>(
+    mut ledger: Applier<DB>,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let amqp = broker::Amqp::from_env();
+    let connection = amqp.connect().await;
+    let channel = connection.create_channel().await?;
+    // What a crash leaves unacknowledged, delivered again at once.
+    channel
+        .basic_qos(PULL_BATCH as u16, BasicQosOptions::default())
+        .await?;
+    let mut deliveries = channel
+        .basic_consume(
+            amqp.queue.as_str().into(),
+            "ledger".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    tracing::info!("consumer reading RabbitMQ queue {}", amqp.queue);
+    while let Some(delivery) = deliveries.next().await {
+        let delivery = delivery?;
+        let topic = idem::rabbitmq::topic(&delivery)
+            .unwrap_or(&amqp.queue)
+            .to_owned();
+        let id = idem::rabbitmq::message_id(&delivery).map(str::to_owned);
+        let verdict = ledger.apply(&topic, id.as_deref(), &delivery.data).await;
+        let acked = match verdict {
+            Verdict::Done => delivery.ack(BasicAckOptions::default()).await,
+            Verdict::Dropped => delivery.reject(BasicRejectOptions::default()).await,
+            Verdict::Again => {
+                let requeue = BasicNackOptions {
+                    requeue: true,
+                    ..BasicNackOptions::default()
+                };
+                delivery.nack(requeue).await
+            }
+        };
+        if let Err(error) = acked {
+            // The channel closed: the broker delivers it again, and then
+            // it is a duplicate.
+            tracing::warn!(%error, "acknowledging failed");
+        }
+    }
+    Err("the RabbitMQ consumer ended".into())
 }

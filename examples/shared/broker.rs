@@ -1,7 +1,10 @@
-//! The NATS JetStream side that the charges example (its outbox relay) and
-//! the consumer share: where the broker is, and the stream that keeps the
-//! charge events.
+//! The broker side that the charges example (its outbox relay) and the
+//! consumer share: which broker, where it is, and where the charge events
+//! go.
 //!
+//! - `BROKER`: `nats` (the default) or `rabbitmq`.
+//!
+//! NATS JetStream:
 //! - `NATS_URL`: one server, or a cluster's servers separated by commas
 //!   (`nats://127.0.0.1:4222,nats://127.0.0.1:4223`).
 //! - `NATS_STREAM`: the stream's name, default `CHARGES`.
@@ -9,10 +12,77 @@
 //!   example creates, default 1 (an existing stream is left as it is).
 //! - `NATS_SUBJECT_PREFIX`: put before every topic, default none: the
 //!   stream takes `<prefix>charge.>`. (The tests give each run its own.)
+//!
+//! RabbitMQ:
+//! - `AMQP_URL`: default `amqp://guest:guest@127.0.0.1:5672/%2f`.
+//! - `AMQP_QUEUE`: the durable quorum queue the charge events go to,
+//!   default `charges` (declared by whichever side starts first).
 
 use std::time::Duration;
 
 use async_nats::jetstream::{self, stream};
+
+/// Which broker `BROKER` names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Which {
+    /// NATS JetStream: [`Broker`].
+    Nats,
+    /// RabbitMQ: [`Amqp`].
+    RabbitMq,
+}
+
+/// `BROKER`: `nats` unless set.
+pub fn which() -> Result<Which, String> {
+    match std::env::var("BROKER").ok().as_deref() {
+        None | Some("" | "nats") => Ok(Which::Nats),
+        Some("rabbitmq") => Ok(Which::RabbitMq),
+        Some(other) => Err(format!("BROKER={other:?}: `nats` or `rabbitmq`")),
+    }
+}
+
+/// RabbitMQ and the queue of charge events.
+#[derive(Debug, Clone)]
+pub struct Amqp {
+    /// The broker's URL.
+    pub url: String,
+    /// The queue's name.
+    pub queue: String,
+}
+
+impl Amqp {
+    /// `AMQP_URL` and `AMQP_QUEUE`, or their defaults.
+    pub fn from_env() -> Self {
+        let var = |name: &str| std::env::var(name).ok().filter(|value| !value.is_empty());
+        Self {
+            url: var("AMQP_URL").unwrap_or_else(|| "amqp://guest:guest@127.0.0.1:5672/%2f".into()),
+            queue: var("AMQP_QUEUE").unwrap_or_else(|| "charges".into()),
+        }
+    }
+
+    /// A connection on which the queue exists (declared if missing);
+    /// asked again every second until the broker answers, so a broker
+    /// that is down delays the messages, never the process's start.
+    pub async fn connect(&self) -> lapin::Connection {
+        loop {
+            match self.try_connect().await {
+                Ok(connection) => return connection,
+                Err(error) => {
+                    tracing::warn!(%error, queue = %self.queue, "RabbitMQ not ready; retrying");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+            }
+        }
+    }
+
+    async fn try_connect(&self) -> Result<lapin::Connection, lapin::Error> {
+        let properties = lapin::ConnectionProperties::default();
+        let connection = lapin::Connection::connect(&self.url, properties).await?;
+        let channel = connection.create_channel().await?;
+        idem::rabbitmq::declare_queue(&channel, &self.queue).await?;
+        channel.close(200, "declared".into()).await?;
+        Ok(connection)
+    }
+}
 
 /// The broker and the stream of charge events.
 pub struct Broker {

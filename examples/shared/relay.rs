@@ -1,17 +1,41 @@
-//! The charges example's outbox relay: to NATS JetStream at `NATS_URL`
-//! (the stream and subjects from `broker`), or, unset, to a sink printing
-//! one line per message.
+//! The charges example's outbox relay: with `BROKER=rabbitmq`, to the
+//! RabbitMQ queue `broker::Amqp` names; otherwise to NATS JetStream at
+//! `NATS_URL` (the stream and subjects from `broker`), or, unset, to a sink
+//! printing one line per message.
 
 use std::error::Error;
 use std::time::Duration;
 
 use idem::{Backend, Idem, Relay, Sink};
 
-use crate::broker::Broker;
+use crate::broker::{Amqp, Broker, Which};
 
 /// Spawns the relay of `idem`'s outbox. A broker that is down delays the
 /// messages, not the API.
 pub async fn spawn<DB: Backend>(idem: &Idem<DB>) -> Result<(), Box<dyn Error>> {
+    if crate::broker::which()? == Which::RabbitMq {
+        let amqp = Amqp::from_env();
+        tracing::info!("outbox relay publishing to RabbitMQ queue {}", amqp.queue);
+        let idem = idem.clone();
+        // Until the broker answers, messages wait in the outbox.
+        tokio::spawn(async move {
+            let declared = amqp.connect().await;
+            let _ = declared.close(200, "queue declared".into()).await;
+            loop {
+                match idem::rabbitmq::RabbitMq::to_queue(&amqp.url, &amqp.queue).await {
+                    Ok(sink) => {
+                        tuned(idem.relay(sink)).spawn();
+                        return;
+                    }
+                    Err(error) => {
+                        tracing::warn!(%error, "RabbitMQ not ready; retrying");
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                    }
+                }
+            }
+        });
+        return Ok(());
+    }
     match std::env::var("NATS_URL") {
         Ok(url) if !url.is_empty() => {
             let broker = Broker::from_env(url);
