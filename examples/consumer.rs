@@ -308,7 +308,7 @@ async fn from_nats<DB: Ledger>(mut ledger: Applier<DB>) -> Result<(), Box<dyn st
                 continue;
             }
         };
-        let id = idem::nats::message_id(&message);
+        let id = idem::outbox::nats::message_id(&message);
         let verdict = ledger.apply(&message.subject, id, &message.payload).await;
         let acked = match verdict {
             Verdict::Done => message.ack().await,
@@ -349,10 +349,10 @@ async fn from_rabbitmq<DB: Ledger>(
     tracing::info!("consumer reading RabbitMQ queue {}", amqp.queue);
     while let Some(delivery) = deliveries.next().await {
         let delivery = delivery?;
-        let topic = idem::rabbitmq::topic(&delivery)
+        let topic = idem::outbox::rabbitmq::topic(&delivery)
             .unwrap_or(&amqp.queue)
             .to_owned();
-        let id = idem::rabbitmq::message_id(&delivery).map(str::to_owned);
+        let id = idem::outbox::rabbitmq::message_id(&delivery).map(str::to_owned);
         let verdict = ledger.apply(&topic, id.as_deref(), &delivery.data).await;
         let acked = match verdict {
             Verdict::Done => delivery.ack(BasicAckOptions::default()).await,

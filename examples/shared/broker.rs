@@ -78,7 +78,7 @@ impl Amqp {
         let properties = lapin::ConnectionProperties::default();
         let connection = lapin::Connection::connect(&self.url, properties).await?;
         let channel = connection.create_channel().await?;
-        idem::rabbitmq::declare_queue(&channel, &self.queue).await?;
+        idem::outbox::rabbitmq::declare_queue(&channel, &self.queue).await?;
         channel.close(200, "declared".into()).await?;
         Ok(connection)
     }

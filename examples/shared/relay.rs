@@ -6,7 +6,8 @@
 use std::error::Error;
 use std::time::Duration;
 
-use idem::{Backend, Idem, Relay, Sink};
+use idem::outbox::{Relay, Sink};
+use idem::{Backend, Idem};
 
 use crate::broker::{Amqp, Broker, Which};
 
@@ -22,7 +23,7 @@ pub async fn spawn<DB: Backend>(idem: &Idem<DB>) -> Result<(), Box<dyn Error>> {
             let declared = amqp.connect().await;
             let _ = declared.close(200, "queue declared".into()).await;
             loop {
-                match idem::rabbitmq::RabbitMq::to_queue(&amqp.url, &amqp.queue).await {
+                match idem::outbox::rabbitmq::RabbitMq::to_queue(&amqp.url, &amqp.queue).await {
                     Ok(sink) => {
                         tuned(idem.relay(sink)).spawn();
                         return;
@@ -40,7 +41,8 @@ pub async fn spawn<DB: Backend>(idem: &Idem<DB>) -> Result<(), Box<dyn Error>> {
         Ok(url) if !url.is_empty() => {
             let broker = Broker::from_env(url);
             let jetstream = broker.connect().await?;
-            let sink = idem::nats::JetStream::new(jetstream.clone()).subject_prefix(&broker.prefix);
+            let sink = idem::outbox::nats::JetStream::new(jetstream.clone())
+                .subject_prefix(&broker.prefix);
             tracing::info!(
                 "outbox relay publishing to NATS stream {} (subjects {})",
                 broker.stream,
@@ -52,7 +54,7 @@ pub async fn spawn<DB: Backend>(idem: &Idem<DB>) -> Result<(), Box<dyn Error>> {
         }
         _ => {
             tracing::info!("NATS_URL is not set: the outbox relay prints each message");
-            let print = idem::sink_fn(async |message: idem::Message| {
+            let print = idem::outbox::sink_fn(async |message: idem::outbox::Message| {
                 let payload = String::from_utf8_lossy(&message.payload);
                 println!("outbox {} {} {payload}", message.topic, message.id);
                 Ok(())

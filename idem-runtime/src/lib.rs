@@ -34,7 +34,7 @@ mod idem;
 #[cfg(feature = "openapi")]
 pub mod openapi;
 mod operations;
-mod outbox;
+pub mod outbox;
 
 // Where keys are kept: the storage contract and one folder per engine.
 mod backend;
@@ -66,13 +66,6 @@ pub use fingerprint::Fingerprint;
 pub use idem::{DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_TABLE, Idem};
 pub use key::{IDEMPOTENCY_KEY, IdempotencyKey, KeyError, MAX_KEY_LEN};
 pub use observe::{Outcome, metrics, redact};
-#[cfg(feature = "nats")]
-pub use outbox::nats;
-#[cfg(feature = "rabbitmq")]
-pub use outbox::rabbitmq;
-pub use outbox::{
-    FnSink, MAX_TOPIC_LEN, Message, OutboxWriter, Relay, RelayRun, Sink, SinkError, sink_fn,
-};
 pub use phases::{PhaseError, Phases};
 pub use policy::{IdempotentHandler, Policy};
 pub use pooler::Pooler;

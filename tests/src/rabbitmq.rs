@@ -9,7 +9,7 @@ use std::ops::Deref;
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem::rabbitmq::declare_queue_with;
+use idem::outbox::rabbitmq::declare_queue_with;
 use lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection, ConnectionProperties};
@@ -78,7 +78,7 @@ impl TestQueue {
     }
 
     /// Declares the queue (durable, quorum, expiring unused) as
-    /// `idem::rabbitmq::declare_queue` does.
+    /// `idem::outbox::rabbitmq::declare_queue` does.
     pub async fn declare(&self) {
         let mut arguments = FieldTable::default();
         let expires = i64::try_from(QUEUE_EXPIRES.as_millis()).unwrap();

@@ -23,7 +23,8 @@ use axum::Json;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
-use idem::{Consumed, Idem, PhaseError, Phases, Pooler, Tx, idempotent, sink_fn};
+use idem::outbox::sink_fn;
+use idem::{Consumed, Idem, PhaseError, Phases, Pooler, Tx, idempotent};
 use idem_tests::account::Account;
 use idem_tests::pg_proxy::PgProxy;
 use idem_tests::pgbouncer::PgBouncer;
@@ -327,7 +328,7 @@ async fn workload(idem: Idem<Postgres>, direct: &PgPool, clients: usize) {
     let delivered = Arc::new(Mutex::new(Vec::new()));
     let relay = idem.relay(sink_fn({
         let delivered = Arc::clone(&delivered);
-        move |message: idem::Message| {
+        move |message: idem::outbox::Message| {
             let delivered = Arc::clone(&delivered);
             async move {
                 delivered.lock().unwrap().push(message.id.clone());

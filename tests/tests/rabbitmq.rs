@@ -1,4 +1,4 @@
-//! The outbox's RabbitMQ sink (`idem::rabbitmq`) against the real broker
+//! The outbox's RabbitMQ sink (`idem::outbox::rabbitmq`) against the real broker
 //! on 127.0.0.1:5672 (started by `.ci/run`; the tests fail without it):
 //! requests through a real axum server on loopback write messages in
 //! their transactions, PostgreSQL keeping the keys, the outbox and the
@@ -19,8 +19,9 @@ use axum::Json;
 use axum::http::StatusCode;
 use axum::routing::post;
 use futures::StreamExt;
-use idem::rabbitmq::{self, RabbitMq};
-use idem::{Consumed, Idem, RelayRun, Tx, idempotent};
+use idem::outbox::RelayRun;
+use idem::outbox::rabbitmq::{self, RabbitMq};
+use idem::{Consumed, Idem, Tx, idempotent};
 use idem_tests::account::Account;
 use idem_tests::outbox_flow::{Deadline, PgSchema};
 use idem_tests::rabbitmq::{AMQP_URL, AmqpProxy, TestQueue};
@@ -180,7 +181,7 @@ impl Tally {
 }
 
 /// How a service consumes the queue: each delivery's outbox message id
-/// (its AMQP `message_id`, read with `idem::rabbitmq::message_id`) goes to
+/// (its AMQP `message_id`, read with `idem::outbox::rabbitmq::message_id`) goes to
 /// `Idem::consume`, whose transaction records it and inserts the ledger
 /// row; the delivery is acknowledged only after that commits (applied, or
 /// found applied before), so a redelivered message is acknowledged

@@ -1,6 +1,15 @@
 //! The transactional outbox: messages written in the request's own
 //! transaction, so they exist if and only if its effects committed, and a
 //! relay that delivers committed ones, at least once, to a [`Sink`].
+//!
+//! - Writing: [`Tx::outbox`](crate::Tx::outbox) in a handler, or a phase's
+//!   [`OutboxWriter`] ([`Phases::outbox`](crate::Phases::outbox)).
+//! - Delivering: [`Idem::relay`](crate::Idem::relay) makes a [`Relay`] for
+//!   a [`Sink`]: your function ([`sink_fn`]), NATS JetStream (`nats`,
+//!   feature `nats`) or RabbitMQ (`rabbitmq`, feature `rabbitmq`). Each
+//!   pass reports a [`RelayRun`].
+//! - Applying once, on the receiving side:
+//!   [`Idem::consume`](crate::Idem::consume).
 
 mod relay;
 mod sink;
@@ -13,7 +22,6 @@ pub mod rabbitmq;
 
 pub use relay::{Relay, RelayRun};
 pub use sink::{FnSink, Message, Sink, SinkError, sink_fn};
-
 pub use writer::{MAX_TOPIC_LEN, OutboxWriter};
 
 use std::sync::Arc;

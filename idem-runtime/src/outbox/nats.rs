@@ -32,7 +32,7 @@ pub const SCOPE_HEADER: &str = "Idem-Scope";
 ///         ..Default::default()
 ///     })
 ///     .await?;
-/// idem.relay(idem::nats::JetStream::new(jetstream)).spawn();
+/// idem.relay(idem::outbox::nats::JetStream::new(jetstream)).spawn();
 /// # Ok(()) }
 /// ```
 #[derive(Debug, Clone)]

@@ -60,7 +60,7 @@ const PERSISTENT: u8 = 2;
 /// ```no_run
 /// # use idem_runtime as idem;
 /// # async fn demo(idem: idem::Idem<sqlx::Postgres>) -> Result<(), Box<dyn std::error::Error>> {
-/// use idem::rabbitmq::{RabbitMq, declare_queue};
+/// use idem::outbox::rabbitmq::{RabbitMq, declare_queue};
 ///
 /// let url = "amqp://guest:guest@127.0.0.1:5672/%2f";
 /// let connection =

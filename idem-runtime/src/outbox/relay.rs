@@ -23,7 +23,8 @@ impl<DB: Backend> Idem<DB> {
     /// ```no_run
     /// # use idem_runtime as idem;
     /// use std::time::Duration;
-    /// use idem::{Idem, Message, sink_fn};
+    /// use idem::{Idem};
+    /// use idem::outbox::{Message, sink_fn};
     ///
     /// # async fn demo(idem: Idem<sqlx::Postgres>) -> Result<(), idem::Error> {
     /// idem.migrate_outbox().await?;

@@ -68,7 +68,7 @@ pub struct FnSink<F>(F);
 ///
 /// ```
 /// # use idem_runtime as idem;
-/// let sink = idem::sink_fn(async |message: idem::Message| {
+/// let sink = idem::outbox::sink_fn(async |message: idem::outbox::Message| {
 ///     println!("{}: {}", message.topic, String::from_utf8_lossy(&message.payload));
 ///     Ok(())
 /// });

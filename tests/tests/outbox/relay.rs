@@ -8,7 +8,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use idem::{Message, Sink, sink_fn};
+use idem::outbox::{Message, Sink, sink_fn};
 use idem_tests::service::unique as name;
 use reqwest::StatusCode;
 use serde_json::{Value, json};

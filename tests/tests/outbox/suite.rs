@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use axum::Json;
 use axum::routing::post;
-use idem::{ConsumeError, Consumed, Idem, Message, Relay, Sink, sink_fn};
+use idem::outbox::{Message, Relay, Sink, sink_fn};
+use idem::{ConsumeError, Consumed, Idem};
 use idem_tests::service::unique as name;
 use idem_tests::unique::unique;
 use reqwest::StatusCode;
