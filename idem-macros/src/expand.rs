@@ -72,7 +72,7 @@ pub fn expand(item: &ItemFn, args: &Args, handler: &Handler) -> TokenStream {
         quote! {
             let __idem_resumed = __idem_request
                 .extensions()
-                .get::<#krate::Resumed>()
+                .get::<#krate::completer::Resumed>()
                 .map(|__idem_resumed| #from_scope(&__idem_resumed.scope()));
             let (__idem_request, #local) = match __idem_resumed {
                 ::core::option::Option::Some(__idem_scope) => (__idem_request, __idem_scope),
@@ -508,7 +508,7 @@ mod tests {
         // for in the body, not in the impl's bounds.
         assert!(leased.contains("< Account as :: idem :: FromScope > :: from_scope"));
         assert!(
-            leased.contains("get :: < :: idem :: Resumed > ()"),
+            leased.contains("get :: < :: idem :: completer :: Resumed > ()"),
             "{leased}"
         );
         assert!(!leased.contains("FromScope >,"), "{leased}");

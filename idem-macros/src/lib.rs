@@ -83,7 +83,7 @@ use proc_macro::TokenStream;
 /// that fails (an `Err`, a transient status, a panic, its `timeout`) before
 /// any external step gives its key up, and the next one starts afresh;
 /// once an external step may have happened, the key and its recorded steps
-/// stay, and the next attempt (the client's retry, or `idem::Completer`
+/// stay, and the next attempt (the client's retry, or `idem::completer::Completer`
 /// for one that stopped) resumes, skipping the steps already recorded.
 ///
 /// ```ignore

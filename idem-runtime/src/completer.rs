@@ -1,6 +1,11 @@
 //! The completer: resumes phased requests whose attempt stopped (its lease
 //! ended without a response), without a client, by sending the stored
 //! request through the service's own router.
+//!
+//! [`Idem::completer`](crate::Idem::completer) makes a [`Completer`]; each
+//! pass reports a [`CompleterRun`]. A request it sends carries a
+//! [`Resumed`] mark, and the phased handler's caller is rebuilt from the
+//! stored scope with [`FromScope`].
 
 use std::borrow::Cow;
 use std::time::Duration;

@@ -28,7 +28,7 @@ mod protocol;
 mod tx;
 
 // The store handlers share, and what it offers beside requests.
-mod completer;
+pub mod completer;
 mod consume;
 mod idem;
 #[cfg(feature = "openapi")]
@@ -59,7 +59,7 @@ mod response;
 mod scope;
 
 pub use backend::{Admin, Backend, Forgotten, KeyInfo, KeyState, MAX_MESSAGE_ID_LEN, Phased};
-pub use completer::{Completer, CompleterRun, FromScope, Resumed};
+pub use completer::FromScope;
 pub use consume::{ConsumeError, Consumed};
 pub use error::Error;
 pub use fingerprint::Fingerprint;
