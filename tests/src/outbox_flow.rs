@@ -1,8 +1,8 @@
 //! What the outbox's broker tests share (`tests/outbox_broker`, against
-//! the shared NATS server, and `tests/nats_cluster.rs`, against a cluster
-//! of the test's own): the charges service and the consumer example as
-//! processes, the service's store and the consumer's ledger as the test
-//! reads them, and polling with a deadline.
+//! the shared NATS server and RabbitMQ, and `tests/nats_cluster.rs`,
+//! against a cluster of the test's own): the charges service and the
+//! consumer example as processes, the service's store and the consumer's
+//! ledger as the test reads them, and polling with a deadline.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -61,14 +61,33 @@ pub async fn service(
     nats_url: &str,
     database_url: Option<&str>,
 ) -> Child {
-    let [(stream_var, name), (prefix_var, prefix)] = stream.env();
+    service_on(dir, addr, &nats_env(nats_url, stream), database_url).await
+}
+
+/// The examples' variables for NATS at `nats_url` and `stream`.
+fn nats_env(nats_url: &str, stream: &TestStream) -> Vec<(&'static str, String)> {
     let mut env = vec![
-        ("NATS_URL", Some(nats_url)),
-        (stream_var, Some(name.as_str())),
-        (prefix_var, Some(prefix.as_str())),
-        ("PROVIDER_URL", None),
-        ("ADMIN_TOKEN", None),
+        ("BROKER", "nats".to_owned()),
+        ("NATS_URL", nats_url.to_owned()),
     ];
+    env.extend(stream.env());
+    env
+}
+
+/// The charges example on `addr`, its relay publishing to the broker that
+/// `broker` names (the examples' variables: `BROKER` and NATS's or
+/// RabbitMQ's); its store `database_url` (default: `dir`'s SQLite file).
+pub async fn service_on(
+    dir: &Path,
+    addr: SocketAddr,
+    broker: &[(&'static str, String)],
+    database_url: Option<&str>,
+) -> Child {
+    let mut env: Vec<(&str, Option<&str>)> = broker
+        .iter()
+        .map(|(name, value)| (*name, Some(value.as_str())))
+        .collect();
+    env.extend([("PROVIDER_URL", None), ("ADMIN_TOKEN", None)]);
     if let Some(url) = database_url {
         env.push(("DATABASE_URL", Some(url)));
     }
@@ -99,38 +118,25 @@ pub async fn charge(
     (body["id"].as_i64().unwrap(), elapsed)
 }
 
-/// Waits until the outbox has delivered every message and the consumer
-/// `consumer` has printed and acknowledged every copy in `stream`.
-pub async fn drained_and_consumed(
-    deadline: Deadline,
-    store: &Store,
-    stream: &TestStream,
-    consumer: &str,
-    printed: &Printed,
-) {
-    deadline
-        .until("the outbox delivered", || async {
-            (store.pending().await == 0).then_some(())
-        })
-        .await;
-    deadline
-        .until("every message consumed and acknowledged", || async {
-            let backlog = stream.consumer_backlog(consumer).await;
-            let copies = stream.state().await.messages;
-            let printed = printed.applied() + printed.duplicates();
-            (backlog == (0, 0) && printed == copies).then_some(())
-        })
-        .await;
-}
-
 /// What the consumer processes printed, across their runs.
 #[derive(Default)]
 pub struct Printed {
     pub applied: AtomicU64,
     pub duplicates: AtomicU64,
+    /// Messages dropped as unreadable (acknowledged, never applied).
+    pub dropped: AtomicU64,
 }
 
 impl Printed {
+    pub fn dropped(&self) -> u64 {
+        self.dropped.load(Ordering::SeqCst)
+    }
+
+    /// Every message handled: applied, duplicate or dropped.
+    pub fn total(&self) -> u64 {
+        self.applied() + self.duplicates() + self.dropped()
+    }
+
     pub fn applied(&self) -> u64 {
         self.applied.load(Ordering::SeqCst)
     }
@@ -160,11 +166,24 @@ pub async fn consumer(
     settings: &ConsumerSettings<'_>,
     printed: &Arc<Printed>,
 ) -> Child {
+    let env = nats_env(nats_url, stream);
+    consumer_on(dir, &env, database_url, settings, printed).await
+}
+
+/// The consumer example in `dir`, reading from the broker that `broker`
+/// names (the examples' variables), its ledger at `database_url`, once it
+/// reads; its lines counted in `printed`.
+pub async fn consumer_on(
+    dir: &Path,
+    broker: &[(&'static str, String)],
+    database_url: &str,
+    settings: &ConsumerSettings<'_>,
+    printed: &Arc<Printed>,
+) -> Child {
     let mut command = Command::new(examples::binary("consumer"));
     command
         .current_dir(dir)
         .env("DATABASE_URL", database_url)
-        .env("NATS_URL", nats_url)
         .env("CONSUMER_NAME", settings.name)
         .env(
             "CONSUMER_ACK_WAIT_MS",
@@ -177,7 +196,7 @@ pub async fn consumer(
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .kill_on_drop(true);
-    for (name, value) in stream.env() {
+    for (name, value) in broker {
         command.env(name, value);
     }
     if let Some(after) = settings.crash_after {
@@ -194,6 +213,9 @@ pub async fn consumer(
                 printed.applied.fetch_add(1, Ordering::SeqCst);
             } else if line.starts_with("duplicate ") {
                 printed.duplicates.fetch_add(1, Ordering::SeqCst);
+            } else if line.contains(": dropped") {
+                // The consumer's warning for an unreadable message.
+                printed.dropped.fetch_add(1, Ordering::SeqCst);
             } else if line.contains("reading")
                 && let Some(ready) = ready.take()
             {
@@ -238,6 +260,33 @@ impl Ledger {
         }
         .unwrap();
         rows.unsigned_abs()
+    }
+
+    /// Its rows' message ids in the order they were applied.
+    pub async fn applied_order(&self) -> Vec<String> {
+        let sql = "SELECT message_id FROM ledger ORDER BY entry";
+        match self {
+            Ledger::Postgres(pool) => sqlx::query_scalar(sql).fetch_all(pool).await,
+            #[cfg(feature = "sqlite")]
+            Ledger::Sqlite(pool) => sqlx::query_scalar(sql).fetch_all(pool).await,
+        }
+        .unwrap()
+    }
+
+    /// Each account's charge ids in the order they were applied.
+    pub async fn charges_by_account(&self) -> HashMap<String, Vec<i64>> {
+        let sql = "SELECT account, charge_id FROM ledger ORDER BY entry";
+        let rows: Vec<(String, i64)> = match self {
+            Ledger::Postgres(pool) => sqlx::query_as(sql).fetch_all(pool).await,
+            #[cfg(feature = "sqlite")]
+            Ledger::Sqlite(pool) => sqlx::query_as(sql).fetch_all(pool).await,
+        }
+        .unwrap();
+        let mut accounts: HashMap<String, Vec<i64>> = HashMap::new();
+        for (account, charge) in rows {
+            accounts.entry(account).or_default().push(charge);
+        }
+        accounts
     }
 
     /// How many rows each message id has, and each charge id.
@@ -304,6 +353,46 @@ impl Store {
             Store::Postgres(pool) => sqlx::query_as(sql).fetch_all(pool).await,
             #[cfg(feature = "sqlite")]
             Store::Sqlite(pool) => sqlx::query_as(sql).fetch_all(pool).await,
+        }
+        .unwrap()
+    }
+
+    /// Each scope's message ids in the order they were written (`seq`).
+    pub async fn scopes(&self) -> HashMap<String, Vec<String>> {
+        let sql = format!("SELECT id, scope FROM {OUTBOX} ORDER BY seq");
+        let sql = sqlx::AssertSqlSafe(sql);
+        let rows: Vec<(String, Vec<u8>)> = match self {
+            Store::Postgres(pool) => sqlx::query_as(sql).fetch_all(pool).await,
+            #[cfg(feature = "sqlite")]
+            Store::Sqlite(pool) => sqlx::query_as(sql).fetch_all(pool).await,
+        }
+        .unwrap();
+        let mut scopes: HashMap<String, Vec<String>> = HashMap::new();
+        for (id, scope) in rows {
+            let scope = String::from_utf8(scope).expect("a scope is text");
+            scopes.entry(scope).or_default().push(id);
+        }
+        scopes
+    }
+
+    /// The relay's marks lost, as after a relay that published and stopped
+    /// before marking: every message pending again, unleased. Returns how
+    /// many.
+    pub async fn forget_deliveries(&self) -> u64 {
+        let sql = format!(
+            "UPDATE {OUTBOX} SET delivered_at = NULL, lease_token = NULL, lease_until = NULL"
+        );
+        let sql = sqlx::AssertSqlSafe(sql);
+        match self {
+            Store::Postgres(pool) => sqlx::query(sql)
+                .execute(pool)
+                .await
+                .map(|done| done.rows_affected()),
+            #[cfg(feature = "sqlite")]
+            Store::Sqlite(pool) => sqlx::query(sql)
+                .execute(pool)
+                .await
+                .map(|done| done.rows_affected()),
         }
         .unwrap()
     }

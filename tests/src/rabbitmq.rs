@@ -7,12 +7,14 @@
 
 use std::ops::Deref;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use idem::outbox::rabbitmq::declare_queue_with;
 use lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection, ConnectionProperties};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use crate::proxy::{self, Proxy, Wire};
@@ -124,10 +126,12 @@ impl TestQueue {
 }
 
 /// A TCP proxy on `127.0.0.1:<ephemeral>` in front of the tests'
-/// RabbitMQ: the bytes pass untouched. Cut and refuse through [`Proxy`]'s
-/// controls, which it derefs to.
+/// RabbitMQ: the bytes pass untouched, the broker's after
+/// [`set_latency`](AmqpProxy::set_latency). Cut and refuse through
+/// [`Proxy`]'s controls, which it derefs to.
 pub struct AmqpProxy {
     proxy: Proxy,
+    latency_ms: Arc<AtomicU64>,
 }
 
 impl Deref for AmqpProxy {
@@ -141,10 +145,21 @@ impl Deref for AmqpProxy {
 impl AmqpProxy {
     /// A proxy to the tests' RabbitMQ.
     pub async fn start() -> AmqpProxy {
+        let latency_ms = Arc::new(AtomicU64::new(0));
         let upstream = AMQP_ADDR.parse().unwrap();
-        AmqpProxy {
-            proxy: Proxy::start(upstream, serve).await,
-        }
+        let proxy = Proxy::start(upstream, {
+            let latency_ms = Arc::clone(&latency_ms);
+            move |client, wire| serve(client, wire, Arc::clone(&latency_ms))
+        })
+        .await;
+        AmqpProxy { proxy, latency_ms }
+    }
+
+    /// Holds each chunk of the broker's bytes this long before passing it
+    /// on (a slow broker: every publish's confirm comes late).
+    pub fn set_latency(&self, latency: Duration) {
+        let ms = u64::try_from(latency.as_millis()).unwrap_or(u64::MAX);
+        self.latency_ms.store(ms, Ordering::SeqCst);
     }
 
     /// The URI an AMQP client connects to, as [`AMQP_URL`] but through the
@@ -168,14 +183,33 @@ impl AmqpProxy {
 
 /// One connection: both directions, until either side closes (or the
 /// proxy cuts it, by dropping this future).
-async fn serve(client: TcpStream, wire: Arc<Wire>) {
+async fn serve(client: TcpStream, wire: Arc<Wire>, latency_ms: Arc<AtomicU64>) {
     let Some((mut client_read, mut client_write, mut server_read, mut server_write)) =
         proxy::connect(client, wire.upstream).await
     else {
         return;
     };
+    let upstream = async {
+        let _ = tokio::io::copy(&mut client_read, &mut server_write).await;
+    };
+    let downstream = async {
+        let mut buffer = vec![0; 64 * 1024];
+        loop {
+            let read = match server_read.read(&mut buffer).await {
+                Ok(0) | Err(_) => return,
+                Ok(read) => read,
+            };
+            let latency = latency_ms.load(Ordering::SeqCst);
+            if latency > 0 {
+                tokio::time::sleep(Duration::from_millis(latency)).await;
+            }
+            if client_write.write_all(&buffer[..read]).await.is_err() {
+                return;
+            }
+        }
+    };
     tokio::select! {
-        _ = tokio::io::copy(&mut client_read, &mut server_write) => {}
-        _ = tokio::io::copy(&mut server_read, &mut client_write) => {}
+        () = upstream => {}
+        () = downstream => {}
     }
 }
