@@ -153,9 +153,10 @@ ledger!(
 /// With no `DATABASE_URL`: a SQLite file next to where the example runs.
 const DEFAULT_DATABASE: &str = "ledger.db";
 
-/// How many messages are pulled at a time: what a crash leaves
-/// unacknowledged, delivered again after the ack wait.
-const PULL_BATCH: usize = 20;
+/// How many messages RabbitMQ hands over ahead of their acknowledgement:
+/// what a crash leaves unacknowledged goes back to the queue's head, in
+/// order.
+const PREFETCH: u16 = 20;
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -286,6 +287,11 @@ async fn from_nats<DB: Ledger>(mut ledger: Applier<DB>) -> Result<(), Box<dyn st
                 durable_name: Some(name.clone()),
                 ack_policy: AckPolicy::Explicit,
                 ack_wait,
+                // One message unacknowledged at a time: JetStream gives
+                // what a dead consumer left back only after the ack wait,
+                // and with more in flight the next run would apply newer
+                // messages first. So each account's charges keep their order.
+                max_ack_pending: 1,
                 filter_subject: subject.clone(),
                 ..Default::default()
             },
@@ -293,7 +299,7 @@ async fn from_nats<DB: Ledger>(mut ledger: Applier<DB>) -> Result<(), Box<dyn st
         .await?;
     let mut messages = consumer
         .stream()
-        .max_messages_per_batch(PULL_BATCH)
+        .max_messages_per_batch(1)
         .messages()
         .await?;
     tracing::info!(
@@ -334,9 +340,8 @@ async fn from_rabbitmq<DB: Ledger>(
     let amqp = broker::Amqp::from_env();
     let connection = amqp.connect().await;
     let channel = connection.create_channel().await?;
-    // What a crash leaves unacknowledged, delivered again at once.
     channel
-        .basic_qos(PULL_BATCH as u16, BasicQosOptions::default())
+        .basic_qos(PREFETCH, BasicQosOptions::default())
         .await?;
     let mut deliveries = channel
         .basic_consume(

@@ -60,13 +60,6 @@ impl LinkProxy for NatsProxy {
 pub trait TestBroker: Sized + Send + Sync {
     type Proxy: LinkProxy;
 
-    /// Whether what a consumer that died left unacknowledged comes back
-    /// ahead of newer messages, so each scope's order holds across the
-    /// consumer's crashes. RabbitMQ requeues it at the head; JetStream
-    /// delivers it again only after the ack wait, behind the newer
-    /// messages the next run has pulled meanwhile.
-    const REDELIVERS_IN_ORDER: bool;
-
     /// A destination of the test's own, named after `label`. NATS keeps
     /// duplicates apart for `dedupe` (short: a message published again
     /// after a crash or a cut lands in the stream again, for the consumer
@@ -108,7 +101,6 @@ pub struct Nats(TestStream);
 
 impl TestBroker for Nats {
     type Proxy = NatsProxy;
-    const REDELIVERS_IN_ORDER: bool = false;
 
     async fn create(label: &str, dedupe: Duration) -> Self {
         Nats(TestStream::create(label, dedupe).await)
@@ -240,11 +232,10 @@ mod rabbitmq {
 
     impl TestBroker for RabbitMq {
         type Proxy = AmqpProxy;
-        const REDELIVERS_IN_ORDER: bool = true;
 
         async fn create(label: &str, _dedupe: Duration) -> Self {
             let queue = TestQueue::named(label).await;
-            idem::rabbitmq::declare_queue(queue.channel(), &queue.name)
+            idem::outbox::rabbitmq::declare_queue(queue.channel(), &queue.name)
                 .await
                 .unwrap_or_else(|error| panic!("declaring queue {}: {error}", queue.name));
             RabbitMq {
