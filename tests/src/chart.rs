@@ -83,6 +83,30 @@ pub fn network_series(
 /// 720x420: round-trip time on x, requests per second on y from 0, and a
 /// legend of the series' names.
 pub fn write_svg(path: &Path, title: &str, series: &[Series]) -> Result<(), Box<dyn Error>> {
+    let axes = Axes {
+        x: "database round-trip time (ms)",
+        y: "requests per second",
+    };
+    write_svg_with(path, title, &axes, series)
+}
+
+/// The descriptions of a chart's axes.
+#[derive(Debug, Clone, Copy)]
+pub struct Axes<'a> {
+    /// Under the x axis.
+    pub x: &'a str,
+    /// Beside the y axis.
+    pub y: &'a str,
+}
+
+/// As [`write_svg`], with the axes described by `axes` (any quantities,
+/// both from 0): the relay benchmark's latency distributions.
+pub fn write_svg_with(
+    path: &Path,
+    title: &str,
+    axes: &Axes<'_>,
+    series: &[Series],
+) -> Result<(), Box<dyn Error>> {
     let points = series.iter().flat_map(|line| line.points.iter());
     let (x_max, y_max) = points.fold((0.0_f64, 0.0_f64), |(x, y), &(rtt, rps)| {
         (x.max(rtt), y.max(rps))
@@ -103,9 +127,15 @@ pub fn write_svg(path: &Path, title: &str, series: &[Series]) -> Result<(), Box<
         .build_cartesian_2d(0.0..x_max, 0.0..y_max)?;
     chart
         .configure_mesh()
-        .x_desc("database round-trip time (ms)")
-        .y_desc("requests per second")
-        .y_label_formatter(&|rps| format!("{rps:.0}"))
+        .x_desc(axes.x)
+        .y_desc(axes.y)
+        .y_label_formatter(&|y| {
+            if y_max >= 20.0 {
+                format!("{y:.0}")
+            } else {
+                format!("{y:.1}")
+            }
+        })
         .label_style(("sans-serif", 16))
         .axis_desc_style(("sans-serif", 18))
         .light_line_style(WHITE.mix(0.0))
