@@ -1,8 +1,8 @@
 //! The outbox relay, measured against issue 41's targets: how soon a
 //! committed message reaches the broker at a steady rate, how fast a
 //! backlog drains, and what one `tx.outbox` write costs a request; on NATS
-//! JetStream (`idem::nats::JetStream`) and RabbitMQ
-//! (`idem::rabbitmq::RabbitMq`).
+//! JetStream (`idem::outbox::nats::JetStream`) and RabbitMQ
+//! (`idem::outbox::rabbitmq::RabbitMq`).
 //!
 //! ```text
 //! cargo bench -p idem-tests --bench relay
@@ -73,9 +73,10 @@ use std::time::{Duration, Instant};
 use axum::Json;
 use axum::http::StatusCode;
 use axum::routing::post;
-use idem::nats::JetStream;
-use idem::rabbitmq::RabbitMq;
-use idem::{Idem, Message, Sink, SinkError, Tx, idempotent};
+use idem::outbox::nats::JetStream;
+use idem::outbox::rabbitmq::RabbitMq;
+use idem::outbox::{Message, Sink, SinkError};
+use idem::{Idem, Tx, idempotent};
 use idem_tests::account::Account;
 use idem_tests::chart::{self, Axes, Series};
 use idem_tests::nats::TestStream;

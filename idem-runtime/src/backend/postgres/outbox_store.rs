@@ -16,9 +16,10 @@ use crate::error::Error;
 
 impl OutboxStore for Postgres {
     async fn migrate_outbox(pool: &Pool<Self>, outbox: &str, consumed: &str) -> Result<(), Error> {
-        let (pending, heads, delivered, expires) = (
+        let (pending, heads, touched, delivered, expires) = (
             index_name(outbox, "pending_idx"),
             index_name(outbox, "scope_idx"),
+            index_name(outbox, "touched_idx"),
             index_name(outbox, "delivered_idx"),
             index_name(consumed, "expires_at_idx"),
         );
@@ -29,6 +30,7 @@ impl OutboxStore for Postgres {
             &[
                 outbox,
                 &qualified(outbox, &delivered),
+                &qualified(outbox, &touched),
                 consumed,
                 &qualified(consumed, &expires),
             ],
@@ -53,6 +55,8 @@ impl OutboxStore for Postgres {
             );
             CREATE INDEX IF NOT EXISTS {pending} ON {outbox} (seq) WHERE delivered_at IS NULL;
             CREATE INDEX IF NOT EXISTS {heads} ON {outbox} (scope, seq) WHERE delivered_at IS NULL;
+            CREATE INDEX IF NOT EXISTS {touched} ON {outbox} (scope, seq)
+                WHERE delivered_at IS NULL AND (lease_until IS NOT NULL OR attempts > 0);
             CREATE INDEX IF NOT EXISTS {delivered} ON {outbox} (delivered_at)
                 WHERE delivered_at IS NOT NULL;
             CREATE TABLE IF NOT EXISTS {consumed} (
@@ -95,17 +99,24 @@ impl OutboxStore for Postgres {
         // lease: a message whose scope has an older one blocked (waiting
         // for a retry, or leased) is not taken, and the older ones that are
         // free come first in `seq` order, so a scope's share is a prefix.
+        // The blocked heads are found once per pass, not once per candidate:
+        // only a message leased or failed before can be blocked (a new one
+        // is available from its commit on), a small set its own index
+        // keeps, and a backlog that grew since the last ANALYZE cannot turn
+        // the check into a scan of every pending message per candidate.
         let sql = format!(
-            "UPDATE {outbox} SET lease_token = $1, \
+            "WITH blocked AS MATERIALIZED (SELECT e.scope, min(e.seq) AS seq FROM {outbox} e \
+                 WHERE e.delivered_at IS NULL AND (e.lease_until IS NOT NULL OR e.attempts > 0) \
+                 AND (e.available_at > statement_timestamp() \
+                      OR e.lease_until > statement_timestamp()) \
+                 GROUP BY e.scope) \
+             UPDATE {outbox} SET lease_token = $1, \
                  lease_until = statement_timestamp() + $2 * interval '1 millisecond' \
              WHERE seq IN (SELECT c.seq FROM {outbox} c \
                  WHERE c.delivered_at IS NULL AND c.available_at <= statement_timestamp() \
                  AND (c.lease_until IS NULL OR c.lease_until <= statement_timestamp()) \
-                 AND NOT EXISTS (SELECT 1 FROM {outbox} e \
-                     WHERE e.scope = c.scope AND e.seq < c.seq AND e.delivered_at IS NULL \
-                     AND (e.available_at > statement_timestamp() \
-                          OR e.lease_until > statement_timestamp())) \
-                 ORDER BY c.seq LIMIT $3 FOR UPDATE SKIP LOCKED) \
+                 AND NOT EXISTS (SELECT 1 FROM blocked b WHERE b.scope = c.scope AND b.seq < c.seq) \
+                 ORDER BY c.seq LIMIT $3 FOR UPDATE OF c SKIP LOCKED) \
              RETURNING {MESSAGE_COLUMNS}"
         );
         let mut tx = pool.begin().await?;
