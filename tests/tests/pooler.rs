@@ -697,7 +697,7 @@ fn direct_url(database: &str) -> String {
 }
 
 /// The suites run again through PgBouncer (`IDEM_TEST_POOLER=transaction`,
-/// 4 server connections for every test's pools at once): the test binary
+/// `SUITE_SERVER_CONNECTIONS` for every test's pools at once): the test binary
 /// `name` of this build, its tests matching `filter` but `skip`, which
 /// must run at least `at_least` tests and pass. Returns how many passed.
 fn run_suite_behind(
@@ -782,9 +782,17 @@ fn test_binary(name: &str) -> std::path::PathBuf {
 /// bound statement outside any transaction, which such a pooler may parse
 /// on one server session and run on another: the application's own
 /// statement, not `idem`'s).
+/// The server connections the suites share behind PgBouncer: fewer than
+/// their pools' connections, so that transactions move between server
+/// sessions, and enough for the most a test holds at once (the in-flight
+/// duplicates hold two transactions open while a third instance's claim
+/// must reach the server to be seen waiting) beside the test running in
+/// parallel with it.
+const SUITE_SERVER_CONNECTIONS: u32 = 8;
+
 #[test]
 fn the_suites_pass_behind_pgbouncer() {
-    let bouncer = PgBouncer::start(&upstream(), 4);
+    let bouncer = PgBouncer::start(&upstream(), SUITE_SERVER_CONNECTIONS);
     let url = bouncer.url(&upstream());
     let mut passed = 0;
     passed += run_suite_behind(
