@@ -6,15 +6,11 @@
 
 use std::collections::HashMap;
 use std::ops::Deref;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_nats::jetstream::{self, stream};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
 
-use crate::proxy::{Proxy, Wire, connect};
+use crate::proxy::BrokerProxy;
 
 /// Where the tests' NATS server listens (started by `.ci/run`).
 pub const NATS_ADDR: &str = "127.0.0.1:4222";
@@ -151,91 +147,26 @@ impl TestStream {
     }
 }
 
-/// A TCP proxy on `127.0.0.1:<ephemeral>` in front of the NATS server:
-/// the bytes pass untouched, the server's after [`set_latency`]. Cut and
-/// refuse through [`Proxy`]'s controls, which it derefs to.
-///
-/// [`set_latency`]: NatsProxy::set_latency
-pub struct NatsProxy {
-    proxy: Proxy,
-    latency_ms: Arc<AtomicU64>,
-}
+/// A [`BrokerProxy`] in front of the tests' NATS server, cuts, refusals and latency
+/// through it (it derefs to it).
+pub struct NatsProxy(BrokerProxy);
 
 impl Deref for NatsProxy {
-    type Target = Proxy;
+    type Target = BrokerProxy;
 
-    fn deref(&self) -> &Proxy {
-        &self.proxy
+    fn deref(&self) -> &BrokerProxy {
+        &self.0
     }
 }
 
 impl NatsProxy {
     /// A proxy to the tests' NATS server.
     pub async fn start() -> NatsProxy {
-        let latency_ms = Arc::new(AtomicU64::new(0));
-        let upstream = NATS_ADDR.parse().unwrap();
-        let proxy = Proxy::start(upstream, {
-            let latency_ms = Arc::clone(&latency_ms);
-            move |client, wire| serve(client, wire, Arc::clone(&latency_ms))
-        })
-        .await;
-        NatsProxy { proxy, latency_ms }
+        NatsProxy(BrokerProxy::start(NATS_ADDR.parse().unwrap()).await)
     }
 
     /// The URL a NATS client connects to.
     pub fn url(&self) -> String {
         format!("nats://{}", self.addr())
-    }
-
-    /// Holds each chunk of the server's bytes this long before passing it
-    /// on (a slow broker: every publish's acknowledgement comes late).
-    pub fn set_latency(&self, latency: Duration) {
-        let ms = u64::try_from(latency.as_millis()).unwrap_or(u64::MAX);
-        self.latency_ms.store(ms, Ordering::SeqCst);
-    }
-
-    /// The broker unreachable: open connections dropped, new ones closed
-    /// as they arrive, until [`restore`](Self::restore).
-    pub fn cut(&self) {
-        self.set_refuse(true);
-        self.cut_all();
-    }
-
-    /// The broker reachable again.
-    pub fn restore(&self) {
-        self.set_refuse(false);
-    }
-}
-
-/// One connection: both directions, until either side closes (or the
-/// proxy cuts it, by dropping this future).
-async fn serve(client: TcpStream, wire: Arc<Wire>, latency_ms: Arc<AtomicU64>) {
-    let Some((mut client_read, mut client_write, mut server_read, mut server_write)) =
-        connect(client, wire.upstream).await
-    else {
-        return;
-    };
-    let upstream = async {
-        let _ = tokio::io::copy(&mut client_read, &mut server_write).await;
-    };
-    let downstream = async {
-        let mut buffer = vec![0; 64 * 1024];
-        loop {
-            let read = match server_read.read(&mut buffer).await {
-                Ok(0) | Err(_) => return,
-                Ok(read) => read,
-            };
-            let latency = latency_ms.load(Ordering::SeqCst);
-            if latency > 0 {
-                tokio::time::sleep(Duration::from_millis(latency)).await;
-            }
-            if client_write.write_all(&buffer[..read]).await.is_err() {
-                return;
-            }
-        }
-    };
-    tokio::select! {
-        () = upstream => {}
-        () = downstream => {}
     }
 }

@@ -514,3 +514,85 @@ pub(crate) fn contains_word(haystack: &[u8], word: &[u8]) -> bool {
                     .is_none_or(|&after| !is_ident(after))
         })
 }
+
+/// A TCP proxy in front of a broker: the bytes pass untouched, the
+/// broker's after [`set_latency`](BrokerProxy::set_latency). Cut and
+/// refuse through [`Proxy`]'s controls, which it derefs to. Each broker's
+/// proxy (`NatsProxy`, `AmqpProxy`) is this one with its URL.
+pub struct BrokerProxy {
+    proxy: Proxy,
+    latency_ms: Arc<AtomicU64>,
+}
+
+impl std::ops::Deref for BrokerProxy {
+    type Target = Proxy;
+
+    fn deref(&self) -> &Proxy {
+        &self.proxy
+    }
+}
+
+impl BrokerProxy {
+    /// A proxy to the broker at `upstream`.
+    pub async fn start(upstream: SocketAddr) -> BrokerProxy {
+        let latency_ms = Arc::new(AtomicU64::new(0));
+        let proxy = Proxy::start(upstream, {
+            let latency_ms = Arc::clone(&latency_ms);
+            move |client, wire| serve_broker(client, wire, Arc::clone(&latency_ms))
+        })
+        .await;
+        BrokerProxy { proxy, latency_ms }
+    }
+
+    /// Holds each chunk of the broker's bytes this long before passing it
+    /// on (a slow broker: every publish's acknowledgement comes late).
+    pub fn set_latency(&self, latency: Duration) {
+        let ms = u64::try_from(latency.as_millis()).unwrap_or(u64::MAX);
+        self.latency_ms.store(ms, Ordering::SeqCst);
+    }
+
+    /// The broker unreachable: open connections dropped, new ones closed
+    /// as they arrive, until [`restore`](Self::restore).
+    pub fn cut(&self) {
+        self.set_refuse(true);
+        self.cut_all();
+    }
+
+    /// The broker reachable again.
+    pub fn restore(&self) {
+        self.set_refuse(false);
+    }
+}
+
+/// One broker connection: both directions, until either side closes (or
+/// the proxy cuts it, by dropping this future).
+async fn serve_broker(client: TcpStream, wire: Arc<Wire>, latency_ms: Arc<AtomicU64>) {
+    let Some((mut client_read, mut client_write, mut server_read, mut server_write)) =
+        connect(client, wire.upstream).await
+    else {
+        return;
+    };
+    let upstream = async {
+        let _ = tokio::io::copy(&mut client_read, &mut server_write).await;
+    };
+    let downstream = async {
+        let mut buffer = vec![0; 64 * 1024];
+        loop {
+            let read = match server_read.read(&mut buffer).await {
+                Ok(0) | Err(_) => return,
+                Ok(read) => read,
+            };
+            let latency = latency_ms.load(Ordering::SeqCst);
+            if latency > 0 {
+                tokio::time::sleep(Duration::from_millis(latency)).await;
+            }
+            if client_write.write_all(&buffer[..read]).await.is_err() {
+                return;
+            }
+        }
+    };
+    tokio::select! {
+        () = upstream => {}
+        () = downstream => {}
+    }
+}

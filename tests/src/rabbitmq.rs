@@ -6,18 +6,14 @@
 //! that cuts and refuses connections.
 
 use std::ops::Deref;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use idem::outbox::rabbitmq::declare_queue_with;
 use lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection, ConnectionProperties};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
 
-use crate::proxy::{self, Proxy, Wire};
+use crate::proxy::BrokerProxy;
 
 /// Where the tests' RabbitMQ listens.
 const AMQP_ADDR: &str = "127.0.0.1:5672";
@@ -125,91 +121,27 @@ impl TestQueue {
     }
 }
 
-/// A TCP proxy on `127.0.0.1:<ephemeral>` in front of the tests'
-/// RabbitMQ: the bytes pass untouched, the broker's after
-/// [`set_latency`](AmqpProxy::set_latency). Cut and refuse through
-/// [`Proxy`]'s controls, which it derefs to.
-pub struct AmqpProxy {
-    proxy: Proxy,
-    latency_ms: Arc<AtomicU64>,
-}
+/// A [`BrokerProxy`] in front of the tests' RabbitMQ, cuts, refusals and latency
+/// through it (it derefs to it).
+pub struct AmqpProxy(BrokerProxy);
 
 impl Deref for AmqpProxy {
-    type Target = Proxy;
+    type Target = BrokerProxy;
 
-    fn deref(&self) -> &Proxy {
-        &self.proxy
+    fn deref(&self) -> &BrokerProxy {
+        &self.0
     }
 }
 
 impl AmqpProxy {
     /// A proxy to the tests' RabbitMQ.
     pub async fn start() -> AmqpProxy {
-        let latency_ms = Arc::new(AtomicU64::new(0));
-        let upstream = AMQP_ADDR.parse().unwrap();
-        let proxy = Proxy::start(upstream, {
-            let latency_ms = Arc::clone(&latency_ms);
-            move |client, wire| serve(client, wire, Arc::clone(&latency_ms))
-        })
-        .await;
-        AmqpProxy { proxy, latency_ms }
-    }
-
-    /// Holds each chunk of the broker's bytes this long before passing it
-    /// on (a slow broker: every publish's confirm comes late).
-    pub fn set_latency(&self, latency: Duration) {
-        let ms = u64::try_from(latency.as_millis()).unwrap_or(u64::MAX);
-        self.latency_ms.store(ms, Ordering::SeqCst);
+        AmqpProxy(BrokerProxy::start(AMQP_ADDR.parse().unwrap()).await)
     }
 
     /// The URI an AMQP client connects to, as [`AMQP_URL`] but through the
     /// proxy.
     pub fn url(&self) -> String {
         format!("amqp://guest:guest@{}/%2f", self.addr())
-    }
-
-    /// The broker unreachable: open connections dropped, new ones closed
-    /// as they arrive, until [`restore`](Self::restore).
-    pub fn cut(&self) {
-        self.set_refuse(true);
-        self.cut_all();
-    }
-
-    /// The broker reachable again.
-    pub fn restore(&self) {
-        self.set_refuse(false);
-    }
-}
-
-/// One connection: both directions, until either side closes (or the
-/// proxy cuts it, by dropping this future).
-async fn serve(client: TcpStream, wire: Arc<Wire>, latency_ms: Arc<AtomicU64>) {
-    let Some((mut client_read, mut client_write, mut server_read, mut server_write)) =
-        proxy::connect(client, wire.upstream).await
-    else {
-        return;
-    };
-    let upstream = async {
-        let _ = tokio::io::copy(&mut client_read, &mut server_write).await;
-    };
-    let downstream = async {
-        let mut buffer = vec![0; 64 * 1024];
-        loop {
-            let read = match server_read.read(&mut buffer).await {
-                Ok(0) | Err(_) => return,
-                Ok(read) => read,
-            };
-            let latency = latency_ms.load(Ordering::SeqCst);
-            if latency > 0 {
-                tokio::time::sleep(Duration::from_millis(latency)).await;
-            }
-            if client_write.write_all(&buffer[..read]).await.is_err() {
-                return;
-            }
-        }
-    };
-    tokio::select! {
-        () = upstream => {}
-        () = downstream => {}
     }
 }

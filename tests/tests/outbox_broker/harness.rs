@@ -17,6 +17,7 @@ use idem_tests::outbox_flow;
 pub use idem_tests::outbox_flow::{
     ConsumerSettings, Deadline, Ledger, PgSchema, Printed, Store, charge,
 };
+use idem_tests::proxy::BrokerProxy;
 use tokio::process::Child;
 
 /// A TCP proxy between the examples and the broker: slows the broker's
@@ -43,15 +44,15 @@ impl LinkProxy for NatsProxy {
     }
 
     fn set_latency(&self, latency: Duration) {
-        NatsProxy::set_latency(self, latency);
+        BrokerProxy::set_latency(self, latency);
     }
 
     fn cut(&self) {
-        NatsProxy::cut(self);
+        BrokerProxy::cut(self);
     }
 
     fn restore(&self) {
-        NatsProxy::restore(self);
+        BrokerProxy::restore(self);
     }
 }
 
@@ -188,7 +189,7 @@ mod rabbitmq {
     use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeleteOptions};
     use lapin::types::ShortString;
 
-    use super::{Deadline, LinkProxy, Printed, TestBroker};
+    use super::{BrokerProxy, Deadline, LinkProxy, Printed, TestBroker};
 
     impl LinkProxy for AmqpProxy {
         async fn start() -> Self {
@@ -200,15 +201,15 @@ mod rabbitmq {
         }
 
         fn set_latency(&self, latency: Duration) {
-            AmqpProxy::set_latency(self, latency);
+            BrokerProxy::set_latency(self, latency);
         }
 
         fn cut(&self) {
-            AmqpProxy::cut(self);
+            BrokerProxy::cut(self);
         }
 
         fn restore(&self) {
-            AmqpProxy::restore(self);
+            BrokerProxy::restore(self);
         }
     }
 
