@@ -31,7 +31,7 @@ use lapin::options::{
     ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions,
 };
 use lapin::types::FieldTable;
-use lapin::{Channel, Connection, ExchangeKind};
+use lapin::{Channel, ExchangeKind};
 use serde_json::{Value, json};
 use sqlx::{PgPool, Postgres};
 
@@ -186,14 +186,13 @@ impl Tally {
 /// row; the delivery is acknowledged only after that commits (applied, or
 /// found applied before), so a redelivered message is acknowledged
 /// without a second row. One delivery at a time: the queue's order, which
-/// is each scope's, is the order applied.
-async fn consumer(
-    idem: Idem<Postgres>,
-    connection: &Connection,
-    queue: &str,
-    tally: Arc<Tally>,
-) -> Consuming {
-    let channel = connection.create_channel().await.unwrap();
+/// is each scope's, is the order applied. Returns the consumer and its
+/// counts.
+async fn consumer(world: &World, queue: &TestQueue) -> (Consuming, Arc<Tally>) {
+    let channel = queue.connection().create_channel().await.unwrap();
+    let (idem, queue) = (world.idem.clone(), queue.name.as_str());
+    let tally = Arc::new(Tally::default());
+    let counted = Arc::clone(&tally);
     channel
         .basic_qos(50, BasicQosOptions::default())
         .await
@@ -230,8 +229,8 @@ async fn consumer(
                 })
                 .await;
             match done {
-                Ok(Consumed::Applied(_)) => tally.applied.fetch_add(1, Ordering::SeqCst),
-                Ok(Consumed::Duplicate) => tally.duplicates.fetch_add(1, Ordering::SeqCst),
+                Ok(Consumed::Applied(_)) => counted.applied.fetch_add(1, Ordering::SeqCst),
+                Ok(Consumed::Duplicate) => counted.duplicates.fetch_add(1, Ordering::SeqCst),
                 Err(error) => {
                     // Nothing committed: back to the queue, delivered again.
                     eprintln!("applying {id} failed: {error}; requeued");
@@ -244,10 +243,10 @@ async fn consumer(
                 }
             };
             delivery.ack(BasicAckOptions::default()).await.expect("ack");
-            tally.acked.fetch_add(1, Ordering::SeqCst);
+            counted.acked.fetch_add(1, Ordering::SeqCst);
         }
     });
-    Consuming { channel, task }
+    (Consuming { channel, task }, tally)
 }
 
 /// A running [`consumer`].
@@ -299,14 +298,7 @@ async fn the_relay_delivers_a_thousand_messages_each_applied_once_in_scope_order
     let total = ACCOUNTS as u64 * PER_ACCOUNT.unsigned_abs();
     let world = World::new("rmq_thousand").await;
     let queue = TestQueue::create("idem_thousand").await;
-    let tally = Arc::new(Tally::default());
-    let consuming = consumer(
-        world.idem.clone(),
-        queue.connection(),
-        &queue.name,
-        Arc::clone(&tally),
-    )
-    .await;
+    let (consuming, tally) = consumer(&world, &queue).await;
     let sink = RabbitMq::to_queue(AMQP_URL, &queue.name)
         .await
         .expect("the sink connects");
@@ -394,14 +386,7 @@ async fn an_unroutable_message_is_retried_and_never_marked_delivered() {
 
     // Now a queue takes them: the next passes deliver all four.
     queue.declare().await;
-    let tally = Arc::new(Tally::default());
-    let consuming = consumer(
-        world.idem.clone(),
-        queue.connection(),
-        &queue.name,
-        Arc::clone(&tally),
-    )
-    .await;
+    let (consuming, tally) = consumer(&world, &queue).await;
     let mut done = RelayRun::default();
     let started = tokio::time::Instant::now();
     while world.pending().await > 0 {
@@ -490,14 +475,7 @@ async fn a_channel_the_broker_closed_is_replaced_and_an_exchange_routes_by_topic
     let run = relay.run_once().await.expect("a relay pass");
     assert_eq!((run.delivered, run.failed), (1, 0), "routed by its topic");
     assert_eq!(world.pending().await, 0);
-    let tally = Arc::new(Tally::default());
-    let consuming = consumer(
-        world.idem.clone(),
-        queue.connection(),
-        &queue.name,
-        Arc::clone(&tally),
-    )
-    .await;
+    let (consuming, tally) = consumer(&world, &queue).await;
     Deadline::after(DEADLINE)
         .until("the message applied", || async {
             (tally.acked() == 1).then_some(())
@@ -554,14 +532,7 @@ async fn a_lost_connection_costs_retries_and_the_sink_reconnects() {
     let run = relay.run_once().await.expect("a relay pass");
     assert_eq!((run.delivered, run.failed), (1, 0), "delivered once back");
     assert_eq!(world.pending().await, 0);
-    let tally = Arc::new(Tally::default());
-    let consuming = consumer(
-        world.idem.clone(),
-        queue.connection(),
-        &queue.name,
-        Arc::clone(&tally),
-    )
-    .await;
+    let (consuming, tally) = consumer(&world, &queue).await;
     Deadline::after(DEADLINE)
         .until("both messages applied", || async {
             (tally.acked() == 2).then_some(())
@@ -581,14 +552,7 @@ async fn a_message_published_again_is_applied_once() {
     const PER_ACCOUNT: i64 = 10;
     let world = World::new("rmq_again").await;
     let queue = TestQueue::create("idem_again").await;
-    let tally = Arc::new(Tally::default());
-    let consuming = consumer(
-        world.idem.clone(),
-        queue.connection(),
-        &queue.name,
-        Arc::clone(&tally),
-    )
-    .await;
+    let (consuming, tally) = consumer(&world, &queue).await;
     let sink = RabbitMq::to_queue(AMQP_URL, &queue.name)
         .await
         .expect("the sink connects");
