@@ -377,16 +377,13 @@ impl<DB: Backend> Idem<DB> {
 
     /// `problem` as this store's services answer it.
     pub(crate) fn problem(&self, problem: crate::problem::Problem) -> axum::response::Response {
-        problem.render(
-            self.inner.problem_type_base.as_deref(),
-            problem.operation_state(),
-        )
+        problem.render(self.problem_type_prefix(), problem.operation_state())
     }
 
     /// `response` on its way out: one of `idem`'s problems gets the
     /// configured type (see [`problem_type_base`](Self::problem_type_base)).
     pub(crate) fn typed(&self, response: axum::response::Response) -> axum::response::Response {
-        let Some(base) = self.inner.problem_type_base.as_deref() else {
+        let Some(base) = self.problem_type_prefix() else {
             return response;
         };
         match response.extensions().get::<crate::problem::Rendered>() {
