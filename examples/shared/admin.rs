@@ -77,7 +77,7 @@ fn millis(time: SystemTime) -> u64 {
 fn json(info: &KeyInfo) -> serde_json::Value {
     let state = match info.state {
         KeyState::InFlight => "in_flight",
-        KeyState::Finished => "finished",
+        KeyState::Completed => "finished",
         KeyState::Expired => "expired",
     };
     serde_json::json!({

@@ -15,14 +15,16 @@ use axum::body::Body;
 use http::{HeaderValue, header};
 use tower::ServiceExt;
 
-use crate::backend::{Holder, OpenTx, Phased};
+use crate::backend::{Holder, Phased, Release};
 use crate::error::Error;
 use crate::idem::Idem;
 use crate::key::IDEMPOTENCY_KEY;
 use crate::observe;
-use crate::problem::Problem;
+use crate::passes::{self, LastPass};
+use crate::problem::OperationState;
 use crate::request::StoredRequest;
-use crate::response::{StoredResponse, is_storable};
+use crate::resolve::Uncertainty;
+use crate::response::is_storable;
 use crate::scope::Scope;
 
 /// How long a completer's reservation of a key holds it while its request
@@ -40,7 +42,6 @@ pub struct Completer<DB: Phased> {
     idem: Idem<DB>,
     router: Router,
     every: Duration,
-    max_attempts: u32,
     backoff: Duration,
     batch: u32,
 }
@@ -53,8 +54,12 @@ pub struct CompleterRun {
     pub resumed: u32,
     /// Of those, the ones that answered with a stored response.
     pub completed: u32,
-    /// Keys it gave up on: finished with a stored 500 for a person to check.
-    pub given_up: u32,
+    /// Keys whose attempts ran out after an external step may have
+    /// happened: made uncertain, for a person to resolve.
+    pub uncertain: u32,
+    /// Keys whose attempts ran out before any external step: released, so
+    /// that the next retry runs afresh.
+    pub released: u32,
 }
 
 impl<DB: Phased> Idem<DB> {
@@ -63,10 +68,13 @@ impl<DB: Phased> Idem<DB> {
     /// response stored) are resumed by sending their stored request through
     /// it, without the caller's credentials; the handler's scope parameter
     /// is rebuilt with [`FromScope`]. Attempts back off
-    /// (doubling from [`Completer::backoff`]); after
-    /// [`Completer::max_attempts`] the key is finished with a stored 500
-    /// (problem code `idempotency_request_abandoned`) and an error is
-    /// logged for a person to check its effects.
+    /// (doubling from [`Completer::backoff`]); once a key's attempts
+    /// (the completer's and clients' retries together) reach
+    /// [`Idem::max_attempts`], a key whose external step may have happened
+    /// becomes uncertain (every request with it is answered
+    /// `idempotency_outcome_uncertain` until [`Idem::resolve`] says what
+    /// happened) and a warning is logged; one that provably did nothing
+    /// outside the database is released.
     ///
     /// ```no_run
     /// # use idem_runtime as idem;
@@ -74,7 +82,7 @@ impl<DB: Phased> Idem<DB> {
     /// # fn demo(idem: idem::Idem<sqlx::Postgres>, app: axum::Router) {
     /// idem.completer(app.clone())
     ///     .every(Duration::from_secs(2))
-    ///     .max_attempts(5)
+    ///     .backoff(Duration::from_secs(2))
     ///     .spawn();
     /// # }
     /// ```
@@ -83,7 +91,6 @@ impl<DB: Phased> Idem<DB> {
             idem: self.clone(),
             router,
             every: Duration::from_secs(5),
-            max_attempts: 5,
             backoff: Duration::from_secs(1),
             batch: 32,
         }
@@ -97,12 +104,6 @@ impl<DB: Phased> Completer<DB> {
         self
     }
 
-    /// How many times it resumes one key before giving up (default 5).
-    pub fn max_attempts(mut self, attempts: u32) -> Self {
-        self.max_attempts = attempts;
-        self
-    }
-
     /// The wait after a key's first failed resumption, doubled after each
     /// next one, up to 5 minutes (default 1 s).
     pub fn backoff(mut self, backoff: Duration) -> Self {
@@ -111,15 +112,29 @@ impl<DB: Phased> Completer<DB> {
     }
 
     /// One pass: every abandoned key found (up to a batch) is resumed once,
-    /// or given up.
+    /// or given up once its attempts are spent.
     pub async fn run_once(&self) -> Result<CompleterRun, Error> {
+        let started = std::time::Instant::now();
+        let run = self.pass().await;
+        passes::keep(
+            &self.idem.inner().passes.completer,
+            LastPass::ended(started, &run),
+        );
+        run
+    }
+
+    async fn pass(&self) -> Result<CompleterRun, Error> {
         let idem = &self.idem;
         let mut run = CompleterRun::default();
         for abandoned in DB::abandoned(idem.pool(), idem.table_name(), self.batch).await? {
             let request = abandoned.request.as_deref().and_then(StoredRequest::decode);
-            let Some(request) = request.filter(|_| abandoned.attempts < self.max_attempts) else {
-                if self.give_up(&abandoned.holder, abandoned.attempts).await? {
-                    run.given_up += 1;
+            let spent = abandoned.attempts >= idem.attempts_limit();
+            let Some(request) = request.filter(|_| !spent) else {
+                let left = give_up(idem, &abandoned.holder, abandoned.external).await?;
+                match left {
+                    Some(OperationState::Uncertain) => run.uncertain += 1,
+                    Some(_) => run.released += 1,
+                    None => {}
                 }
                 continue;
             };
@@ -142,6 +157,8 @@ impl<DB: Phased> Completer<DB> {
                 observe::completer("failed");
             }
         }
+        let uncertain = DB::count_uncertain(idem.pool(), idem.table_name()).await?;
+        observe::uncertain_keys(uncertain);
         Ok(run)
     }
 
@@ -218,42 +235,36 @@ impl<DB: Phased> Completer<DB> {
         }
         completed
     }
+}
 
-    /// Finishes a key it will not resume again with a stored 500, for a
-    /// person to check. Whether it did (another process may have it).
-    async fn give_up(&self, holder: &Holder, attempts: u32) -> Result<bool, Error> {
-        let idem = &self.idem;
-        let Some(token) = DB::reserve(idem.pool(), idem.table_name(), holder, RESERVATION).await?
-        else {
-            return Ok(false);
-        };
-        let held = Holder {
-            token,
-            ..holder.clone()
-        };
-        let response = idem.problem(Problem::Abandoned);
-        let Ok((stored, _)) =
-            StoredResponse::capture(response, idem.replay_header_names(), usize::MAX).await
-        else {
-            unreachable!("a problem's body is in memory and under no cap")
-        };
-        let mut conn = OpenTx::acquire(idem.pool()).await?;
-        let done = DB::store(&mut conn, idem.table_name(), &held, &stored).await;
-        conn.release_unless_gone(&done);
-        let done = done?;
-        if done {
-            observe::completer("given_up");
-            tracing::error!(
-                scope = observe::redact(&[&holder.scope]),
-                key = observe::redact(&[&holder.scope, &holder.key]),
-                attempts,
-                "an idempotent request was abandoned after its last attempt: it is answered 500 \
-                 from now on, and its effects outside the database (see its recovery point's \
-                 external steps) need a person to check them"
-            );
-        }
-        Ok(done)
+/// Gives up a key whose attempts are spent, if its row still carries
+/// `holder`'s token: uncertain when an external step may have happened,
+/// released (the next retry runs afresh) when none can have. What it left
+/// the key's operation; `None` when another attempt had taken the key.
+pub(crate) async fn give_up<DB: Phased>(
+    idem: &Idem<DB>,
+    holder: &Holder,
+    external: bool,
+) -> Result<Option<OperationState>, Error> {
+    let record = Uncertainty::encode(Uncertainty::EXHAUSTED, None);
+    let (how, left, outcome) = if external {
+        (
+            Release::Uncertain(&record),
+            OperationState::Uncertain,
+            "uncertain",
+        )
+    } else {
+        (Release::Delete, OperationState::NotStarted, "released")
+    };
+    let mut conn = idem.pool().acquire().await?;
+    if !DB::release(&mut conn, idem.table_name(), holder, how).await? {
+        return Ok(None);
     }
+    observe::completer(outcome);
+    if external {
+        observe::uncertain(&holder.scope, &holder.key, Uncertainty::EXHAUSTED, None);
+    }
+    Ok(Some(left))
 }
 
 /// `key` as an RFC 9651 sf-string, which `idem` reads back as the key.

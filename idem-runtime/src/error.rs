@@ -49,4 +49,9 @@ pub enum Error {
         /// The most the store takes.
         max: usize,
     },
+    /// A [`Resolution`](crate::Resolution) given to
+    /// [`Idem::resolve`](crate::Idem::resolve) cannot be stored: its status
+    /// is not one `idem` replays, or its body did not serialise.
+    #[error("invalid resolution: {0}")]
+    InvalidResolution(String),
 }

@@ -8,6 +8,7 @@ use sqlx::Pool;
 
 use crate::backend::{Acquire, Backend};
 use crate::error::Error;
+use crate::passes::{LastPass, Passes, last};
 use crate::pooler::Pooler;
 use crate::recent::FinishedKeys;
 use crate::response::{DEFAULT_REPLAY_HEADERS, IDEMPOTENT_REPLAYED, is_forbidden};
@@ -18,6 +19,10 @@ pub const DEFAULT_TABLE: &str = "idem_keys";
 
 /// The default cap on a stored response (its body and replayed headers): 1 MiB.
 pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 1024 * 1024;
+
+/// The default number of times a phased key is resumed before it becomes
+/// uncertain: 5.
+pub const DEFAULT_MAX_ATTEMPTS: u32 = 5;
 
 /// The default time a request body may take to arrive: 30 seconds.
 pub const DEFAULT_BODY_TIMEOUT: Duration = Duration::from_secs(30);
@@ -73,6 +78,8 @@ pub(crate) struct Inner<DB: Backend> {
     finished: FinishedKeys,
     replay_marker: HeaderName,
     problem_type_base: Option<Arc<str>>,
+    max_attempts: u32,
+    pub(crate) passes: Arc<Passes>,
     pub(crate) messages: Tables,
 }
 
@@ -116,6 +123,8 @@ impl<DB: Backend> Idem<DB> {
                 finished: FinishedKeys::new(),
                 replay_marker: IDEMPOTENT_REPLAYED,
                 problem_type_base: None,
+                max_attempts: DEFAULT_MAX_ATTEMPTS,
+                passes: Arc::default(),
                 messages: Tables::beside(DEFAULT_TABLE),
             }),
         }
@@ -134,6 +143,8 @@ impl<DB: Backend> Idem<DB> {
             finished: FinishedKeys::new(),
             replay_marker: shared.replay_marker.clone(),
             problem_type_base: shared.problem_type_base.clone(),
+            max_attempts: shared.max_attempts,
+            passes: Arc::clone(&shared.passes),
             messages: shared.messages.clone(),
         });
         let mut inner = inner;
@@ -340,6 +351,38 @@ impl<DB: Backend> Idem<DB> {
     }
 
     /// Whether statements must keep nothing in the session.
+    /// How many times a phased key whose attempt stopped after an external
+    /// step may have happened is resumed, by the completer and by clients'
+    /// retries together, before it becomes uncertain (default
+    /// [`DEFAULT_MAX_ATTEMPTS`]): a client that retries without end ends
+    /// there too, rather than resuming without end. At least 1.
+    ///
+    /// ```no_run
+    /// # use idem_runtime as idem;
+    /// # fn demo(pool: sqlx::PgPool) {
+    /// let idem = idem::Idem::new(pool).max_attempts(3);
+    /// # let _ = idem; }
+    /// ```
+    pub fn max_attempts(self, attempts: u32) -> Self {
+        self.with(|inner| inner.max_attempts = attempts.max(1))
+    }
+
+    pub(crate) fn attempts_limit(&self) -> u32 {
+        self.inner.max_attempts
+    }
+
+    /// What the completer's last pass on this store did, and when (`None`
+    /// before its first).
+    pub fn last_completer_pass(&self) -> Option<LastPass<crate::completer::CompleterRun>> {
+        last(&self.inner.passes.completer)
+    }
+
+    /// What the last pass of a relay of this store did, and when (`None`
+    /// before the first).
+    pub fn last_relay_pass(&self) -> Option<LastPass<crate::outbox::RelayRun>> {
+        last(&self.inner.passes.relay)
+    }
+
     pub(crate) fn pooled(&self) -> bool {
         self.inner.pooler == Pooler::Transaction
     }

@@ -35,6 +35,8 @@ mod idem;
 pub mod openapi;
 mod operations;
 pub mod outbox;
+mod passes;
+mod resolve;
 
 // Where keys are kept: the storage contract and one folder per engine.
 mod backend;
@@ -63,13 +65,18 @@ pub use completer::FromScope;
 pub use consume::{ConsumeError, Consumed};
 pub use error::Error;
 pub use fingerprint::Fingerprint;
-pub use idem::{DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_TABLE, Idem};
+pub use idem::{
+    DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_TABLE, Idem,
+};
 pub use key::{IDEMPOTENCY_KEY, IdempotencyKey, KeyError, MAX_KEY_LEN};
 pub use observe::{Outcome, metrics, redact};
+pub use operations::KeyFilter;
+pub use passes::LastPass;
 pub use phases::{PhaseError, Phases};
 pub use policy::{IdempotentHandler, Policy};
 pub use pooler::Pooler;
 pub use problem::{OperationState, Problem};
+pub use resolve::{Resolution, ResolutionRecord, Resolved, Uncertainty};
 pub use response::{DEFAULT_REPLAY_HEADERS, IDEMPOTENT_REPLAYED};
 pub use scope::{MAX_SCOPE_LEN, Scope};
 pub use table::DEFAULT_CONSUMED_RETENTION;

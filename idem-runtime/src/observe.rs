@@ -26,8 +26,16 @@ pub const RESUMES_TOTAL: &str = "idem_resumes_total";
 /// over.
 pub const FENCED_TOTAL: &str = "idem_fenced_total";
 /// Counter of the completer's attempts, by `outcome`: `completed`,
-/// `failed`, `given_up`.
+/// `failed`, `uncertain`, `released`.
 pub const COMPLETER_TOTAL: &str = "idem_completer_total";
+/// Counter of keys that became uncertain, by `reason`:
+/// `attempts_exhausted`, `step_begun`.
+pub const UNCERTAIN_TOTAL: &str = "idem_uncertain_total";
+/// Gauge of the key table's uncertain keys, set by each completer pass.
+pub const UNCERTAIN_KEYS: &str = "idem_uncertain_keys";
+/// Counter of resolutions of uncertain keys, by `outcome`: `completed`,
+/// `not_started`, `retry`.
+pub const RESOLVED_TOTAL: &str = "idem_resolved_total";
 /// Counter of the outbox relay's deliveries, by `outcome`: `delivered`,
 /// `failed` (retried later).
 pub const OUTBOX_TOTAL: &str = "idem_outbox_total";
@@ -63,6 +71,9 @@ pub enum Outcome {
     /// A phased attempt lost its key to another attempt (its lease had
     /// ended) and stopped: 409, nothing of its last phase committed.
     Fenced,
+    /// The key's outcome is uncertain (now, or since an earlier attempt):
+    /// nothing ran, 409 `idempotency_outcome_uncertain`.
+    Uncertain,
 }
 
 impl Outcome {
@@ -79,6 +90,7 @@ impl Outcome {
             Self::StoreUnavailable => "store_unavailable",
             Self::Unkeyed => "unkeyed",
             Self::Fenced => "fenced",
+            Self::Uncertain => "uncertain",
         }
     }
 }
@@ -123,6 +135,29 @@ pub(crate) fn completer(outcome: &'static str) {
     ::metrics::counter!(COMPLETER_TOTAL, "outcome" => outcome).increment(1);
 }
 
+/// A key became uncertain: counted, and logged at warning level with its
+/// tags (never the scope or key themselves).
+pub(crate) fn uncertain(scope: &str, key: &str, reason: &'static str, step: Option<&str>) {
+    ::metrics::counter!(UNCERTAIN_TOTAL, "reason" => reason).increment(1);
+    tracing::warn!(
+        scope = redact(&[scope]),
+        key = redact(&[scope, key]),
+        reason,
+        step,
+        "an idempotency key's outcome is uncertain: its request may have had effects outside \
+         the service, and every retry is refused until a person resolves it"
+    );
+}
+
+pub(crate) fn resolved(outcome: &'static str) {
+    ::metrics::counter!(RESOLVED_TOTAL, "outcome" => outcome).increment(1);
+}
+
+pub(crate) fn uncertain_keys(count: u64) {
+    #[allow(clippy::cast_precision_loss)]
+    ::metrics::gauge!(UNCERTAIN_KEYS).set(count as f64);
+}
+
 pub(crate) fn relayed(outcome: &'static str, count: u64) {
     ::metrics::counter!(OUTBOX_TOTAL, "outcome" => outcome).increment(count);
 }
@@ -156,7 +191,7 @@ pub fn redact(parts: &[&str]) -> String {
 pub mod metrics {
     pub use super::{
         CLAIM_SECONDS, COMPLETER_TOTAL, CONSUMED_TOTAL, FENCED_TOTAL, OUTBOX_TOTAL, PHASES_TOTAL,
-        REQUESTS_TOTAL, RESUMES_TOTAL,
+        REQUESTS_TOTAL, RESOLVED_TOTAL, RESUMES_TOTAL, UNCERTAIN_KEYS, UNCERTAIN_TOTAL,
     };
 }
 

@@ -70,10 +70,14 @@ pub enum Problem {
     TransactionFailed,
     /// 500: the response could not be stored, so the work was rolled back.
     ResponseNotStored,
-    /// 500, stored: a phased request stopped after it may have had effects
-    /// outside the service, and the completer could not finish it within
-    /// its attempts. A person must check it; every retry gets this answer.
-    Abandoned,
+    /// 409 without `Retry-After`: the key's operation may or may not have
+    /// had its effect outside the service (a phased request whose attempts
+    /// ran out after an external step, or an
+    /// [`external_once`](crate::Phases::external_once) step begun without
+    /// a recorded result). Nothing runs until a person resolves it
+    /// ([`Idem::resolve`](crate::Idem::resolve)); retrying does not help,
+    /// and neither does a new key, which could do it twice.
+    OutcomeUncertain,
     /// 500: the caller's scope is longer than
     /// [`MAX_SCOPE_LEN`](crate::MAX_SCOPE_LEN); nothing ran. The scope comes
     /// from the server's own extractor, so a retry cannot help.
@@ -137,7 +141,9 @@ impl Problem {
             Self::KeyMissing | Self::KeyInvalid(_) | Self::BodyUnreadable => {
                 StatusCode::BAD_REQUEST
             }
-            Self::KeyInUse | Self::KeyHeld | Self::KeyLeased { .. } => StatusCode::CONFLICT,
+            Self::KeyInUse | Self::KeyHeld | Self::KeyLeased { .. } | Self::OutcomeUncertain => {
+                StatusCode::CONFLICT
+            }
             Self::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             Self::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
@@ -148,7 +154,6 @@ impl Problem {
             Self::HandlerPanicked
             | Self::TransactionFailed
             | Self::ResponseNotStored
-            | Self::Abandoned
             | Self::ScopeTooLong => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -170,7 +175,7 @@ impl Problem {
             Self::HandlerTimeout => "handler_timeout",
             Self::ResponseNotStored => "idempotency_response_not_stored",
             Self::ScopeTooLong => "idempotency_scope_too_long",
-            Self::Abandoned => "idempotency_request_abandoned",
+            Self::OutcomeUncertain => "idempotency_outcome_uncertain",
         }
     }
 
@@ -194,7 +199,7 @@ impl Problem {
             Self::HandlerTimeout => "Request took too long",
             Self::ResponseNotStored => "Response could not be stored",
             Self::ScopeTooLong => "Idempotency scope too long",
-            Self::Abandoned => "Request abandoned",
+            Self::OutcomeUncertain => "Outcome uncertain",
         }
     }
 
@@ -204,7 +209,7 @@ impl Problem {
             Self::KeyInvalid(error) => format!("{error}."),
             Self::KeyInUse => "Retry after the time given in Retry-After; the first attempt's response will be replayed.".into(),
             Self::KeyLeased { .. } => "Another attempt is working on this request. Retry after the time given in Retry-After, with the same key: its response will be replayed, or your retry resumes its work where it stopped.".into(),
-            Self::Abandoned => "This request was interrupted after it may have had effects outside this service, and could not be completed. It has been reported for a person to check. Do not retry it with a new key.".into(),
+            Self::OutcomeUncertain => "This request was interrupted after it may have had effects outside this service, and whether it did is not known. It has been reported for a person to check; until then every retry gets this answer. Do not retry it with a new key: that could do it twice.".into(),
             Self::KeyHeld => "Another attempt holds this key. Retry after the time given in Retry-After, with the same key: if that attempt completed, its response will be replayed; if it did nothing, your request will run.".into(),
             Self::ConnectionLost { .. } => "The connection to the key store was lost while this request held its key; the store releases it within the time given in Retry-After. Retry then, with the same Idempotency-Key: the request either did nothing, or its answer will be replayed.".into(),
             Self::KeyReused => "This key was first used with a different method, path, query or body. Use a new key for a new operation.".into(),
@@ -247,7 +252,7 @@ impl Problem {
             // The key's first request was answered (in the phased mode a
             // request with another fingerprint may also meet it in flight).
             Self::KeyReused => OperationState::Completed,
-            Self::CommitOutcomeUnknown | Self::Abandoned => OperationState::Uncertain,
+            Self::CommitOutcomeUnknown | Self::OutcomeUncertain => OperationState::Uncertain,
         }
     }
 
@@ -420,7 +425,7 @@ mod tests {
             (Problem::ConnectionLost { retry_after: 3 }, InProgress),
             (Problem::KeyReused, Completed),
             (Problem::CommitOutcomeUnknown, Uncertain),
-            (Problem::Abandoned, Uncertain),
+            (Problem::OutcomeUncertain, Uncertain),
         ];
         for (problem, state) in cases {
             let json = body(problem).await;

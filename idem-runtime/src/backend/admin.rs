@@ -8,19 +8,29 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use sqlx::Pool;
 
 use super::Backend;
+use super::store::UNCERTAIN;
 use crate::request::StoredRequest;
+use crate::resolve::{ResolutionRecord, Uncertainty};
 
 /// The most keys [`Idem::recent`](crate::Idem::recent) lists at once.
 pub const MAX_RECENT: u32 = 1000;
 
 /// Where a key stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum KeyState {
-    /// Unfinished and unexpired: an attempt holds it (a phased key, or an
-    /// atomic claim that committed early). See [`KeyInfo::leased`].
+    /// Unfinished and unexpired: an attempt holds it (a phased key, an
+    /// atomic claim that committed early, or one this process is running).
+    /// See [`KeyInfo::leased`].
     InFlight,
-    /// An attempt finished it: its response is replayed until it expires.
-    Finished,
+    /// An attempt finished it (or an operator resolved it so): its
+    /// response is replayed until it expires.
+    Completed,
+    /// Its outcome is unknown: every request with it is answered
+    /// `idempotency_outcome_uncertain` until
+    /// [`Idem::resolve`](crate::Idem::resolve) says what happened. See
+    /// [`KeyInfo::uncertain`].
+    Uncertain,
     /// Past its expiry: the next claim takes it over, as if it were absent.
     Expired,
 }
@@ -59,6 +69,17 @@ pub struct KeyInfo {
     pub phases: Vec<String>,
     /// Whether a phased attempt may have run an external step.
     pub external: bool,
+    /// The [`external_once`](crate::Phases::external_once) steps that
+    /// began without a recorded result, sorted.
+    pub begun: Vec<String>,
+    /// How many times the key's request was resumed (by the completer or
+    /// a client's retry after its lease ended).
+    pub attempts: u32,
+    /// Why and since when the key is uncertain, when it is.
+    pub uncertain: Option<Uncertainty>,
+    /// The key's resolutions, oldest first: read by
+    /// [`Idem::lookup`](crate::Idem::lookup) only (empty in lists).
+    pub resolutions: Vec<ResolutionRecord>,
 }
 
 /// What [`Idem::forget`](crate::Idem::forget) did.
@@ -73,6 +94,10 @@ pub enum Forgotten {
     /// The key is in flight (unfinished and unexpired): refused, nothing
     /// deleted.
     InFlight,
+    /// The key's outcome is uncertain: refused, nothing deleted (resolve
+    /// it with [`Idem::resolve`](crate::Idem::resolve), which records the
+    /// decision).
+    Uncertain,
 }
 
 /// A key's row as the engines read it, times in milliseconds since the
@@ -99,6 +124,10 @@ pub struct KeyRow {
     pub recovery: Option<Vec<u8>>,
     /// The kept request (`request::StoredRequest`).
     pub request: Option<Vec<u8>>,
+    /// `attempts`.
+    pub attempts: i32,
+    /// An uncertain row's `body`: its `resolve::Uncertainty`.
+    pub uncertainty: Option<Vec<u8>>,
 }
 
 /// The recovery point's names, read without its values.
@@ -108,6 +137,8 @@ struct Recovery {
     steps: std::collections::BTreeMap<String, serde::de::IgnoredAny>,
     #[serde(default)]
     external: bool,
+    #[serde(default)]
+    begun: Vec<String>,
 }
 
 fn time(ms: i64) -> SystemTime {
@@ -120,12 +151,11 @@ fn time(ms: i64) -> SystemTime {
 impl KeyRow {
     /// What the row says.
     pub(crate) fn into_info(self) -> KeyInfo {
-        let state = if self.expires_ms <= self.now_ms {
-            KeyState::Expired
-        } else if self.status.is_some() {
-            KeyState::Finished
-        } else {
-            KeyState::InFlight
+        let state = match self.status {
+            _ if self.expires_ms <= self.now_ms => KeyState::Expired,
+            Some(UNCERTAIN) => KeyState::Uncertain,
+            Some(_) => KeyState::Completed,
+            None => KeyState::InFlight,
         };
         let recovery = self
             .recovery
@@ -137,7 +167,10 @@ impl KeyRow {
             key: String::from_utf8_lossy(&self.key).into_owned(),
             state,
             fingerprint: hex::encode(&self.fingerprint),
-            status: self.status.and_then(|status| u16::try_from(status).ok()),
+            status: self
+                .status
+                .filter(|&status| status != UNCERTAIN)
+                .and_then(|status| u16::try_from(status).ok()),
             method: request.as_ref().map(|request| request.method.to_string()),
             path: request.as_ref().map(|request| {
                 request
@@ -154,7 +187,12 @@ impl KeyRow {
                 .as_ref()
                 .map(|recovery| recovery.steps.keys().cloned().collect())
                 .unwrap_or_default(),
-            external: recovery.is_some_and(|recovery| recovery.external),
+            external: recovery.as_ref().is_some_and(|recovery| recovery.external),
+            begun: recovery.map(|recovery| recovery.begun).unwrap_or_default(),
+            attempts: u32::try_from(self.attempts).unwrap_or(0),
+            uncertain: (state == KeyState::Uncertain)
+                .then(|| Uncertainty::decode(self.uncertainty.as_deref().unwrap_or_default())),
+            resolutions: Vec::new(),
         }
     }
 }

@@ -44,6 +44,10 @@ pub struct LeaseClaim<'a> {
     /// request it sends: a claim naming it takes the key over though the
     /// reservation's lease is live.
     pub reserved: Option<i64>,
+    /// How many resumptions a key gets before its claim gives it up
+    /// ([`LeaseOutcome::Exhausted`]); a reservation's request is its own
+    /// counted resumption.
+    pub max_attempts: u32,
 }
 
 /// What a phased claim found.
@@ -74,6 +78,23 @@ pub enum LeaseOutcome {
     Held,
     /// The key is unfinished, for another request (another fingerprint).
     Reused,
+    /// The key's lease ended and its attempts are spent
+    /// ([`Idem::max_attempts`](crate::Idem::max_attempts)): the caller gives
+    /// it up (uncertain, or released when `external` says nothing outside
+    /// the database was attempted) rather than resuming it again.
+    Exhausted {
+        /// The token its lease ended under.
+        token: i64,
+        /// Its attempts so far.
+        attempts: u32,
+        /// Whether an external step may have happened.
+        external: bool,
+    },
+    /// The key's outcome is uncertain; `fingerprint` is the request it names.
+    Uncertain {
+        /// The fingerprint the key was claimed with.
+        fingerprint: Fingerprint,
+    },
 }
 
 /// An abandoned key as the completer reads it: unfinished, its lease over.
@@ -81,21 +102,31 @@ pub enum LeaseOutcome {
 pub struct Abandoned {
     /// The key and the token its lease ended under.
     pub holder: Holder,
-    /// How many times a completer resumed it already.
+    /// How many times it was resumed already (by a completer or a
+    /// client's retry).
     pub attempts: u32,
+    /// Whether an external step may have happened (its recovery point
+    /// says so).
+    pub external: bool,
     /// The request to send again (`request::StoredRequest`), if kept.
     pub request: Option<Vec<u8>>,
 }
 
-/// How a failed attempt leaves its key.
+/// How a failed attempt (or one given up) leaves its key.
 #[derive(Debug, Clone, Copy)]
-pub enum Release {
+pub enum Release<'a> {
     /// Nothing outside the database was attempted: the row goes, and the
     /// next attempt starts afresh.
     Delete,
     /// An external step may have happened: the row stays, with its recovery
     /// point, and its lease ends after this long (zero: at once).
     Keep(Duration),
+    /// Whether an external step happened is unknown and no attempt may
+    /// find out: the row becomes uncertain (`status`
+    /// [`UNCERTAIN`](super::store::UNCERTAIN), these bytes, the
+    /// `resolve::Uncertainty` as JSON, in `body`), its recovery point and
+    /// request kept.
+    Uncertain(&'a [u8]),
 }
 
 /// An engine that supports the phased mode: the bound of
@@ -180,7 +211,7 @@ pub trait PhasedStore: Backend {
         conn: &mut Self::Connection,
         table: &str,
         holder: &Holder,
-        how: Release,
+        how: Release<'_>,
     ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
 
     /// Up to `limit` abandoned keys, the longest abandoned first.
@@ -189,6 +220,12 @@ pub trait PhasedStore: Backend {
         table: &str,
         limit: u32,
     ) -> impl Future<Output = Result<Vec<Abandoned>, sqlx::Error>> + Send;
+
+    /// How many of the table's keys are uncertain.
+    fn count_uncertain(
+        pool: &Pool<Self>,
+        table: &str,
+    ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
 
     /// Reserves an abandoned key for one completer's attempt: a new token
     /// and a lease of `lease`, and one more attempt counted, if its lease is
@@ -212,24 +249,44 @@ pub(crate) struct Unclaimed {
     pub(crate) token: Option<i64>,
     /// The lease's time left (negative: over).
     pub(crate) remaining_ms: i64,
+    /// How many times the key was resumed.
+    pub(crate) attempts: i64,
+    /// Its recovery point.
+    pub(crate) recovery: Option<Vec<u8>>,
 }
 
 impl Unclaimed {
-    /// What it tells a claim made with `fingerprint`.
-    pub(crate) fn outcome(self, fingerprint: &Fingerprint) -> Result<LeaseOutcome, StoreError> {
+    /// What it tells a claim made with `fingerprint`, whose takeover the
+    /// engine refused once the key had been resumed `max_attempts` times.
+    pub(crate) fn outcome(
+        self,
+        fingerprint: &Fingerprint,
+        max_attempts: u32,
+    ) -> Result<LeaseOutcome, StoreError> {
         if let Some(status) = self.status {
-            let (fingerprint, response) =
-                decode_finished(status, &self.fingerprint, self.headers, self.body)?;
-            return Ok(LeaseOutcome::Finished {
-                fingerprint,
-                response,
-            });
+            return match decode_finished(status, &self.fingerprint, self.headers, self.body) {
+                Ok((fingerprint, response)) => Ok(LeaseOutcome::Finished {
+                    fingerprint,
+                    response,
+                }),
+                Err(StoreError::Uncertain { fingerprint }) => {
+                    Ok(LeaseOutcome::Uncertain { fingerprint })
+                }
+                Err(error) => Err(error),
+            };
         }
         if self.fingerprint[..] != fingerprint.as_bytes()[..] {
             return Ok(LeaseOutcome::Reused);
         }
-        if self.token.is_none() {
+        let Some(token) = self.token else {
             return Ok(LeaseOutcome::Held);
+        };
+        if self.remaining_ms <= 0 && self.attempts >= i64::from(max_attempts) {
+            return Ok(LeaseOutcome::Exhausted {
+                token,
+                attempts: u32::try_from(self.attempts).unwrap_or(u32::MAX),
+                external: external(self.recovery.as_deref()),
+            });
         }
         // A lease that ended since the claim's statement: its taker is
         // about to appear, or the next attempt takes it over.
@@ -240,15 +297,33 @@ impl Unclaimed {
     }
 }
 
+/// Whether a recovery point says an external step may have happened (an
+/// unreadable one says so too: resuming from it is refused, and nothing
+/// proves the key did nothing).
+pub(crate) fn external(recovery: Option<&[u8]>) -> bool {
+    match crate::phases::Recovery::decode(recovery) {
+        Ok(recovery) => recovery.external,
+        Err(_) => true,
+    }
+}
+
 /// The completer's list of abandoned keys, one text for every engine:
 /// `key` is the key column as the engine quotes it, `now` its clock (or a
 /// parameter bound to it).
 pub(crate) fn abandoned_sql(table: &str, key: &str, now: &str, limit: u32) -> String {
     format!(
-        "SELECT scope, {key}, lease_token, attempts, request FROM {table} \
+        "SELECT scope, {key}, lease_token, attempts, request, recovery FROM {table} \
          WHERE status IS NULL AND lease_token IS NOT NULL \
              AND lease_until <= {now} AND expires_at > {now} \
          ORDER BY lease_until LIMIT {limit}"
+    )
+}
+
+/// The statement counting uncertain keys, one text for every engine.
+pub(crate) fn count_uncertain_sql(table: &str) -> String {
+    format!(
+        "SELECT COUNT(*) AS uncertain FROM {table} WHERE status = {}",
+        super::store::UNCERTAIN
     )
 }
 

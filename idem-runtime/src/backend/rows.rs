@@ -89,6 +89,8 @@ pub(crate) fn key_row(row: &impl Columns) -> Result<KeyRow, sqlx::Error> {
         now_ms: row.int("now_ms")?,
         recovery: row.bytes_or_null("recovery")?,
         request: row.bytes_or_null("request")?,
+        attempts: row.count_or_null("attempts")?.unwrap_or(0),
+        uncertainty: row.bytes_or_null("uncertainty")?,
     })
 }
 
@@ -107,13 +109,14 @@ pub(crate) fn abandoned(row: &impl Columns) -> Result<Abandoned, sqlx::Error> {
             token: row.int("lease_token")?,
         },
         attempts: u32::try_from(attempts).unwrap_or(u32::MAX),
+        external: super::phased::external(row.bytes_or_null("recovery")?.as_deref()),
         request: row.bytes_or_null("request")?,
     })
 }
 
 /// A key's row a phased claim did not take: `status`, `fingerprint`,
-/// `headers`, `body`, `lease_token` and the lease's `remaining_ms` (`NULL`
-/// without a lease).
+/// `headers`, `body`, `lease_token`, the lease's `remaining_ms` (`NULL`
+/// without a lease), `attempts` and `recovery`.
 pub(crate) fn unclaimed(row: &impl Columns) -> Result<Unclaimed, sqlx::Error> {
     Ok(Unclaimed {
         status: row.status_or_null("status")?.map(i64::from),
@@ -122,6 +125,8 @@ pub(crate) fn unclaimed(row: &impl Columns) -> Result<Unclaimed, sqlx::Error> {
         body: row.bytes_or_null("body")?,
         token: row.int_or_null("lease_token")?,
         remaining_ms: row.int_or_null("remaining_ms")?.unwrap_or(0),
+        attempts: row.count_or_null("attempts")?.unwrap_or(0).into(),
+        recovery: row.bytes_or_null("recovery")?,
     })
 }
 

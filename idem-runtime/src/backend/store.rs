@@ -115,6 +115,13 @@ pub enum StoreError {
         /// How long the server may keep that session.
         bound: Duration,
     },
+    /// The key's outcome is uncertain (`status` [`UNCERTAIN`]): nothing
+    /// runs until it is resolved. `fingerprint`: the request it names.
+    #[error("the idempotency key's outcome is uncertain")]
+    Uncertain {
+        /// The fingerprint the key was claimed with.
+        fingerprint: Fingerprint,
+    },
     /// A scope longer than the engine's key column takes.
     #[error("idempotency scope is {len} bytes; the key store takes at most {max}")]
     ScopeTooLong {
@@ -269,7 +276,16 @@ pub(crate) fn finished<DB: Database>(
     }
 }
 
-/// A finished row's fingerprint and response, as every engine reads them.
+/// The `status` of a key whose outcome is uncertain: no HTTP status, so
+/// that every statement that takes or replays a finished row (`status IS
+/// NOT NULL`) leaves it alone, and every read of it finds
+/// [`StoreError::Uncertain`]. Its `body` holds the
+/// [`Uncertainty`](crate::resolve::Uncertainty) as JSON, and its recovery
+/// point and request stay for a resolution that retries.
+pub(crate) const UNCERTAIN: i64 = 0;
+
+/// A finished row's fingerprint and response, as every engine reads them;
+/// an uncertain row's fingerprint as [`StoreError::Uncertain`].
 pub(crate) fn decode_finished(
     status: i64,
     fingerprint: &[u8],
@@ -277,6 +293,9 @@ pub(crate) fn decode_finished(
     body: Option<Vec<u8>>,
 ) -> Result<(Fingerprint, StoredResponse), StoreError> {
     let fingerprint = Fingerprint::from_bytes(fingerprint).ok_or(StoreError::Corrupt)?;
+    if status == UNCERTAIN {
+        return Err(StoreError::Uncertain { fingerprint });
+    }
     let response = StoredResponse::decode(
         status,
         &headers.unwrap_or_default(),

@@ -360,7 +360,7 @@ pub(crate) async fn admin_contract<DB: super::Phased + Admin>(pool: &Pool<DB>, t
     let done = claim_of("admin", "done", 3, Duration::ZERO);
     finish(&done, http::StatusCode::CREATED).await;
     let info = keys_of.lookup("admin", "done").await.expect("found");
-    assert_eq!(info.state, KeyState::Finished);
+    assert_eq!(info.state, KeyState::Completed);
     assert_eq!(info.status, Some(201));
     assert_eq!(info.fingerprint, "03".repeat(32));
     assert_eq!((info.method, info.path, info.leased), (None, None, false));
@@ -386,7 +386,7 @@ pub(crate) async fn admin_contract<DB: super::Phased + Admin>(pool: &Pool<DB>, t
     .expect("the claim finishes after the refused forget");
     conn.release();
     let info = keys_of.lookup("admin", "open").await.expect("found");
-    assert_eq!((info.state, info.status), (KeyState::Finished, Some(202)));
+    assert_eq!((info.state, info.status), (KeyState::Completed, Some(202)));
 
     // A phased key under its lease: in flight, with its request and the
     // names (not the values) of what it recorded; refused.

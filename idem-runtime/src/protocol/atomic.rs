@@ -24,8 +24,8 @@ use crate::response::{CaptureError, StoredResponse};
 use crate::tx::Tx;
 
 use super::{
-    Answer, DynHandler, Prepared, answer_finished, call_once, read_seen, record, retry_after_secs,
-    scope_too_long,
+    Answer, DynHandler, Prepared, answer_finished, answer_uncertain, call_once, read_seen, record,
+    retry_after_secs, scope_too_long,
 };
 
 /// Claims the key in `scope`, runs the handler once, stores its response in
@@ -104,6 +104,11 @@ async fn run_keyed<'f, DB: Backend>(
                 Problem::KeyHeld
             };
             return (Outcome::InUse, problem.into_response());
+        }
+        Err(StoreError::Uncertain { fingerprint }) => {
+            // A phased key of the same scope and key, given up.
+            observe::claim_latency("finished", started.elapsed());
+            return answer_uncertain(claim, &fingerprint);
         }
         Err(StoreError::Orphaned { bound }) => {
             observe::claim_latency("error", started.elapsed());

@@ -34,7 +34,7 @@ use crate::fingerprint::Fingerprint;
 use crate::idem::Idem;
 use crate::key::parse_key;
 use crate::observe::{self, Outcome};
-use crate::problem::Problem;
+use crate::problem::{OperationState, Problem};
 use crate::request::StoredRequest;
 use crate::response::{StoredResponse, is_storable};
 use crate::scope::MAX_SCOPE_LEN;
@@ -346,6 +346,26 @@ pub(crate) fn answer_finished<DB: Backend>(
         )
     } else {
         (Outcome::Reused, Problem::KeyReused.into_response())
+    }
+}
+
+/// An uncertain key's answer to a request with `fingerprint`: 409
+/// `idempotency_outcome_uncertain`, or 422 for another request. Nothing
+/// runs either way.
+pub(crate) fn answer_uncertain(
+    claim: &Claim<'_>,
+    fingerprint: &Fingerprint,
+) -> (Outcome, Response) {
+    if *fingerprint == claim.fingerprint {
+        (
+            Outcome::Uncertain,
+            Problem::OutcomeUncertain.into_response(),
+        )
+    } else {
+        (
+            Outcome::Reused,
+            Problem::KeyReused.answer(OperationState::Uncertain),
+        )
     }
 }
 

@@ -18,13 +18,14 @@ use futures_util::FutureExt;
 use tracing::Instrument;
 
 use super::{
-    Answer, DynHandler, Prepared, answer_finished, call_once, read_seen, record, retry_after_secs,
-    scope_too_long,
+    Answer, DynHandler, Prepared, answer_finished, answer_uncertain, call_once, read_seen, record,
+    retry_after_secs, scope_too_long,
 };
 use crate::backend::{
-    Claim, ClaimOutcome, FinishError, Holder, LeaseClaim, LeaseOutcome, Phased, Release, abandon,
-    in_autocommit,
+    Claim, ClaimOutcome, FinishError, Holder, LeaseClaim, LeaseOutcome, Phased, Release,
+    StoreError, abandon, in_autocommit,
 };
+use crate::completer::give_up;
 use crate::idem::Idem;
 use crate::key::IdempotencyKey;
 use crate::observe::{self, Outcome};
@@ -73,6 +74,7 @@ async fn run_dyn<'f, DB: Phased>(
         lease: config.lease.unwrap_or(Duration::from_secs(30)),
         request: prepared.request.as_deref().unwrap_or_default(),
         reserved: prepared.resumed.as_ref().map(|resumed| resumed.token),
+        max_attempts: idem.attempts_limit(),
     };
     let backoff = prepared
         .resumed
@@ -98,50 +100,10 @@ async fn run_keyed<'f, DB: Phased>(
     if let Some(replayed) = peek(idem, claim).await {
         return replayed;
     }
-    let started = std::time::Instant::now();
-    let (token, recovery) =
-        match DB::lease(idem.pool(), idem.acquire(), idem.table_name(), lease).await {
-            Ok(LeaseOutcome::Owned { token, recovery }) => {
-                observe::claim_latency("claimed", started.elapsed());
-                (token, recovery)
-            }
-            Ok(LeaseOutcome::Finished {
-                fingerprint,
-                response,
-            }) => {
-                observe::claim_latency("finished", started.elapsed());
-                idem.finished_keys().remember(claim.scope, claim.key);
-                return answer_finished(idem, claim, fingerprint, response);
-            }
-            Ok(LeaseOutcome::Leased { remaining }) => {
-                observe::claim_latency("in_use", started.elapsed());
-                let retry_after = retry_after_secs(remaining).max(1);
-                return (
-                    Outcome::InUse,
-                    Problem::KeyLeased { retry_after }.into_response(),
-                );
-            }
-            Ok(LeaseOutcome::Held) => {
-                observe::claim_latency("in_use", started.elapsed());
-                return (Outcome::InUse, Problem::KeyHeld.into_response());
-            }
-            Ok(LeaseOutcome::Reused) => {
-                observe::claim_latency("finished", started.elapsed());
-                // Unfinished: its first request is still being worked on.
-                return (
-                    Outcome::Reused,
-                    Problem::KeyReused.answer(OperationState::InProgress),
-                );
-            }
-            Err(error) => {
-                observe::claim_latency("error", started.elapsed());
-                tracing::warn!(error = %error, "idempotency key store unavailable");
-                return (
-                    Outcome::StoreUnavailable,
-                    Problem::StoreUnavailable.into_response(),
-                );
-            }
-        };
+    let (token, recovery) = match claim_lease(idem, lease).await {
+        Ok(owned) => owned,
+        Err(answer) => return answer,
+    };
     let holder = Holder {
         scope: claim.scope.to_owned(),
         key: claim.key.to_owned(),
@@ -223,6 +185,105 @@ async fn run_keyed<'f, DB: Phased>(
         }
     };
     store(idem, state, answer.response, backoff).await
+}
+
+/// Claims the key with a lease: our token and the recovery point to resume
+/// from, or the answer to give instead. A key whose attempts are spent is
+/// given up here (uncertain, or released and claimed afresh when it
+/// provably did nothing).
+async fn claim_lease<DB: Phased>(
+    idem: &Idem<DB>,
+    lease: &LeaseClaim<'_>,
+) -> Result<(i64, Option<Vec<u8>>), (Outcome, Response)> {
+    let claim = &lease.claim;
+    // A released key is claimed again; one more round covers a race with
+    // another attempt giving the same key up.
+    for _ in 0..3 {
+        let started = std::time::Instant::now();
+        let outcome = DB::lease(idem.pool(), idem.acquire(), idem.table_name(), lease).await;
+        let latency = |what| observe::claim_latency(what, started.elapsed());
+        match outcome {
+            Ok(LeaseOutcome::Owned { token, recovery }) => {
+                latency("claimed");
+                return Ok((token, recovery));
+            }
+            Ok(LeaseOutcome::Finished {
+                fingerprint,
+                response,
+            }) => {
+                latency("finished");
+                idem.finished_keys().remember(claim.scope, claim.key);
+                return Err(answer_finished(idem, claim, fingerprint, response));
+            }
+            Ok(LeaseOutcome::Uncertain { fingerprint })
+            | Err(StoreError::Uncertain { fingerprint }) => {
+                latency("finished");
+                return Err(answer_uncertain(claim, &fingerprint));
+            }
+            Ok(LeaseOutcome::Leased { remaining }) => {
+                latency("in_use");
+                let retry_after = retry_after_secs(remaining).max(1);
+                return Err((
+                    Outcome::InUse,
+                    Problem::KeyLeased { retry_after }.into_response(),
+                ));
+            }
+            Ok(LeaseOutcome::Held) => {
+                latency("in_use");
+                return Err((Outcome::InUse, Problem::KeyHeld.into_response()));
+            }
+            Ok(LeaseOutcome::Reused) => {
+                latency("finished");
+                // Unfinished: its first request is still being worked on.
+                return Err((
+                    Outcome::Reused,
+                    Problem::KeyReused.answer(OperationState::InProgress),
+                ));
+            }
+            Ok(LeaseOutcome::Exhausted {
+                token,
+                attempts,
+                external,
+            }) => {
+                latency("in_use");
+                let holder = Holder {
+                    scope: claim.scope.to_owned(),
+                    key: claim.key.to_owned(),
+                    token,
+                };
+                tracing::info!(attempts, "the key's attempts are spent; giving it up");
+                match give_up(idem, &holder, external).await {
+                    Ok(Some(OperationState::Uncertain)) => {
+                        return Err((
+                            Outcome::Uncertain,
+                            Problem::OutcomeUncertain.into_response(),
+                        ));
+                    }
+                    // Released, or given up by another attempt: claim again.
+                    Ok(_) => {}
+                    Err(error) => {
+                        tracing::warn!(%error, "giving up a spent idempotency key failed");
+                        return Err((
+                            Outcome::StoreUnavailable,
+                            Problem::StoreUnavailable.answer(OperationState::InProgress),
+                        ));
+                    }
+                }
+            }
+            Err(error) => {
+                latency("error");
+                tracing::warn!(error = %error, "idempotency key store unavailable");
+                return Err((
+                    Outcome::StoreUnavailable,
+                    Problem::StoreUnavailable.into_response(),
+                ));
+            }
+        }
+    }
+    Err((
+        Outcome::InUse,
+        Problem::KeyLeased { retry_after: 1 }.into_response(),
+    ))
 }
 
 /// A key this process saw finish: answered by a plain read. Whatever else

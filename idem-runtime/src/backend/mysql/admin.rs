@@ -16,7 +16,8 @@ impl Admin for MySql {}
 
 impl AdminStore for MySql {
     const READS: KeyReads = KeyReads {
-        columns: "scope, `key`, fingerprint, status, recovery, request, \
+        columns: "scope, `key`, fingerprint, status, recovery, request, attempts, \
+             CASE WHEN status = 0 THEN body END AS uncertainty, \
              TIMESTAMPDIFF(MICROSECOND, '1970-01-01', created_at) DIV 1000 AS created_ms, \
              TIMESTAMPDIFF(MICROSECOND, '1970-01-01', expires_at) DIV 1000 AS expires_ms, \
              TIMESTAMPDIFF(MICROSECOND, '1970-01-01', lease_until) DIV 1000 AS lease_until_ms, \
@@ -57,7 +58,7 @@ impl AdminStore for MySql {
         .await?;
         let sql = format!(
             "DELETE FROM {table} WHERE scope = ? AND `key` = ? \
-             AND (status IS NOT NULL OR expires_at <= UTC_TIMESTAMP(6))"
+             AND (status > 0 OR expires_at <= UTC_TIMESTAMP(6))"
         );
         let deleted = sqlx::query(AssertSqlSafe(sql))
             .bind(scope.as_bytes())

@@ -12,10 +12,11 @@ use sqlx::{AssertSqlSafe, MySql, MySqlConnection, Pool, Row};
 
 use super::MAX_SCOPE_BYTES;
 use crate::backend::phased::{
-    Abandoned, Holder, LeaseClaim, LeaseOutcome, Phased, PhasedStore, Release, abandoned_sql, ms,
+    Abandoned, Holder, LeaseClaim, LeaseOutcome, Phased, PhasedStore, Release, abandoned_sql,
+    count_uncertain_sql, ms,
 };
 use crate::backend::rows::{abandoned, unclaimed};
-use crate::backend::store::Store;
+use crate::backend::store::{Store, UNCERTAIN};
 use crate::backend::{Acquire, FinishError, StoreError, abandon};
 use crate::response::StoredResponse;
 
@@ -112,10 +113,22 @@ impl PhasedStore for MySql {
         conn: &mut MySqlConnection,
         table: &str,
         holder: &Holder,
-        how: Release,
+        how: Release<'_>,
     ) -> Result<bool, sqlx::Error> {
         let guard = format!("{ROW} AND lease_token = ? AND status IS NULL");
         let done = match how {
+            Release::Uncertain(record) => {
+                sqlx::query(AssertSqlSafe(format!(
+                    "UPDATE {table} SET status = {UNCERTAIN}, body = ?, lease_until = NULL \
+                     WHERE {guard}"
+                )))
+                .bind(record)
+                .bind(holder.scope.as_bytes())
+                .bind(holder.key.as_bytes())
+                .bind(holder.token)
+                .execute(conn)
+                .await?
+            }
             Release::Delete => {
                 sqlx::query(AssertSqlSafe(format!("DELETE FROM {table} WHERE {guard}")))
                     .bind(holder.scope.as_bytes())
@@ -147,6 +160,14 @@ impl PhasedStore for MySql {
         let sql = abandoned_sql(table, "`key`", "UTC_TIMESTAMP(6)", limit);
         let rows = sqlx::query(AssertSqlSafe(sql)).fetch_all(pool).await?;
         rows.iter().map(abandoned).collect()
+    }
+
+    async fn count_uncertain(pool: &Pool<Self>, table: &str) -> Result<u64, sqlx::Error> {
+        let row = sqlx::query(AssertSqlSafe(count_uncertain_sql(table)))
+            .fetch_one(pool)
+            .await?;
+        let count: i64 = row.try_get("uncertain")?;
+        Ok(u64::try_from(count).unwrap_or(0))
     }
 
     async fn reserve(
@@ -199,7 +220,7 @@ async fn take(
         .await
         .map_err(StoreError::Database)?;
     let select = format!(
-        "SELECT status, fingerprint, headers, body, lease_token, recovery, \
+        "SELECT status, fingerprint, headers, body, lease_token, recovery, attempts, \
              expires_at <= UTC_TIMESTAMP(6) AS expired, \
              COALESCE(lease_until <= UTC_TIMESTAMP(6), TRUE) AS ended, \
              COALESCE(TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), lease_until) DIV 1000, 0) \
@@ -223,9 +244,11 @@ async fn take(
         .map_err(StoreError::Database)?
         != 0;
     let same = found.fingerprint[..] == claim.fingerprint.as_bytes()[..];
+    let reserved = token.is_some() && token == lease.reserved;
+    let spent = found.attempts >= i64::from(lease.max_attempts);
     let resumable = found.status.is_none()
         && same
-        && token.is_some_and(|token| token > 0 && (ended || Some(token) == lease.reserved));
+        && token.is_some_and(|token| token > 0 && ((ended && !spent) || reserved));
     let (set, recovery) = match token {
         // Inserted just now by this claim.
         Some(0) => ("lease_token = 1", None),
@@ -235,12 +258,17 @@ async fn take(
              status = NULL, headers = NULL, body = NULL, fingerprint = ?",
             None,
         ),
-        _ if resumable => (
+        _ if resumable && reserved => (
             "lease_token = lease_token + 1",
             row.try_get::<Option<Vec<u8>>, _>("recovery")
                 .map_err(StoreError::Database)?,
         ),
-        _ => return found.outcome(&claim.fingerprint),
+        _ if resumable => (
+            "lease_token = lease_token + 1, attempts = COALESCE(attempts, 0) + 1",
+            row.try_get::<Option<Vec<u8>>, _>("recovery")
+                .map_err(StoreError::Database)?,
+        ),
+        _ => return found.outcome(&claim.fingerprint, lease.max_attempts),
     };
     let update =
         format!("UPDATE {table} SET {set}, lease_until = {AFTER}, request = ? WHERE {ROW}");

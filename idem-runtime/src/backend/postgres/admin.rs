@@ -14,7 +14,8 @@ impl Admin for Postgres {}
 
 impl AdminStore for Postgres {
     const READS: KeyReads = KeyReads {
-        columns: "scope, key, fingerprint, status, recovery, request, \
+        columns: "scope, key, fingerprint, status, recovery, request, attempts, \
+             CASE WHEN status = 0 THEN body END AS uncertainty, \
              (extract(epoch FROM created_at) * 1000)::bigint AS created_ms, \
              (extract(epoch FROM expires_at) * 1000)::bigint AS expires_ms, \
              (extract(epoch FROM lease_until) * 1000)::bigint AS lease_until_ms, \
@@ -46,7 +47,7 @@ impl AdminStore for Postgres {
         // after that transaction commits: the delete then sees its result.
         let sql = format!(
             "DELETE FROM {table} WHERE scope = $1 AND key = $2 \
-             AND (status IS NOT NULL OR expires_at <= clock_timestamp())"
+             AND (status > 0 OR expires_at <= clock_timestamp())"
         );
         let done = simple(
             &sql,

@@ -15,9 +15,11 @@ use super::sql::Arg;
 use sqlx_core::transaction::TransactionManager;
 
 use crate::backend::phased::{
-    Abandoned, Holder, LeaseClaim, LeaseOutcome, Phased, PhasedStore, Release, abandoned_sql, ms,
+    Abandoned, Holder, LeaseClaim, LeaseOutcome, Phased, PhasedStore, Release, abandoned_sql,
+    count_uncertain_sql, ms,
 };
 use crate::backend::rows::{abandoned, unclaimed};
+use crate::backend::store::UNCERTAIN;
 use crate::backend::{Acquire, FinishError, OpenTx, StoreError, in_autocommit};
 use crate::response::StoredResponse;
 
@@ -50,7 +52,9 @@ impl PhasedStore for Postgres {
                  lease_until = EXCLUDED.lease_until, \
                  request = EXCLUDED.request, \
                  recovery = CASE WHEN k.expires_at <= clock_timestamp() THEN NULL ELSE k.recovery END, \
-                 attempts = CASE WHEN k.expires_at <= clock_timestamp() THEN 0 ELSE k.attempts END, \
+                 attempts = CASE WHEN k.expires_at <= clock_timestamp() THEN 0 \
+                     WHEN k.lease_token = $7 THEN k.attempts \
+                     ELSE COALESCE(k.attempts, 0) + 1 END, \
                  created_at = CASE WHEN k.expires_at <= clock_timestamp() THEN now() ELSE k.created_at END, \
                  expires_at = CASE WHEN k.expires_at <= clock_timestamp() THEN EXCLUDED.expires_at ELSE k.expires_at END, \
                  status = NULL, headers = NULL, body = NULL, \
@@ -58,7 +62,8 @@ impl PhasedStore for Postgres {
              WHERE k.expires_at <= clock_timestamp() \
                 OR (k.status IS NULL AND k.lease_token IS NOT NULL \
                     AND k.fingerprint = EXCLUDED.fingerprint \
-                    AND (k.lease_until <= clock_timestamp() OR k.lease_token = $7)) \
+                    AND ((k.lease_until <= clock_timestamp() AND COALESCE(k.attempts, 0) < $8) \
+                        OR k.lease_token = $7)) \
              RETURNING lease_token, recovery"
         );
         let upsert = &upsert;
@@ -71,6 +76,7 @@ impl PhasedStore for Postgres {
                 Arg::Signed(ms(lease.lease)),
                 Arg::Bytes(lease.request),
                 Arg::Signed(lease.reserved.unwrap_or(0)),
+                Arg::Signed(lease.max_attempts.into()),
             ];
             let row = simple(upsert, &args).fetch_optional(&mut **conn).await;
             (conn, row)
@@ -84,7 +90,7 @@ impl PhasedStore for Postgres {
             });
         }
         let select = format!(
-            "SELECT status, fingerprint, headers, body, lease_token, \
+            "SELECT status, fingerprint, headers, body, lease_token, attempts, recovery, \
                  CAST(EXTRACT(EPOCH FROM (lease_until - clock_timestamp())) * 1000 AS bigint) \
                      AS remaining_ms \
              FROM {table} WHERE scope = $1 AND key = $2"
@@ -103,7 +109,7 @@ impl PhasedStore for Postgres {
         .ok_or(StoreError::Vanished)?;
         unclaimed(&row)
             .map_err(StoreError::Database)?
-            .outcome(&claim.fingerprint)
+            .outcome(&claim.fingerprint, lease.max_attempts)
     }
 
     async fn record(
@@ -188,24 +194,28 @@ impl PhasedStore for Postgres {
         conn: &mut PgConnection,
         table: &str,
         holder: &Holder,
-        how: Release,
+        how: Release<'_>,
     ) -> Result<bool, sqlx::Error> {
         let row = "scope = $1 AND key = $2 AND lease_token = $3 AND status IS NULL";
-        let sql = match how {
-            Release::Delete => format!("DELETE FROM {table} WHERE {row}"),
-            Release::Keep(_) => {
-                format!("UPDATE {table} SET lease_until = {} WHERE {row}", after(4))
-            }
-        };
-        let kept = match how {
-            Release::Keep(after) => ms(after),
-            Release::Delete => 0,
+        let (sql, value) = match how {
+            Release::Delete => (format!("DELETE FROM {table} WHERE {row}"), Arg::Signed(0)),
+            Release::Keep(kept) => (
+                format!("UPDATE {table} SET lease_until = {} WHERE {row}", after(4)),
+                Arg::Signed(ms(kept)),
+            ),
+            Release::Uncertain(record) => (
+                format!(
+                    "UPDATE {table} SET status = {UNCERTAIN}, body = $4, lease_until = NULL \
+                     WHERE {row}"
+                ),
+                Arg::Bytes(record),
+            ),
         };
         let args = [
             Arg::Bytes(holder.scope.as_bytes()),
             Arg::Bytes(holder.key.as_bytes()),
             Arg::Signed(holder.token),
-            Arg::Signed(kept),
+            value,
         ];
         Ok(simple(&sql, &args).execute(conn).await?.rows_affected() == 1)
     }
@@ -218,6 +228,14 @@ impl PhasedStore for Postgres {
         let sql = abandoned_sql(table, "key", "clock_timestamp()", limit);
         let rows = simple(&sql, &[]).fetch_all(pool).await?;
         rows.iter().map(abandoned).collect()
+    }
+
+    async fn count_uncertain(pool: &Pool<Self>, table: &str) -> Result<u64, sqlx::Error> {
+        let row = simple(&count_uncertain_sql(table), &[])
+            .fetch_one(pool)
+            .await?;
+        let count: i64 = row.try_get("uncertain")?;
+        Ok(u64::try_from(count).unwrap_or(0))
     }
 
     async fn reserve(

@@ -11,7 +11,8 @@ impl Admin for Sqlite {}
 
 impl AdminStore for Sqlite {
     const READS: KeyReads = KeyReads {
-        columns: "scope, \"key\", fingerprint, status, recovery, request, \
+        columns: "scope, \"key\", fingerprint, status, recovery, request, attempts, \
+             CASE WHEN status = 0 THEN body END AS uncertainty, \
              created_at AS created_ms, expires_at AS expires_ms, \
              lease_until AS lease_until_ms, \
              CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER) AS now_ms",
@@ -42,7 +43,7 @@ impl AdminStore for Sqlite {
     ) -> Result<Forgotten, sqlx::Error> {
         let sql = format!(
             "DELETE FROM {table} WHERE scope = ?1 AND \"key\" = ?2 \
-             AND (status IS NOT NULL OR expires_at <= ?3)"
+             AND (status > 0 OR expires_at <= ?3)"
         );
         let done = sqlx::query(AssertSqlSafe(sql))
             .bind(scope.as_bytes())

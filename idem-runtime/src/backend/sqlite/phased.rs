@@ -8,9 +8,11 @@ use sqlx::{AssertSqlSafe, Pool, Row, Sqlite, SqliteConnection};
 
 use super::{now_ms, ttl_ms};
 use crate::backend::phased::{
-    Abandoned, Holder, LeaseClaim, LeaseOutcome, Phased, PhasedStore, Release, abandoned_sql, ms,
+    Abandoned, Holder, LeaseClaim, LeaseOutcome, Phased, PhasedStore, Release, abandoned_sql,
+    count_uncertain_sql, ms,
 };
 use crate::backend::rows::{abandoned, unclaimed};
+use crate::backend::store::UNCERTAIN;
 use crate::backend::{Acquire, StoreError, in_autocommit};
 use crate::response::StoredResponse;
 
@@ -38,7 +40,9 @@ impl PhasedStore for Sqlite {
                  lease_until = excluded.lease_until, \
                  request = excluded.request, \
                  recovery = CASE WHEN expires_at <= ?4 THEN NULL ELSE recovery END, \
-                 attempts = CASE WHEN expires_at <= ?4 THEN 0 ELSE attempts END, \
+                 attempts = CASE WHEN expires_at <= ?4 THEN 0 \
+                     WHEN lease_token = ?8 THEN attempts \
+                     ELSE COALESCE(attempts, 0) + 1 END, \
                  created_at = CASE WHEN expires_at <= ?4 THEN excluded.created_at ELSE created_at END, \
                  expires_at = CASE WHEN expires_at <= ?4 THEN excluded.expires_at ELSE expires_at END, \
                  status = NULL, headers = NULL, body = NULL, \
@@ -46,7 +50,8 @@ impl PhasedStore for Sqlite {
              WHERE expires_at <= ?4 \
                 OR (status IS NULL AND lease_token IS NOT NULL \
                     AND fingerprint = excluded.fingerprint \
-                    AND (lease_until <= ?4 OR lease_token = ?8)) \
+                    AND ((lease_until <= ?4 AND COALESCE(attempts, 0) < ?9) \
+                        OR lease_token = ?8)) \
              RETURNING lease_token, recovery"
         );
         let upsert = &upsert;
@@ -60,6 +65,7 @@ impl PhasedStore for Sqlite {
                 .bind(now.saturating_add(ms(lease.lease)))
                 .bind(lease.request)
                 .bind(lease.reserved.unwrap_or(0))
+                .bind(i64::from(lease.max_attempts))
                 .fetch_optional(&mut **conn)
                 .await;
             (conn, row)
@@ -73,7 +79,7 @@ impl PhasedStore for Sqlite {
             });
         }
         let select = format!(
-            "SELECT status, fingerprint, headers, body, lease_token, \
+            "SELECT status, fingerprint, headers, body, lease_token, attempts, recovery, \
                  lease_until - ?3 AS remaining_ms \
              FROM {table} WHERE scope = ?1 AND \"key\" = ?2"
         );
@@ -92,7 +98,7 @@ impl PhasedStore for Sqlite {
         .ok_or(StoreError::Vanished)?;
         unclaimed(&row)
             .map_err(StoreError::Database)?
-            .outcome(&claim.fingerprint)
+            .outcome(&claim.fingerprint, lease.max_attempts)
     }
 
     async fn record(
@@ -144,7 +150,7 @@ impl PhasedStore for Sqlite {
         conn: &mut SqliteConnection,
         table: &str,
         holder: &Holder,
-        how: Release,
+        how: Release<'_>,
     ) -> Result<bool, sqlx::Error> {
         let row = "scope = ?1 AND \"key\" = ?2 AND lease_token = ?3 AND status IS NULL";
         let query = match how {
@@ -154,13 +160,19 @@ impl PhasedStore for Sqlite {
             Release::Keep(_) => sqlx::query(AssertSqlSafe(format!(
                 "UPDATE {table} SET lease_until = ?4 WHERE {row}"
             ))),
+            Release::Uncertain(_) => sqlx::query(AssertSqlSafe(format!(
+                "UPDATE {table} SET status = {UNCERTAIN}, body = ?4, lease_until = NULL \
+                 WHERE {row}"
+            ))),
         };
         let mut query = query
             .bind(holder.scope.as_bytes())
             .bind(holder.key.as_bytes())
             .bind(holder.token);
-        if let Release::Keep(after) = how {
-            query = query.bind(now_ms().saturating_add(ms(after)));
+        match how {
+            Release::Keep(after) => query = query.bind(now_ms().saturating_add(ms(after))),
+            Release::Uncertain(record) => query = query.bind(record),
+            Release::Delete => {}
         }
         Ok(query.execute(conn).await?.rows_affected() == 1)
     }
@@ -176,6 +188,14 @@ impl PhasedStore for Sqlite {
             .fetch_all(pool)
             .await?;
         rows.iter().map(abandoned).collect()
+    }
+
+    async fn count_uncertain(pool: &Pool<Self>, table: &str) -> Result<u64, sqlx::Error> {
+        let row = sqlx::query(AssertSqlSafe(count_uncertain_sql(table)))
+            .fetch_one(pool)
+            .await?;
+        let count: i64 = row.try_get("uncertain")?;
+        Ok(u64::try_from(count).unwrap_or(0))
     }
 
     async fn reserve(

@@ -1,0 +1,58 @@
+//! The last pass of each background task (the completer, the relays), as
+//! an operator's page shows them.
+
+use std::sync::Mutex;
+use std::time::{Duration, SystemTime};
+
+use crate::completer::CompleterRun;
+use crate::outbox::RelayRun;
+
+/// What a background task's last pass did, and when.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct LastPass<R> {
+    /// When it ended (the service's clock).
+    pub at: SystemTime,
+    /// How long it took.
+    pub took: Duration,
+    /// What it did, or why it failed.
+    pub result: Result<R, String>,
+}
+
+/// The last passes an [`Idem`](crate::Idem) saw, shared by its clones.
+#[derive(Debug, Default)]
+pub(crate) struct Passes {
+    pub(crate) completer: Mutex<Option<LastPass<CompleterRun>>>,
+    pub(crate) relay: Mutex<Option<LastPass<RelayRun>>>,
+}
+
+impl<R> LastPass<R> {
+    /// A pass that began at `started` and ended now with `result`.
+    pub(crate) fn ended<E: std::fmt::Display>(
+        started: std::time::Instant,
+        result: &Result<R, E>,
+    ) -> Self
+    where
+        R: Clone,
+    {
+        Self {
+            at: SystemTime::now(),
+            took: started.elapsed(),
+            result: result.as_ref().map(R::clone).map_err(ToString::to_string),
+        }
+    }
+}
+
+/// Keeps `pass` as the last one in `slot`.
+pub(crate) fn keep<R>(slot: &Mutex<Option<LastPass<R>>>, pass: LastPass<R>) {
+    *slot
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(pass);
+}
+
+/// The last pass kept in `slot`.
+pub(crate) fn last<R: Clone>(slot: &Mutex<Option<LastPass<R>>>) -> Option<LastPass<R>> {
+    slot.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .clone()
+}
