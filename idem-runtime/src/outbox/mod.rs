@@ -86,8 +86,42 @@ impl<DB: Backend> Idem<DB> {
         self.inner().messages.wake.committed();
     }
 
+    /// The outbox's backlog as an operator's page shows it: how many
+    /// messages wait, and up to `limit` scopes whose head message failed
+    /// its last delivery, the longest failing first, with the error.
+    pub async fn outbox_status(&self, limit: u32) -> Result<OutboxStatus, Error> {
+        let _ = limit;
+        todo!()
+    }
+
     /// How many outbox messages are not delivered yet.
     pub async fn pending_messages(&self) -> Result<u64, Error> {
         Ok(DB::pending_messages(self.pool(), self.outbox_table_name()).await?)
     }
+}
+
+/// The outbox's backlog: see [`Idem::outbox_status`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct OutboxStatus {
+    /// Messages not delivered yet.
+    pub pending: u64,
+    /// Scopes whose head message failed its last delivery.
+    pub failing: Vec<FailingScope>,
+}
+
+/// A scope whose delivery is failing: its head message waits for a retry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct FailingScope {
+    /// The scope.
+    pub scope: String,
+    /// Its messages not delivered yet.
+    pub pending: u64,
+    /// The head message's failed deliveries so far.
+    pub attempts: u32,
+    /// What its last delivery said, as the sink reported it.
+    pub last_error: Option<String>,
+    /// When its next delivery is due (the database's clock).
+    pub next_attempt: Option<std::time::SystemTime>,
 }
