@@ -1,11 +1,22 @@
 //! [`Idem`]'s key operations for support and operators: look a key up,
 //! list a scope's recent keys, forget a key that is done.
 
+use std::time::SystemTime;
+
+use axum::response::IntoResponse;
+use http::StatusCode;
+
 use crate::backend::single_flight;
-use crate::backend::{Admin, Forgotten, KeyInfo, KeyState, MAX_RECENT};
+use crate::backend::{
+    Admin, Forgotten, KeyInfo, KeyReads, KeyState, MAX_RECENT, Param, UNCERTAIN, Write,
+};
 use crate::error::Error;
 use crate::idem::Idem;
-use crate::resolve::{Resolution, Resolved};
+use crate::observe;
+use crate::phases::Recovery;
+use crate::resolve::{self, Resolution, Resolved};
+use crate::response::{StoredResponse, is_storable};
+use crate::table::resolutions_table;
 
 /// Which keys [`Idem::keys`] lists, across every scope.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -45,8 +56,49 @@ impl<DB: Admin> Idem<DB> {
     /// # Ok(()) }
     /// ```
     pub async fn lookup(&self, scope: &str, key: &str) -> Result<Option<KeyInfo>, Error> {
-        let row = DB::lookup(self.pool(), self.table_name(), scope, key).await?;
-        Ok(row.map(|row| row.into_info()))
+        let Some(row) = DB::lookup(self.pool(), self.table_name(), scope, key).await? else {
+            return Ok(self.running_here(scope, key));
+        };
+        let mut info = row.into_info();
+        let sql = format!(
+            "SELECT resolved_ms, outcome, status, by_name, note FROM {} \
+             WHERE scope = {} AND {} = {} ORDER BY resolved_ms",
+            resolutions_table(self.table_name()),
+            DB::param(1),
+            DB::READS.key,
+            DB::param(2),
+        );
+        let params = [Param::Bytes(scope.as_bytes()), Param::Bytes(key.as_bytes())];
+        info.resolutions = DB::read_resolutions(self.pool(), sql, params).await?;
+        Ok(Some(info))
+    }
+
+    /// An atomic claim this process is running, which has written nothing
+    /// others can read yet: reported in flight with what is known of it
+    /// (no fingerprint; its times are now).
+    fn running_here(&self, scope: &str, key: &str) -> Option<KeyInfo> {
+        let (slot, _) = single_flight::flight_slot(self.pool(), self.table_name(), scope, key);
+        single_flight::in_flight(&slot)?;
+        let now = SystemTime::now();
+        Some(KeyInfo {
+            scope: scope.to_owned(),
+            key: key.to_owned(),
+            state: KeyState::InFlight,
+            fingerprint: String::new(),
+            status: None,
+            method: None,
+            path: None,
+            created: now,
+            expires: now,
+            leased: true,
+            lease_until: None,
+            phases: Vec::new(),
+            external: false,
+            begun: Vec::new(),
+            attempts: 0,
+            uncertain: None,
+            resolutions: Vec::new(),
+        })
     }
 
     /// The most recent keys of `scope` (by creation, newest first), at
@@ -61,8 +113,37 @@ impl<DB: Admin> Idem<DB> {
     /// ones the longest uncertain first. For an operator's overview; the
     /// keys' resolutions are not read (see [`lookup`](Self::lookup)).
     pub async fn keys(&self, filter: KeyFilter, limit: u32) -> Result<Vec<KeyInfo>, Error> {
-        let _ = (filter, limit);
-        todo!()
+        // Phased and uncertain rows keep a `lease_until`, finished ones do
+        // not: the lease index finds these few among the whole table.
+        // Ended leases sort first, so a page of abandoned keys is never
+        // crowded out by live ones, and the reverse for live ones.
+        let (status, order) = match filter {
+            KeyFilter::InFlight => ("status IS NULL", "DESC"),
+            KeyFilter::Abandoned => ("status IS NULL", "ASC"),
+            KeyFilter::Uncertain => ("status = 0", "ASC"),
+        };
+        let KeyReads {
+            columns,
+            key,
+            params: [first, second],
+        } = DB::READS;
+        let sql = format!(
+            "SELECT {columns} FROM {} WHERE lease_until IS NOT NULL AND {status} \
+                 AND lease_token >= {first} \
+             ORDER BY lease_until {order}, {key} LIMIT {second}",
+            self.table_name()
+        );
+        let params = [Param::Int(0), Param::Int(limit.min(MAX_RECENT).into())];
+        let rows = DB::read_keys(self.pool(), sql, params).await?;
+        Ok(rows
+            .into_iter()
+            .map(|row| row.into_info())
+            .filter(|info| match filter {
+                KeyFilter::InFlight => info.state == KeyState::InFlight && info.leased,
+                KeyFilter::Abandoned => info.state == KeyState::InFlight && !info.leased,
+                KeyFilter::Uncertain => info.state == KeyState::Uncertain,
+            })
+            .collect())
     }
 
     /// Resolves an uncertain key as an operator (or a reconciliation job)
@@ -102,8 +183,121 @@ impl<DB: Admin> Idem<DB> {
         key: &str,
         resolution: Resolution,
     ) -> Result<Resolved, Error> {
-        let _ = (scope, key, resolution);
-        todo!()
+        let response = match &resolution.outcome {
+            resolve::Outcome::Completed { status, body } => Some(completed(*status, body).await?),
+            _ => None,
+        };
+        let Some(row) = DB::lookup(self.pool(), self.table_name(), scope, key).await? else {
+            return Ok(Resolved::Absent);
+        };
+        let recovery = row.recovery.clone();
+        if row.into_info().state != KeyState::Uncertain {
+            return Ok(Resolved::NotUncertain);
+        }
+        let table = self.table_name();
+        let p = DB::param;
+        let key_column = DB::READS.key;
+        let (scope_bytes, key_bytes) = (scope.as_bytes(), key.as_bytes());
+        let headers = response.as_ref().map(StoredResponse::encode_headers);
+        let cleared;
+        // The first write changes the row only while it is uncertain, so
+        // two operators resolving at once cannot both act.
+        let first = match (&resolution.outcome, &response, &headers) {
+            (resolve::Outcome::Completed { .. }, Some(response), Some(headers)) => Write {
+                sql: format!(
+                    "UPDATE {table} SET status = {}, headers = {}, body = {}, recovery = NULL, \
+                         request = NULL, lease_until = NULL \
+                     WHERE scope = {} AND {key_column} = {} AND status = {UNCERTAIN}",
+                    p(1),
+                    p(2),
+                    p(3),
+                    p(4),
+                    p(5)
+                ),
+                params: vec![
+                    Param::Int(response.status.as_u16().into()),
+                    Param::Bytes(headers),
+                    Param::Bytes(&response.body),
+                    Param::Bytes(scope_bytes),
+                    Param::Bytes(key_bytes),
+                ],
+            },
+            (resolve::Outcome::NotStarted, ..) => Write {
+                sql: format!(
+                    "DELETE FROM {table} WHERE scope = {} AND {key_column} = {} \
+                         AND status = {UNCERTAIN}",
+                    p(1),
+                    p(2)
+                ),
+                params: vec![Param::Bytes(scope_bytes), Param::Bytes(key_bytes)],
+            },
+            _ => {
+                cleared = retried(recovery.as_deref());
+                Write {
+                    sql: format!(
+                        "UPDATE {table} SET status = NULL, body = NULL, attempts = 0, \
+                             recovery = {}, lease_until = created_at \
+                         WHERE scope = {} AND {key_column} = {} AND status = {UNCERTAIN}",
+                        p(1),
+                        p(2),
+                        p(3)
+                    ),
+                    params: vec![
+                        Param::Bytes(&cleared),
+                        Param::Bytes(scope_bytes),
+                        Param::Bytes(key_bytes),
+                    ],
+                }
+            }
+        };
+        let at = i64::try_from(
+            SystemTime::now()
+                .duration_since(SystemTime::UNIX_EPOCH)
+                .map_or(0, |since| since.as_millis()),
+        )
+        .unwrap_or(i64::MAX);
+        let status = response.as_ref().map(|response| response.status.as_u16());
+        let record = Write {
+            sql: format!(
+                "INSERT INTO {} (scope, {key_column}, resolved_ms, outcome, status, by_name, note) \
+                 VALUES ({}, {}, {}, {}, {}, {}, {})",
+                resolutions_table(table),
+                p(1),
+                p(2),
+                p(3),
+                p(4),
+                p(5),
+                p(6),
+                p(7)
+            ),
+            params: vec![
+                Param::Bytes(scope_bytes),
+                Param::Bytes(key_bytes),
+                Param::Int(at),
+                Param::Text(Some(resolution.outcome())),
+                match status {
+                    Some(status) => Param::Int(status.into()),
+                    None => Param::Text(None),
+                },
+                Param::Text(resolution.by.as_deref()),
+                Param::Text(resolution.note.as_deref()),
+            ],
+        };
+        if !DB::write_all(self.pool(), vec![first, record]).await? {
+            return Ok(Resolved::NotUncertain);
+        }
+        if matches!(resolution.outcome, resolve::Outcome::Completed { .. }) {
+            self.finished_keys().remember(scope, key);
+        }
+        observe::resolved(resolution.outcome());
+        tracing::info!(
+            scope = observe::redact(&[scope]),
+            key = observe::redact(&[scope, key]),
+            outcome = resolution.outcome(),
+            by = resolution.by.as_deref(),
+            "an uncertain idempotency key was resolved"
+        );
+        Ok(Resolved::Resolved)
     }
 
     /// Deletes `key` in `scope` if it is finished or expired, so that its
@@ -153,4 +347,33 @@ impl<DB: Admin> Idem<DB> {
         }
         Ok(Forgotten::InFlight)
     }
+}
+
+/// The response a `completed` resolution stores: `body` as JSON with
+/// `status`, which must be one `idem` stores and a client can act on.
+async fn completed(status: StatusCode, body: &serde_json::Value) -> Result<StoredResponse, Error> {
+    if !is_storable(status)
+        || status.is_informational()
+        || status == StatusCode::CONFLICT
+        || status == StatusCode::UNPROCESSABLE_ENTITY
+    {
+        return Err(Error::InvalidResolution(format!(
+            "status {} is not one a request's answer is stored with: give a 2xx, 3xx or a \
+             4xx other than 408, 409, 422 and 429",
+            status.as_u16()
+        )));
+    }
+    let response = (status, axum::Json(body)).into_response();
+    StoredResponse::capture(response, &[http::header::CONTENT_TYPE], usize::MAX)
+        .await
+        .map(|(stored, _)| stored)
+        .map_err(|_| Error::InvalidResolution("the body did not serialise".to_owned()))
+}
+
+/// A recovery point handed back by a `retry` resolution: the steps begun
+/// without a result forgotten, so they run again, as the operator asked.
+fn retried(recovery: Option<&[u8]>) -> Vec<u8> {
+    let mut recovery = Recovery::decode(recovery).unwrap_or_default();
+    recovery.begun.clear();
+    recovery.encode()
 }

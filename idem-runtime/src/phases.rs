@@ -82,16 +82,23 @@ pub(crate) struct PhaseState<DB: Phased> {
     /// Marked by this attempt's outbox writers; taken by each commit of a
     /// phase, which then wakes the relays.
     pub(crate) written: Written,
+    /// The [`external_once`](Phases::external_once) step an earlier
+    /// attempt began without a recorded result: the key becomes uncertain.
+    pub(crate) uncertain: Option<String>,
 }
 
-/// The recovery point: each recorded result by its phase's name, and
-/// whether an external step may have happened.
+/// The recovery point: each recorded result by its phase's name, whether
+/// an external step may have happened, and the
+/// [`external_once`](Phases::external_once) steps that began (their calls
+/// may have happened) without a recorded result.
 #[derive(Debug, Default, Serialize, Deserialize)]
 pub(crate) struct Recovery {
     #[serde(default)]
     pub(crate) steps: serde_json::Map<String, serde_json::Value>,
     #[serde(default)]
     pub(crate) external: bool,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub(crate) begun: Vec<String>,
 }
 
 impl Recovery {
@@ -102,7 +109,7 @@ impl Recovery {
         }
     }
 
-    fn encode(&self) -> Vec<u8> {
+    pub(crate) fn encode(&self) -> Vec<u8> {
         serde_json::to_vec(self).expect("a JSON map serializes")
     }
 }
@@ -133,12 +140,20 @@ pub enum PhaseError {
     /// the last one began.
     #[error("phase `{0}` is out of order: each name once, and nothing after `last_phase`")]
     Order(String),
+    /// An [`external_once`](Phases::external_once) step began in an earlier
+    /// attempt and its result was not recorded: it may have happened, and
+    /// it must not be called again. The key becomes uncertain, and the
+    /// request answers 409 `idempotency_outcome_uncertain` whatever the
+    /// handler makes of the error.
+    #[error("step `{0}` may have happened without a recorded result; the outcome is uncertain")]
+    Uncertain(String),
 }
 
 impl PhaseError {
     fn problem(&self) -> Problem {
         match self {
             Self::Fenced => Problem::KeyInUse,
+            Self::Uncertain(_) => Problem::OutcomeUncertain,
             Self::Store(_) => Problem::StoreUnavailable,
             Self::Result { .. } | Self::Order(_) => Problem::TransactionFailed,
         }
@@ -150,7 +165,7 @@ impl PhaseError {
 /// the handler made of the error.)
 impl IntoResponse for PhaseError {
     fn into_response(self) -> Response {
-        if !matches!(self, Self::Fenced) {
+        if !matches!(self, Self::Fenced | Self::Uncertain(_)) {
             tracing::error!(error = %self, "a phase failed");
         }
         self.problem().into_response()
@@ -294,23 +309,72 @@ impl<DB: Phased> Phases<DB> {
             return Ok(done);
         }
         state.recovery.external = true;
-        let recovery = state.recovery.encode();
-        let (idem, holder, lease) = (&state.idem, &state.holder, state.lease);
-        let recovery = &recovery;
-        let recorded = in_autocommit(idem.pool(), idem.acquire(), |mut conn| async move {
-            let recorded = DB::record(&mut conn, idem.table_name(), holder, recovery, lease).await;
-            (conn, recorded)
-        })
-        .await;
-        match recorded {
-            Ok(true) => {}
-            Ok(false) => return Err(state.fence(label).into()),
-            Err(error) => {
-                crate::observe::phase(label, "failed");
-                return Err(PhaseError::Store(error).into());
-            }
+        state.note_external(label).await?;
+        self.call(label, step).await
+    }
+
+    /// Runs an external step that must never run twice: for a downstream
+    /// that takes no idempotency key (an SMTP relay, a legacy bank API).
+    /// Before the call, the recovery point notes that the step began (as
+    /// [`external`](Self::external) notes that one may happen); its `Ok`
+    /// result is recorded with the next local phase or the response, and a
+    /// later attempt then skips the step. A later attempt (a client's
+    /// retry, or the completer) that finds the step begun without a
+    /// recorded result does not call it again: whether it happened is
+    /// unknown, so the key becomes uncertain, the step returns
+    /// [`PhaseError::Uncertain`], and the request answers 409
+    /// `idempotency_outcome_uncertain` until an operator resolves it
+    /// ([`Idem::resolve`](crate::Idem::resolve)).
+    ///
+    /// An `Err` from the step counts as "may have happened" too: return
+    /// `Ok` with a value that says the downstream refused, where it did so
+    /// for certain, to have that recorded instead. `step` gets the key
+    /// derived for `label`, to quote to the downstream as a reference.
+    ///
+    /// ```no_run
+    /// # use idem_runtime as idem;
+    /// # use idem::{Phases, PhaseError};
+    /// # use sqlx::Postgres;
+    /// # struct ApiError;
+    /// # impl From<PhaseError> for ApiError { fn from(_: PhaseError) -> Self { ApiError } }
+    /// # async fn send_receipt(reference: String) -> Result<(), ApiError> { Ok(()) }
+    /// # async fn demo(mut phases: Phases<Postgres>) -> Result<(), ApiError> {
+    /// phases
+    ///     .external_once("receipt", async |reference| send_receipt(reference).await)
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn external_once<T, E, F>(&mut self, label: &str, step: F) -> Result<T, E>
+    where
+        T: Serialize + DeserializeOwned,
+        E: From<PhaseError>,
+        F: AsyncFnOnce(String) -> Result<T, E>,
+    {
+        let state = self.state();
+        if let Some(done) = state.recorded(label)? {
+            crate::observe::phase(label, "skipped");
+            return Ok(done);
         }
-        let derived = state.key.derive(label);
+        if state.recovery.begun.iter().any(|begun| begun == label) {
+            crate::observe::phase(label, "uncertain");
+            state.uncertain = Some(label.to_owned());
+            return Err(PhaseError::Uncertain(label.to_owned()).into());
+        }
+        state.recovery.external = true;
+        state.recovery.begun.push(label.to_owned());
+        state.note_external(label).await?;
+        self.call(label, step).await
+    }
+
+    /// Calls an external step whose start is recorded, and keeps its `Ok`
+    /// result to be recorded with the next commit.
+    async fn call<T, E, F>(&mut self, label: &str, step: F) -> Result<T, E>
+    where
+        T: Serialize,
+        E: From<PhaseError>,
+        F: AsyncFnOnce(String) -> Result<T, E>,
+    {
+        let derived = self.state().key.derive(label);
         match step(derived).await {
             Ok(value) => {
                 self.state().keep(label, &value)?;
@@ -343,6 +407,27 @@ impl<DB: Phased> Phases<DB> {
 }
 
 impl<DB: Phased> PhaseState<DB> {
+    /// Writes the recovery point (noting an external step) and renews the
+    /// lease, committed on its own before the step's call.
+    async fn note_external(&mut self, label: &str) -> Result<(), PhaseError> {
+        let recovery = self.recovery.encode();
+        let (idem, holder, lease) = (&self.idem, &self.holder, self.lease);
+        let recovery = &recovery;
+        let recorded = in_autocommit(idem.pool(), idem.acquire(), |mut conn| async move {
+            let recorded = DB::record(&mut conn, idem.table_name(), holder, recovery, lease).await;
+            (conn, recorded)
+        })
+        .await;
+        match recorded {
+            Ok(true) => Ok(()),
+            Ok(false) => Err(self.fence(label)),
+            Err(error) => {
+                crate::observe::phase(label, "failed");
+                Err(PhaseError::Store(error))
+            }
+        }
+    }
+
     /// A recorded result of `name`, if an earlier attempt recorded one.
     fn recorded<T: DeserializeOwned>(&mut self, name: &str) -> Result<Option<T>, PhaseError> {
         if self.last.is_some() || self.seen.iter().any(|seen| seen == name) {

@@ -76,6 +76,13 @@ impl Tables {
     }
 }
 
+/// The table of the key table's resolutions (`<table>_resolutions`): one
+/// row per decision an operator made on an uncertain key, kept after the
+/// key itself is gone.
+pub(crate) fn resolutions_table(table: &str) -> String {
+    beside(table, "resolutions")
+}
+
 /// `<table>_<suffix>`, in `table`'s schema; within 63 characters (a longer
 /// name is shortened with a hash of the whole).
 fn beside(table: &str, suffix: &str) -> String {

@@ -188,7 +188,14 @@ impl KeyRow {
                 .map(|recovery| recovery.steps.keys().cloned().collect())
                 .unwrap_or_default(),
             external: recovery.as_ref().is_some_and(|recovery| recovery.external),
-            begun: recovery.map(|recovery| recovery.begun).unwrap_or_default(),
+            begun: recovery
+                .map(|recovery| {
+                    let mut begun = recovery.begun;
+                    begun.retain(|step| !recovery.steps.contains_key(step));
+                    begun.sort();
+                    begun
+                })
+                .unwrap_or_default(),
             attempts: u32::try_from(self.attempts).unwrap_or(0),
             uncertain: (state == KeyState::Uncertain)
                 .then(|| Uncertainty::decode(self.uncertainty.as_deref().unwrap_or_default())),
@@ -218,13 +225,25 @@ pub struct KeyReads {
     pub params: [&'static str; 2],
 }
 
-/// A read's parameter.
+/// A statement's parameter.
 #[derive(Debug, Clone, Copy)]
 pub enum Param<'a> {
-    /// Bytes: a scope, a key.
+    /// Bytes: a scope, a key, a response's parts.
     Bytes(&'a [u8]),
-    /// An integer: a limit.
+    /// An integer: a limit, a status, a time.
     Int(i64),
+    /// Text or `NULL`: who resolved a key, and why.
+    Text(Option<&'a str>),
+}
+
+/// One statement of an operator's write, with its parameters in the order
+/// its text numbers them.
+#[derive(Debug)]
+pub struct Write<'a> {
+    /// The text, its parameters written as [`AdminStore::param`] writes them.
+    pub sql: String,
+    /// The parameters.
+    pub params: Vec<Param<'a>>,
 }
 
 /// The key operations for operators: what [`Admin`] asks of an engine.
@@ -240,6 +259,25 @@ pub trait AdminStore: Backend {
         sql: String,
         params: [Param<'_>; 2],
     ) -> impl Future<Output = Result<Vec<KeyRow>, sqlx::Error>> + Send;
+
+    /// The `n`th parameter (from 1) as the engine's statements write it;
+    /// statements number theirs in text order, so `?` serves too.
+    fn param(n: usize) -> String;
+
+    /// Runs `writes` in order in one transaction, committed only if the
+    /// first changed exactly one row: whether it did.
+    fn write_all(
+        pool: &Pool<Self>,
+        writes: Vec<Write<'_>>,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+
+    /// The resolutions `sql` finds (`resolved_ms`, `outcome`, `status`,
+    /// `by_name`, `note`) with `params` as its two parameters.
+    fn read_resolutions(
+        pool: &Pool<Self>,
+        sql: String,
+        params: [Param<'_>; 2],
+    ) -> impl Future<Output = Result<Vec<ResolutionRecord>, sqlx::Error>> + Send;
 
     /// The key's row, if any (expired or not).
     fn lookup(

@@ -38,6 +38,7 @@ mod store;
 mod test_support;
 
 pub use admin::{Admin, Forgotten, KeyInfo, KeyState, MAX_RECENT};
+pub(crate) use admin::{KeyReads, Param, Write};
 pub use connection::{Acquire, OpenTx};
 pub(crate) use connection::{abandon, in_autocommit, is_gone, transaction_depth};
 pub(crate) use outbox_store::MessageRow;
@@ -46,8 +47,8 @@ pub use outbox_store::{MAX_MESSAGE_ID_LEN, NewMessage};
 pub use phased::Phased;
 pub(crate) use phased::{Holder, LeaseClaim, LeaseOutcome, Release};
 pub(crate) use single_flight::waiting_duplicates;
-pub(crate) use store::ConnectOptions;
 pub use store::{Backend, Claim, ClaimOutcome, FinishError, StoreError};
+pub(crate) use store::{ConnectOptions, UNCERTAIN};
 
 /// FNV-1a: a stable 64-bit name for any text (a statement's, an index's),
 /// not a secret.

@@ -125,7 +125,8 @@ pub enum Release<'a> {
     /// find out: the row becomes uncertain (`status`
     /// [`UNCERTAIN`](super::store::UNCERTAIN), these bytes, the
     /// `resolve::Uncertainty` as JSON, in `body`), its recovery point and
-    /// request kept.
+    /// request kept, its lease ended at `created_at` (never `NULL`, so the
+    /// lease index lists it).
     Uncertain(&'a [u8]),
 }
 
@@ -319,10 +320,12 @@ pub(crate) fn abandoned_sql(table: &str, key: &str, now: &str, limit: u32) -> St
     )
 }
 
-/// The statement counting uncertain keys, one text for every engine.
+/// The statement counting uncertain keys, one text for every engine: an
+/// uncertain row keeps a `lease_until` (an ended one), so the lease index
+/// finds it among the few phased rows rather than the whole table.
 pub(crate) fn count_uncertain_sql(table: &str) -> String {
     format!(
-        "SELECT COUNT(*) AS uncertain FROM {table} WHERE status = {}",
+        "SELECT COUNT(*) AS uncertain FROM {table} WHERE lease_until IS NOT NULL AND status = {}",
         super::store::UNCERTAIN
     )
 }

@@ -9,6 +9,7 @@ use super::outbox_store::MessageRow;
 use super::phased::{Abandoned, Holder, Unclaimed};
 use super::store::{StoreError, decode_finished};
 use crate::fingerprint::Fingerprint;
+use crate::resolve::ResolutionRecord;
 use crate::response::StoredResponse;
 
 /// An engine's row, read by column name into the types `idem`'s tables
@@ -31,6 +32,8 @@ pub(crate) trait Columns {
     fn count_or_null(&self, name: &str) -> Result<Option<i32>, sqlx::Error>;
     /// A 16-bit status, maybe `NULL`.
     fn status_or_null(&self, name: &str) -> Result<Option<i16>, sqlx::Error>;
+    /// Text or `NULL`.
+    fn text_or_null(&self, name: &str) -> Result<Option<String>, sqlx::Error>;
 }
 
 impl<R: Row> Columns for R
@@ -51,6 +54,10 @@ where
     }
 
     fn text(&self, name: &str) -> Result<String, sqlx::Error> {
+        self.try_get(name)
+    }
+
+    fn text_or_null(&self, name: &str) -> Result<Option<String>, sqlx::Error> {
         self.try_get(name)
     }
 
@@ -91,6 +98,21 @@ pub(crate) fn key_row(row: &impl Columns) -> Result<KeyRow, sqlx::Error> {
         request: row.bytes_or_null("request")?,
         attempts: row.count_or_null("attempts")?.unwrap_or(0),
         uncertainty: row.bytes_or_null("uncertainty")?,
+    })
+}
+
+/// A key's resolution: `resolved_ms`, `outcome`, `status`, `by_name`,
+/// `note`.
+pub(crate) fn resolution_row(row: &impl Columns) -> Result<ResolutionRecord, sqlx::Error> {
+    let at = u64::try_from(row.int("resolved_ms")?).unwrap_or(0);
+    Ok(ResolutionRecord {
+        at: std::time::UNIX_EPOCH + std::time::Duration::from_millis(at),
+        outcome: row.text("outcome")?,
+        status: row
+            .status_or_null("status")?
+            .and_then(|status| u16::try_from(status).ok()),
+        by: row.text_or_null("by_name")?,
+        note: row.text_or_null("note")?,
     })
 }
 

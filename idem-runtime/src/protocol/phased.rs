@@ -31,6 +31,7 @@ use crate::key::IdempotencyKey;
 use crate::observe::{self, Outcome};
 use crate::phases::{PhaseState, Phases, Recovery};
 use crate::problem::{OperationState, Problem, restate};
+use crate::resolve::Uncertainty;
 use crate::response::{CaptureError, StoredResponse};
 use crate::wake::Written;
 
@@ -140,6 +141,7 @@ async fn run_keyed<'f, DB: Phased>(
         last: None,
         seen: Vec::new(),
         written: Written::default(),
+        uncertain: None,
     };
     let (phases, mut back) = Phases::new(state);
     let timeout = claim.timeout();
@@ -161,6 +163,9 @@ async fn run_keyed<'f, DB: Phased>(
         }
         observe::fenced();
         return (Outcome::Fenced, Problem::KeyInUse.into_response());
+    }
+    if let Some(step) = state.uncertain.take() {
+        return settle_uncertain(state, &step).await;
     }
     let answer = match ran {
         Ok(Ok(answer)) if answer.commits() => answer,
@@ -379,6 +384,52 @@ async fn store<DB: Phased>(
             (
                 Outcome::StoreUnavailable,
                 Problem::StoreUnavailable.answer(OperationState::InProgress),
+            )
+        }
+    }
+}
+
+/// Makes the key uncertain: an `external_once` step (`step`) began in an
+/// earlier attempt without a recorded result. Nothing of this attempt's
+/// last phase commits.
+async fn settle_uncertain<DB: Phased>(
+    mut state: PhaseState<DB>,
+    step: &str,
+) -> (Outcome, Response) {
+    if let Some(conn) = state.last.take() {
+        abandon(conn).await;
+    }
+    let record = Uncertainty::encode(Uncertainty::STEP_BEGUN, Some(step));
+    let (idem, holder) = (&state.idem, &state.holder);
+    let how = Release::Uncertain(&record);
+    let settled = in_autocommit(idem.pool(), idem.acquire(), |mut conn| async move {
+        let settled = DB::release(&mut conn, idem.table_name(), holder, how).await;
+        (conn, settled)
+    })
+    .await;
+    match settled {
+        Ok(true) => {
+            observe::uncertain(
+                &holder.scope,
+                &holder.key,
+                Uncertainty::STEP_BEGUN,
+                Some(step),
+            );
+            (
+                Outcome::Uncertain,
+                Problem::OutcomeUncertain.into_response(),
+            )
+        }
+        Ok(false) => {
+            observe::fenced();
+            (Outcome::Fenced, Problem::KeyInUse.into_response())
+        }
+        // Kept as it is: the next attempt finds the step begun again.
+        Err(error) => {
+            tracing::warn!(%error, "marking an idempotency key uncertain failed");
+            (
+                Outcome::StoreUnavailable,
+                Problem::StoreUnavailable.answer(OperationState::Uncertain),
             )
         }
     }

@@ -116,10 +116,10 @@ impl PhasedStore for MySql {
         how: Release<'_>,
     ) -> Result<bool, sqlx::Error> {
         let guard = format!("{ROW} AND lease_token = ? AND status IS NULL");
-        let done = match how {
-            Release::Uncertain(record) => {
-                sqlx::query(AssertSqlSafe(format!(
-                    "UPDATE {table} SET status = {UNCERTAIN}, body = ?, lease_until = NULL \
+        let done =
+            match how {
+                Release::Uncertain(record) => sqlx::query(AssertSqlSafe(format!(
+                    "UPDATE {table} SET status = {UNCERTAIN}, body = ?, lease_until = created_at \
                      WHERE {guard}"
                 )))
                 .bind(record)
@@ -127,28 +127,27 @@ impl PhasedStore for MySql {
                 .bind(holder.key.as_bytes())
                 .bind(holder.token)
                 .execute(conn)
-                .await?
-            }
-            Release::Delete => {
-                sqlx::query(AssertSqlSafe(format!("DELETE FROM {table} WHERE {guard}")))
+                .await?,
+                Release::Delete => {
+                    sqlx::query(AssertSqlSafe(format!("DELETE FROM {table} WHERE {guard}")))
+                        .bind(holder.scope.as_bytes())
+                        .bind(holder.key.as_bytes())
+                        .bind(holder.token)
+                        .execute(conn)
+                        .await?
+                }
+                Release::Keep(after) => {
+                    sqlx::query(AssertSqlSafe(format!(
+                        "UPDATE {table} SET lease_until = {AFTER} WHERE {guard}"
+                    )))
+                    .bind(ms(after))
                     .bind(holder.scope.as_bytes())
                     .bind(holder.key.as_bytes())
                     .bind(holder.token)
                     .execute(conn)
                     .await?
-            }
-            Release::Keep(after) => {
-                sqlx::query(AssertSqlSafe(format!(
-                    "UPDATE {table} SET lease_until = {AFTER} WHERE {guard}"
-                )))
-                .bind(ms(after))
-                .bind(holder.scope.as_bytes())
-                .bind(holder.key.as_bytes())
-                .bind(holder.token)
-                .execute(conn)
-                .await?
-            }
-        };
+                }
+            };
         Ok(done.rows_affected() == 1)
     }
 

@@ -17,6 +17,7 @@ use crate::backend::store::Store;
 use crate::backend::{Acquire, Backend, Claim, ClaimOutcome, FinishError, OpenTx, StoreError};
 use crate::error::Error;
 use crate::response::StoredResponse;
+use crate::table::resolutions_table;
 
 impl Backend for MySql {}
 
@@ -52,6 +53,22 @@ impl Store for MySql {
         );
         // DDL takes a metadata lock: concurrent migrations queue, no race.
         sqlx::raw_sql(AssertSqlSafe(ddl)).execute(pool).await?;
+        let resolutions = resolutions_table(table);
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "CREATE TABLE IF NOT EXISTS {resolutions} (
+                scope VARBINARY({MAX_SCOPE_BYTES}) NOT NULL,
+                `key` VARBINARY(255) NOT NULL,
+                resolved_ms BIGINT NOT NULL,
+                outcome VARCHAR(16) NOT NULL,
+                status SMALLINT NULL,
+                by_name TEXT NULL,
+                note TEXT NULL,
+                KEY {key_index} (scope, `key`)
+            ) ENGINE = InnoDB ROW_FORMAT = DYNAMIC",
+            key_index = index_name("resolutions_idx"),
+        )))
+        .execute(pool)
+        .await?;
         // The phased mode's columns came later: a table from before gets
         // them (MySQL has no `ADD COLUMN IF NOT EXISTS`; MariaDB has).
         let (schema, name) = match table.split_once('.') {

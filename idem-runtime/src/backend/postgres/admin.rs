@@ -7,8 +7,19 @@ use sqlx::{Pool, Postgres};
 use super::simple;
 use super::sql::Arg;
 
-use crate::backend::admin::{Admin, AdminStore, Forgotten, KeyReads, KeyRow, Param};
-use crate::backend::rows::key_row;
+use crate::backend::admin::{Admin, AdminStore, Forgotten, KeyReads, KeyRow, Param, Write};
+use crate::backend::rows::{key_row, resolution_row};
+use crate::resolve::ResolutionRecord;
+
+/// A parameter as the statements inline it.
+fn arg(param: Param<'_>) -> Arg<'_> {
+    match param {
+        Param::Bytes(bytes) => Arg::Bytes(bytes),
+        Param::Int(int) => Arg::Signed(int),
+        Param::Text(Some(text)) => Arg::Text(text),
+        Param::Text(None) => Arg::Null,
+    }
+}
 
 impl Admin for Postgres {}
 
@@ -29,12 +40,35 @@ impl AdminStore for Postgres {
         sql: String,
         params: [Param<'_>; 2],
     ) -> Result<Vec<KeyRow>, sqlx::Error> {
-        let args = params.map(|param| match param {
-            Param::Bytes(bytes) => Arg::Bytes(bytes),
-            Param::Int(int) => Arg::Signed(int),
-        });
-        let rows = simple(&sql, &args).fetch_all(pool).await?;
+        let rows = simple(&sql, &params.map(arg)).fetch_all(pool).await?;
         rows.iter().map(key_row).collect()
+    }
+
+    fn param(n: usize) -> String {
+        format!("${n}")
+    }
+
+    async fn write_all(pool: &Pool<Self>, writes: Vec<Write<'_>>) -> Result<bool, sqlx::Error> {
+        let mut tx = pool.begin().await?;
+        for (n, write) in writes.iter().enumerate() {
+            let args: Vec<Arg<'_>> = write.params.iter().copied().map(arg).collect();
+            let done = simple(&write.sql, &args).execute(&mut *tx).await?;
+            if n == 0 && done.rows_affected() != 1 {
+                tx.rollback().await?;
+                return Ok(false);
+            }
+        }
+        tx.commit().await?;
+        Ok(true)
+    }
+
+    async fn read_resolutions(
+        pool: &Pool<Self>,
+        sql: String,
+        params: [Param<'_>; 2],
+    ) -> Result<Vec<ResolutionRecord>, sqlx::Error> {
+        let rows = simple(&sql, &params.map(arg)).fetch_all(pool).await?;
+        rows.iter().map(resolution_row).collect()
     }
 
     async fn forget(

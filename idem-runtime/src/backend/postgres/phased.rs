@@ -205,7 +205,7 @@ impl PhasedStore for Postgres {
             ),
             Release::Uncertain(record) => (
                 format!(
-                    "UPDATE {table} SET status = {UNCERTAIN}, body = $4, lease_until = NULL \
+                    "UPDATE {table} SET status = {UNCERTAIN}, body = $4, lease_until = created_at \
                      WHERE {row}"
                 ),
                 Arg::Bytes(record),

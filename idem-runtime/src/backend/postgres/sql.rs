@@ -114,6 +114,7 @@ pub(super) enum Arg<'a> {
     Text(&'a str),
     Int(u128),
     Signed(i64),
+    Null,
 }
 
 impl Arg<'_> {
@@ -127,6 +128,7 @@ impl Arg<'_> {
             }
             Arg::Int(int) => write!(out, "{int}").expect("writing to a String"),
             Arg::Signed(int) => write!(out, "{int}").expect("writing to a String"),
+            Arg::Null => out.push_str("NULL"),
         }
     }
 }

@@ -16,6 +16,7 @@ use crate::backend::store::Store;
 use crate::backend::{Acquire, Backend, Claim, ClaimOutcome, FinishError, OpenTx, StoreError};
 use crate::error::Error;
 use crate::response::StoredResponse;
+use crate::table::resolutions_table;
 
 impl Backend for Postgres {}
 
@@ -29,6 +30,8 @@ impl Store for Postgres {
             index_name(table, "expires_at_idx"),
             index_name(table, "lease_idx"),
         );
+        let resolutions = resolutions_table(table);
+        let resolutions_index = index_name(&resolutions, "key_idx");
         let ddl = format!(
             "CREATE TABLE IF NOT EXISTS {table} (
                 scope bytea NOT NULL,
@@ -54,7 +57,17 @@ impl Store for Postgres {
                 ADD COLUMN IF NOT EXISTS attempts integer;
             CREATE INDEX IF NOT EXISTS {index} ON {table} (expires_at);
             CREATE INDEX IF NOT EXISTS {lease_index} ON {table} (lease_until)
-                WHERE lease_until IS NOT NULL;"
+                WHERE lease_until IS NOT NULL;
+            CREATE TABLE IF NOT EXISTS {resolutions} (
+                scope bytea NOT NULL,
+                key bytea NOT NULL,
+                resolved_ms bigint NOT NULL,
+                outcome text NOT NULL,
+                status smallint,
+                by_name text,
+                note text
+            );
+            CREATE INDEX IF NOT EXISTS {resolutions_index} ON {resolutions} (scope, key);"
         );
         // `CREATE INDEX IF NOT EXISTS` takes a SHARE lock on the table before
         // it looks for the index: on a live table it would wait for every
@@ -66,6 +79,8 @@ impl Store for Postgres {
                 table,
                 &qualified(table, &index),
                 &qualified(table, &lease_index),
+                &resolutions,
+                &qualified(&resolutions, &resolutions_index),
             ],
         )
         .await?

@@ -4,8 +4,25 @@
 use sqlx::{AssertSqlSafe, Pool, Sqlite};
 
 use super::now_ms;
-use crate::backend::admin::{Admin, AdminStore, Forgotten, KeyReads, KeyRow, Param};
-use crate::backend::rows::key_row;
+use crate::backend::admin::{Admin, AdminStore, Forgotten, KeyReads, KeyRow, Param, Write};
+use crate::backend::rows::{key_row, resolution_row};
+use crate::resolve::ResolutionRecord;
+
+/// `sql` with `params` bound in order.
+fn bound<'q>(
+    sql: &str,
+    params: &[Param<'q>],
+) -> sqlx::query::Query<'q, Sqlite, <Sqlite as sqlx::Database>::Arguments> {
+    let mut query = sqlx::query(AssertSqlSafe(sql.to_owned()));
+    for param in params {
+        query = match *param {
+            Param::Bytes(bytes) => query.bind(bytes),
+            Param::Int(int) => query.bind(int),
+            Param::Text(text) => query.bind(text),
+        };
+    }
+    query
+}
 
 impl Admin for Sqlite {}
 
@@ -25,14 +42,34 @@ impl AdminStore for Sqlite {
         sql: String,
         params: [Param<'_>; 2],
     ) -> Result<Vec<KeyRow>, sqlx::Error> {
-        let mut query = sqlx::query(AssertSqlSafe(sql));
-        for param in params {
-            query = match param {
-                Param::Bytes(bytes) => query.bind(bytes),
-                Param::Int(int) => query.bind(int),
-            };
+        let rows = bound(&sql, &params).fetch_all(pool).await?;
+        rows.iter().map(key_row).collect()
+    }
+
+    fn param(n: usize) -> String {
+        format!("?{n}")
+    }
+
+    async fn write_all(pool: &Pool<Self>, writes: Vec<Write<'_>>) -> Result<bool, sqlx::Error> {
+        let mut tx = pool.begin().await?;
+        for (n, write) in writes.iter().enumerate() {
+            let done = bound(&write.sql, &write.params).execute(&mut *tx).await?;
+            if n == 0 && done.rows_affected() != 1 {
+                tx.rollback().await?;
+                return Ok(false);
+            }
         }
-        query.fetch_all(pool).await?.iter().map(key_row).collect()
+        tx.commit().await?;
+        Ok(true)
+    }
+
+    async fn read_resolutions(
+        pool: &Pool<Self>,
+        sql: String,
+        params: [Param<'_>; 2],
+    ) -> Result<Vec<ResolutionRecord>, sqlx::Error> {
+        let rows = bound(&sql, &params).fetch_all(pool).await?;
+        rows.iter().map(resolution_row).collect()
     }
 
     async fn forget(

@@ -161,7 +161,7 @@ impl PhasedStore for Sqlite {
                 "UPDATE {table} SET lease_until = ?4 WHERE {row}"
             ))),
             Release::Uncertain(_) => sqlx::query(AssertSqlSafe(format!(
-                "UPDATE {table} SET status = {UNCERTAIN}, body = ?4, lease_until = NULL \
+                "UPDATE {table} SET status = {UNCERTAIN}, body = ?4, lease_until = created_at \
                  WHERE {row}"
             ))),
         };

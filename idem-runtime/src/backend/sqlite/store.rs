@@ -20,6 +20,7 @@ use crate::backend::store::{Store, finished};
 use crate::backend::{Acquire, Backend, Claim, ClaimOutcome, FinishError, OpenTx, StoreError};
 use crate::error::Error;
 use crate::response::StoredResponse;
+use crate::table::resolutions_table;
 
 impl Backend for Sqlite {}
 
@@ -46,7 +47,19 @@ impl Store for Sqlite {
                 attempts INTEGER,
                 PRIMARY KEY (scope, \"key\")
             );
-            CREATE INDEX IF NOT EXISTS {schema}{name}_expires_at_idx ON {name} (expires_at);"
+            CREATE INDEX IF NOT EXISTS {schema}{name}_expires_at_idx ON {name} (expires_at);
+            CREATE TABLE IF NOT EXISTS {resolutions} (
+                scope BLOB NOT NULL,
+                \"key\" BLOB NOT NULL,
+                resolved_ms INTEGER NOT NULL,
+                outcome TEXT NOT NULL,
+                status INTEGER,
+                by_name TEXT,
+                note TEXT
+            );
+            CREATE INDEX IF NOT EXISTS {resolutions}_key_idx ON {resolutions_name} (scope, \"key\");",
+            resolutions = resolutions_table(table),
+            resolutions_name = resolutions_table(name),
         );
         // Every statement runs under the write lock, so concurrent
         // migrations simply queue; no catalog race to retry.
