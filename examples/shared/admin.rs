@@ -77,8 +77,9 @@ fn millis(time: SystemTime) -> u64 {
 fn json(info: &KeyInfo) -> serde_json::Value {
     let state = match info.state {
         KeyState::InFlight => "in_flight",
-        KeyState::Completed => "finished",
-        KeyState::Expired => "expired",
+        KeyState::Completed => "completed",
+        KeyState::Uncertain => "uncertain",
+        _ => "expired",
     };
     serde_json::json!({
         "scope": info.scope,
@@ -162,6 +163,11 @@ async fn forget<DB: Admin>(
         Ok(Forgotten::InFlight) => (
             StatusCode::CONFLICT,
             "the key is in flight: try again once it finishes or expires\n",
+        )
+            .into_response(),
+        Ok(_) => (
+            StatusCode::CONFLICT,
+            "the key's outcome is uncertain: resolve it\n",
         )
             .into_response(),
         Err(error) => failed(error),

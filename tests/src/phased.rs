@@ -163,6 +163,12 @@ pub fn refuses_local(headers: &HeaderMap) -> bool {
     headers.contains_key(FAIL_LOCAL)
 }
 
+/// The phased handler that calls the provider with
+/// `Phases::external_once`, as a downstream that takes no key (its lease
+/// as [`PATH`]'s). A path, not a header: the completer's request carries
+/// the stored request's path, not its headers.
+pub const ONCE_PATH: &str = "/v1/payments/once";
+
 /// How an engine spells the suite's SQL.
 pub struct Dialect {
     /// The first three placeholders.
@@ -268,7 +274,7 @@ impl<DB: idem::Phased> FromRef<PhasedState<DB>> for Idem<DB> {
 }
 
 /// What an engine with the phased mode supplies.
-pub trait PhasedDb: TestDb + idem::Phased {
+pub trait PhasedDb: TestDb + idem::Phased + idem::Admin {
     /// How it spells the suite's SQL.
     const DIALECT: Dialect;
     /// A database of a test's own: the server's URL (tests keep to their
@@ -372,6 +378,7 @@ macro_rules! phased_app {
                 state: PhasedState<$db>,
                 mut phases: Phases<$db>,
                 new: NewPayment,
+                once: bool,
             ) -> Result<Response, PayError> {
                 let attempt = $crate::service::nonce();
                 let marks = state.boundaries.attempt();
@@ -395,12 +402,15 @@ macro_rules! phased_app {
                     })
                     .await?;
                 marks.reach(Boundary::Local).await;
-                let charge: phased::provider::Charge = phases
-                    .external("provider", async |key| {
-                        marks.reach(Boundary::Calling).await;
-                        state.provider.charge(&key, &new).await
-                    })
-                    .await?;
+                let step = async |key: String| {
+                    marks.reach(Boundary::Calling).await;
+                    state.provider.charge(&key, &new).await
+                };
+                let charge: phased::provider::Charge = if once {
+                    phases.external_once("provider", step).await?
+                } else {
+                    phases.external("provider", step).await?
+                };
                 marks.reach(Boundary::Called).await;
                 let tx = phases.last_phase().await?;
                 sqlx::query(sqlx::AssertSqlSafe(sql.mark_paid(&state.payments)))
@@ -429,7 +439,18 @@ macro_rules! phased_app {
                 phases: Phases<$db>,
                 Json(new): Json<NewPayment>,
             ) -> Result<Response, PayError> {
-                pay(account, headers, state, phases, new).await
+                pay(account, headers, state, phases, new, false).await
+            }
+
+            #[idempotent(scope = "account", lease = "2s")]
+            pub async fn create_once(
+                account: Account,
+                headers: HeaderMap,
+                State(state): State<PhasedState<$db>>,
+                phases: Phases<$db>,
+                Json(new): Json<NewPayment>,
+            ) -> Result<Response, PayError> {
+                pay(account, headers, state, phases, new, true).await
             }
 
             #[idempotent(scope = "account", lease = "30s")]
@@ -440,7 +461,7 @@ macro_rules! phased_app {
                 phases: Phases<$db>,
                 Json(new): Json<NewPayment>,
             ) -> Result<Response, PayError> {
-                pay(account, headers, state, phases, new).await
+                pay(account, headers, state, phases, new, false).await
             }
 
             pub fn router(state: PhasedState<$db>) -> axum::Router {
@@ -448,6 +469,7 @@ macro_rules! phased_app {
                 axum::Router::new()
                     .route(phased::PATH, post(create))
                     .route(phased::LONG_PATH, post(create_long))
+                    .route(phased::ONCE_PATH, post(create_once))
                     .with_state(state)
             }
         }

@@ -51,7 +51,7 @@ async fn operators_look_up_and_forget_keys() {
     let found = http.get(&key_url).bearer_auth(TOKEN).send().await.unwrap();
     assert_eq!(found.status(), 200);
     let info: serde_json::Value = found.json().await.unwrap();
-    assert_eq!(info["state"], "finished", "{info}");
+    assert_eq!(info["state"], "completed", "{info}");
     assert_eq!(info["status"], 201, "{info}");
     assert_eq!(info["key"], "order-42", "{info}");
     let listed: serde_json::Value = http

@@ -84,6 +84,7 @@ pub struct KeyInfo {
 
 /// What [`Idem::forget`](crate::Idem::forget) did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Forgotten {
     /// The key was finished or expired, and is gone: its next request is a
     /// first attempt.

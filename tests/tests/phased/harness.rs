@@ -66,7 +66,17 @@ impl<DB: PhasedDb> Fixture<DB> {
 
     /// The service in this process, pausing as `boundaries` say.
     pub async fn serve(&self, boundaries: Boundaries) -> InProcess<DB> {
-        let state = phased::state::<DB>(&self.config, boundaries).await;
+        self.serve_configured(boundaries, |idem| idem).await
+    }
+
+    /// The same, its `Idem` configured by `configure`.
+    pub async fn serve_configured(
+        &self,
+        boundaries: Boundaries,
+        configure: impl FnOnce(Idem<DB>) -> Idem<DB>,
+    ) -> InProcess<DB> {
+        let mut state = phased::state::<DB>(&self.config, boundaries).await;
+        state.idem = configure(state.idem);
         let (addr, task) = phased::serve(state.clone()).await;
         InProcess { addr, state, task }
     }

@@ -11,6 +11,7 @@ mod harness;
 mod kills;
 mod metrics;
 mod suite;
+mod uncertain;
 
 /// Instantiates every test of the suite for each engine whose cargo
 /// feature is on (`--all-features` runs all three).
@@ -25,8 +26,10 @@ macro_rules! phased {
                     suite::stalled_attempts_are_fenced_once_a_retry_took_over,
                     suite::leased_keys_are_409_and_finished_ones_replay,
                     suite::provider_failures_are_not_stored,
-                    suite::the_completer_gives_up_after_max_attempts,
                     suite::failures_before_any_external_step_release_the_key,
+                    uncertain::spent_attempts_make_the_key_uncertain,
+                    uncertain::a_clients_retries_count_toward_the_attempts,
+                    uncertain::external_once_steps_are_never_called_twice,
                 );
             }
         )*

@@ -175,61 +175,6 @@ pub async fn provider_failures_are_not_stored<DB: PhasedDb>() {
     fixture.discard().await;
 }
 
-/// A key whose handler keeps failing after its external step: the
-/// completer resumes it `max_attempts` times, then finishes it with a
-/// stored 500 `idempotency_request_abandoned`, which the client's retries
-/// get. Nothing was charged, and the payment stays pending for a person.
-pub async fn the_completer_gives_up_after_max_attempts<DB: PhasedDb>() {
-    const ATTEMPTS: u32 = 3;
-    let fixture = Fixture::<DB>::new(Duration::ZERO, 1_000).await;
-    let server = fixture.serve(Boundaries::none()).await;
-    let key = unique("abandoned");
-    let failed = send(fixture.post(server.addr, &key)).await;
-    assert_eq!(failed.status, StatusCode::BAD_GATEWAY, "{failed:?}");
-
-    let completer = server
-        .state
-        .idem
-        .completer(DB::phased_router(server.state.clone()))
-        .max_attempts(ATTEMPTS)
-        .backoff(Duration::from_millis(50));
-    let (mut resumed, mut completed, mut given_up) = (0, 0, 0);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while given_up == 0 {
-        assert!(Instant::now() < deadline, "the completer never gave up");
-        let run = completer.run_once().await.expect("a completer pass");
-        resumed += run.resumed;
-        completed += run.completed;
-        given_up += run.given_up;
-        // The backoff between attempts on the key is the wait.
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    assert_eq!((resumed, completed, given_up), (ATTEMPTS, 0, 1));
-    let stats = fixture.provider.stats().await;
-    assert_eq!(
-        stats.calls,
-        1 + u64::from(ATTEMPTS),
-        "the client's and each resumption's"
-    );
-    assert_eq!(stats.charges, 0);
-    let row = fixture.key_row(&key).await.expect("the key's row");
-    assert_eq!(row.status, Some(500));
-    let payments = fixture.payments().await;
-    assert_eq!(payments.len(), 1, "{payments:?}");
-    assert_eq!(payments[0].status, "pending");
-
-    let retry = send(fixture.post(server.addr, &key)).await;
-    assert_eq!(retry.status, StatusCode::INTERNAL_SERVER_ERROR, "{retry:?}");
-    assert!(retry.replayed(), "{retry:?}");
-    assert_eq!(retry.problem_code(), "idempotency_request_abandoned");
-    assert_eq!(retry.operation_state(), ("uncertain".into(), false));
-    let again = send(fixture.post(server.addr, &key)).await;
-    assert_eq!(again.body, retry.body);
-    assert_eq!(completer.run_once().await.unwrap().resumed, 0, "finished");
-    drop(server);
-    fixture.discard().await;
-}
-
 /// A handler that fails before any external step (its local phase
 /// refuses) releases the key: its row is gone, nothing was written or
 /// called, and a retry with the key runs afresh at once.
