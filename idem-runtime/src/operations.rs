@@ -303,7 +303,9 @@ impl<DB: Admin> Idem<DB> {
     /// Deletes `key` in `scope` if it is finished or expired, so that its
     /// next request runs as a first attempt. A key in flight (unfinished
     /// and unexpired: a phased key, or an atomic claim this process is
-    /// running) is refused, and nothing is deleted.
+    /// running) is refused, and so is an uncertain one (resolve it with
+    /// [`resolve`](Self::resolve), which records the decision); nothing is
+    /// deleted then.
     ///
     /// The check and the delete are one statement, so a claim racing the
     /// forget never loses its row. An atomic claim running in another
@@ -321,6 +323,8 @@ impl<DB: Admin> Idem<DB> {
     ///     Forgotten::Deleted => println!("the next request runs afresh"),
     ///     Forgotten::Absent => println!("no such key"),
     ///     Forgotten::InFlight => println!("still running: try again later"),
+    ///     Forgotten::Uncertain => println!("outcome unknown: resolve it instead"),
+    ///     _ => {}
     /// }
     /// # Ok(()) }
     /// ```

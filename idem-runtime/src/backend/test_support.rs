@@ -113,6 +113,7 @@ pub(crate) async fn lease_contract<DB: super::Phased>(pool: &Pool<DB>, table: &s
         lease: Duration::from_secs(30),
         request: b"stored request",
         reserved,
+        max_attempts: crate::DEFAULT_MAX_ATTEMPTS,
     };
     let claim_a = claim_of("acct", "phased", 7, Duration::ZERO);
     let owned = |outcome: LeaseOutcome| match outcome {
@@ -217,9 +218,10 @@ pub(crate) async fn lease_contract<DB: super::Phased>(pool: &Pool<DB>, table: &s
     );
     let abandoned = DB::abandoned(pool, table, 10).await.unwrap();
     assert_eq!(abandoned.len(), 1, "{abandoned:?}");
+    // The takeover of the first attempt's ended lease was a resumption.
     assert_eq!(
         (abandoned[0].holder.token, abandoned[0].attempts),
-        (second, 0)
+        (second, 1)
     );
     assert_eq!(
         abandoned[0].request.as_deref(),
@@ -403,6 +405,7 @@ pub(crate) async fn admin_contract<DB: super::Phased + Admin>(pool: &Pool<DB>, t
         lease: Duration::from_secs(30),
         request: &request,
         reserved: None,
+        max_attempts: crate::DEFAULT_MAX_ATTEMPTS,
     };
     let LeaseOutcome::Owned { token, .. } =
         DB::lease(pool, Acquire::default(), table, &lease(phased))
