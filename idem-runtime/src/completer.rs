@@ -158,7 +158,7 @@ impl<DB: Phased> Completer<DB> {
             }
         }
         let uncertain = DB::count_uncertain(idem.pool(), idem.table_name()).await?;
-        observe::uncertain_keys(uncertain);
+        observe::uncertain_keys(idem.table_name(), uncertain);
         Ok(run)
     }
 

@@ -31,7 +31,7 @@ pub const COMPLETER_TOTAL: &str = "idem_completer_total";
 /// Counter of keys that became uncertain, by `reason`:
 /// `attempts_exhausted`, `step_begun`.
 pub const UNCERTAIN_TOTAL: &str = "idem_uncertain_total";
-/// Gauge of the key table's uncertain keys, set by each completer pass.
+/// Gauge of uncertain keys, by key `table`, set by each completer pass.
 pub const UNCERTAIN_KEYS: &str = "idem_uncertain_keys";
 /// Counter of resolutions of uncertain keys, by `outcome`: `completed`,
 /// `not_started`, `retry`.
@@ -153,9 +153,9 @@ pub(crate) fn resolved(outcome: &'static str) {
     ::metrics::counter!(RESOLVED_TOTAL, "outcome" => outcome).increment(1);
 }
 
-pub(crate) fn uncertain_keys(count: u64) {
+pub(crate) fn uncertain_keys(table: &str, count: u64) {
     #[allow(clippy::cast_precision_loss)]
-    ::metrics::gauge!(UNCERTAIN_KEYS).set(count as f64);
+    ::metrics::gauge!(UNCERTAIN_KEYS, "table" => table.to_owned()).set(count as f64);
 }
 
 pub(crate) fn relayed(outcome: &'static str, count: u64) {

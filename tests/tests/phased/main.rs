@@ -58,6 +58,12 @@ macro_rules! phased {
             crate::metrics::phases_are_counted::<$db>();
         }
 
+        /// On a current-thread runtime of its own (see `metrics`).
+        #[test]
+        fn uncertainty_is_counted() {
+            crate::metrics::uncertainty_is_counted::<$db>();
+        }
+
         $(
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn $test() {
