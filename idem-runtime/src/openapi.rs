@@ -15,7 +15,8 @@
 //! - the `application/problem+json` responses `idem` answers itself, each
 //!   with the `code` values it carries: 400 (`idempotency_key_missing`,
 //!   `idempotency_key_invalid`, `request_body_unreadable`), 409
-//!   (`idempotency_key_in_use`, with `Retry-After`), 422
+//!   (`idempotency_key_in_use`, with `Retry-After`; on a phased route also
+//!   `idempotency_outcome_uncertain`, without), 422
 //!   (`idempotency_key_reused`), 503 (`idempotency_store_unavailable`, with
 //!   `Retry-After`), and 408, 413 and 504 for a slow or large body and a
 //!   handler past its deadline. Where the operation already documents one
@@ -475,17 +476,22 @@ fn problems(policy: &Policy) -> Vec<(StatusCode, Vec<&'static str>, Option<Heade
         header.description = Some(text.to_owned());
         Some(header)
     };
-    let in_use = match policy.lease() {
-        Some(_) => "Seconds until the first attempt's lease ends: retry then, with the same key.",
-        None => "Seconds to wait before retrying with the same key.",
+    let (in_use, conflicts) = match policy.lease() {
+        // A phased key can also become uncertain, which no wait resolves.
+        Some(_) => (
+            "Seconds until the first attempt's lease ends: retry then, with the same key \
+             (absent for `idempotency_outcome_uncertain`: retrying does not help until a person \
+             resolves the key).",
+            vec![code(Problem::KeyInUse), code(Problem::OutcomeUncertain)],
+        ),
+        None => (
+            "Seconds to wait before retrying with the same key.",
+            vec![code(Problem::KeyInUse)],
+        ),
     };
     vec![
         (StatusCode::BAD_REQUEST, bad_request, None),
-        (
-            StatusCode::CONFLICT,
-            vec![code(Problem::KeyInUse)],
-            retry_after(in_use),
-        ),
+        (StatusCode::CONFLICT, conflicts, retry_after(in_use)),
         (
             StatusCode::UNPROCESSABLE_ENTITY,
             vec![code(Problem::KeyReused)],
@@ -662,7 +668,10 @@ fn describe(policy: &Policy, replay_header: &str) -> String {
         Some(lease) => format!(
             "The first attempt holds the key for a lease of {}: a retry meanwhile gets 409 \
              (`idempotency_key_in_use`) with `Retry-After` until the lease ends; after it, a retry \
-             takes the key over and resumes the work where it stopped.",
+             takes the key over and resumes the work where it stopped. A key whose attempts run \
+             out after a call outside the service may have happened gets 409 \
+             (`idempotency_outcome_uncertain`, no `Retry-After`) until a person resolves it: do \
+             not retry it with a new key.",
             human(lease)
         ),
         None if policy.wait().is_zero() => "A retry while the first attempt is still running \
