@@ -15,7 +15,7 @@ use axum::body::Body;
 use http::{HeaderValue, header};
 use tower::ServiceExt;
 
-use crate::backend::{Holder, Phased, Release};
+use crate::backend::{Holder, Phased, Release, in_autocommit};
 use crate::error::Error;
 use crate::idem::Idem;
 use crate::key::IDEMPOTENCY_KEY;
@@ -256,8 +256,12 @@ pub(crate) async fn give_up<DB: Phased>(
     } else {
         (Release::Delete, OperationState::NotStarted, "released")
     };
-    let mut conn = idem.pool().acquire().await?;
-    if !DB::release(&mut conn, idem.table_name(), holder, how).await? {
+    let released = in_autocommit(idem.pool(), idem.acquire(), |mut conn| async move {
+        let released = DB::release(&mut conn, idem.table_name(), holder, how).await;
+        (conn, released)
+    })
+    .await?;
+    if !released {
         return Ok(None);
     }
     observe::completer(outcome);

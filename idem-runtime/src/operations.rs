@@ -113,10 +113,10 @@ impl<DB: Admin> Idem<DB> {
     /// ones the longest uncertain first. For an operator's overview; the
     /// keys' resolutions are not read (see [`lookup`](Self::lookup)).
     pub async fn keys(&self, filter: KeyFilter, limit: u32) -> Result<Vec<KeyInfo>, Error> {
-        // Phased and uncertain rows keep a `lease_until`, finished ones do
-        // not: the lease index finds these few among the whole table.
-        // Ended leases sort first, so a page of abandoned keys is never
-        // crowded out by live ones, and the reverse for live ones.
+        // Phased and uncertain rows keep a `lease_until` and a token,
+        // finished ones no lease: the lease index finds these few among the
+        // whole table. Ended leases sort first, so a page of abandoned
+        // keys is never crowded out by live ones, and the reverse.
         let (status, order) = match filter {
             KeyFilter::InFlight => ("status IS NULL", "DESC"),
             KeyFilter::Abandoned => ("status IS NULL", "ASC"),
