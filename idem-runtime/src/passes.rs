@@ -38,7 +38,10 @@ impl<R> LastPass<R> {
         Self {
             at: SystemTime::now(),
             took: started.elapsed(),
-            result: result.as_ref().map(R::clone).map_err(ToString::to_string),
+            result: match result {
+                Ok(run) => Ok(run.clone()),
+                Err(error) => Err(error.to_string()),
+            },
         }
     }
 }
