@@ -265,12 +265,30 @@ pub trait AdminStore: Backend {
     /// statements number theirs in text order, so `?` serves too.
     fn param(n: usize) -> String;
 
+    /// Runs one write on `conn`: the rows it changed.
+    fn execute(
+        conn: &mut Self::Connection,
+        write: &Write<'_>,
+    ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
+
     /// Runs `writes` in order in one transaction, committed only if the
     /// first changed exactly one row: whether it did.
     fn write_all(
         pool: &Pool<Self>,
         writes: Vec<Write<'_>>,
-    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send {
+        async move {
+            let mut tx = pool.begin().await?;
+            for (n, write) in writes.iter().enumerate() {
+                if Self::execute(&mut tx, write).await? != 1 && n == 0 {
+                    tx.rollback().await?;
+                    return Ok(false);
+                }
+            }
+            tx.commit().await?;
+            Ok(true)
+        }
+    }
 
     /// The resolutions `sql` finds (`resolved_ms`, `outcome`, `status`,
     /// `by_name`, `note`) with `params` as its two parameters.

@@ -48,18 +48,12 @@ impl AdminStore for Postgres {
         format!("${n}")
     }
 
-    async fn write_all(pool: &Pool<Self>, writes: Vec<Write<'_>>) -> Result<bool, sqlx::Error> {
-        let mut tx = pool.begin().await?;
-        for (n, write) in writes.iter().enumerate() {
-            let args: Vec<Arg<'_>> = write.params.iter().copied().map(arg).collect();
-            let done = simple(&write.sql, &args).execute(&mut *tx).await?;
-            if n == 0 && done.rows_affected() != 1 {
-                tx.rollback().await?;
-                return Ok(false);
-            }
-        }
-        tx.commit().await?;
-        Ok(true)
+    async fn execute(conn: &mut sqlx::PgConnection, write: &Write<'_>) -> Result<u64, sqlx::Error> {
+        let args: Vec<Arg<'_>> = write.params.iter().copied().map(arg).collect();
+        Ok(simple(&write.sql, &args)
+            .execute(conn)
+            .await?
+            .rows_affected())
     }
 
     async fn read_resolutions(

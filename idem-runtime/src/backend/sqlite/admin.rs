@@ -50,17 +50,12 @@ impl AdminStore for Sqlite {
         format!("?{n}")
     }
 
-    async fn write_all(pool: &Pool<Self>, writes: Vec<Write<'_>>) -> Result<bool, sqlx::Error> {
-        let mut tx = pool.begin().await?;
-        for (n, write) in writes.iter().enumerate() {
-            let done = bound(&write.sql, &write.params).execute(&mut *tx).await?;
-            if n == 0 && done.rows_affected() != 1 {
-                tx.rollback().await?;
-                return Ok(false);
-            }
-        }
-        tx.commit().await?;
-        Ok(true)
+    async fn execute(
+        conn: &mut sqlx::SqliteConnection,
+        write: &Write<'_>,
+    ) -> Result<u64, sqlx::Error> {
+        let done = bound(&write.sql, &write.params).execute(conn).await?;
+        Ok(done.rows_affected())
     }
 
     async fn read_resolutions(
