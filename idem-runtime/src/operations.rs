@@ -39,9 +39,11 @@ impl<DB: Admin> Idem<DB> {
     /// request's method and path and the names of the phases it recorded.
     /// `None`: no such key.
     ///
-    /// Reads committed rows: an atomic claim commits its row with the
-    /// response, so an atomic attempt in progress is not seen until it
-    /// finishes (a phased one is, as soon as it is claimed).
+    /// An atomic claim in progress has written nothing others can read
+    /// until it commits: it is reported in flight (with no fingerprint, and
+    /// the lookup's time for its times) when this process runs it, and on
+    /// PostgreSQL and MySQL when another process does (seen by its lock);
+    /// on SQLite only then. A phased key is seen as soon as it is claimed.
     ///
     /// ```no_run
     /// # use idem_runtime as idem;
@@ -57,7 +59,9 @@ impl<DB: Admin> Idem<DB> {
     /// ```
     pub async fn lookup(&self, scope: &str, key: &str) -> Result<Option<KeyInfo>, Error> {
         let Some(row) = DB::lookup(self.pool(), self.table_name(), scope, key).await? else {
-            return Ok(self.running_here(scope, key));
+            let running = self.running_here(scope, key)
+                || DB::claim_in_flight(self.pool(), self.table_name(), scope, key).await?;
+            return Ok(running.then(|| claim_in_flight(scope, key)));
         };
         let mut info = row.into_info();
         let sql = format!(
@@ -73,32 +77,10 @@ impl<DB: Admin> Idem<DB> {
         Ok(Some(info))
     }
 
-    /// An atomic claim this process is running, which has written nothing
-    /// others can read yet: reported in flight with what is known of it
-    /// (no fingerprint; its times are now).
-    fn running_here(&self, scope: &str, key: &str) -> Option<KeyInfo> {
+    /// Whether this process runs an atomic claim of the key.
+    fn running_here(&self, scope: &str, key: &str) -> bool {
         let (slot, _) = single_flight::flight_slot(self.pool(), self.table_name(), scope, key);
-        single_flight::in_flight(&slot)?;
-        let now = SystemTime::now();
-        Some(KeyInfo {
-            scope: scope.to_owned(),
-            key: key.to_owned(),
-            state: KeyState::InFlight,
-            fingerprint: String::new(),
-            status: None,
-            method: None,
-            path: None,
-            created: now,
-            expires: now,
-            leased: true,
-            lease_until: None,
-            phases: Vec::new(),
-            external: false,
-            begun: Vec::new(),
-            attempts: 0,
-            uncertain: None,
-            resolutions: Vec::new(),
-        })
+        single_flight::in_flight(&slot).is_some()
     }
 
     /// The most recent keys of `scope` (by creation, newest first), at
@@ -380,4 +362,30 @@ fn retried(recovery: Option<&[u8]>) -> Vec<u8> {
     let mut recovery = Recovery::decode(recovery).unwrap_or_default();
     recovery.begun.clear();
     recovery.encode()
+}
+
+/// An atomic claim in progress, which has written nothing others can read
+/// yet: in flight, with what is known of it (no fingerprint; its times are
+/// the lookup's).
+fn claim_in_flight(scope: &str, key: &str) -> KeyInfo {
+    let now = SystemTime::now();
+    KeyInfo {
+        scope: scope.to_owned(),
+        key: key.to_owned(),
+        state: KeyState::InFlight,
+        fingerprint: String::new(),
+        status: None,
+        method: None,
+        path: None,
+        created: now,
+        expires: now,
+        leased: true,
+        lease_until: None,
+        phases: Vec::new(),
+        external: false,
+        begun: Vec::new(),
+        attempts: 0,
+        uncertain: None,
+        resolutions: Vec::new(),
+    }
 }

@@ -265,6 +265,25 @@ pub trait AdminStore: Backend {
     /// statements number theirs in text order, so `?` serves too.
     fn param(n: usize) -> String;
 
+    /// Whether the engine can see another session's atomic claim of a key
+    /// before it commits ([`claim_in_flight`](Self::claim_in_flight)).
+    const SEES_CLAIMS: bool = false;
+
+    /// Whether an atomic claim of the key, not committed yet, is in flight
+    /// in another session (another process's included), where the engine
+    /// can tell: by the claim's transaction-scoped advisory lock on
+    /// PostgreSQL, by the uncommitted row's lock on MySQL. `false` where
+    /// it cannot (SQLite).
+    fn claim_in_flight(
+        pool: &Pool<Self>,
+        table: &str,
+        scope: &str,
+        key: &str,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send {
+        let _ = (pool, table, scope, key);
+        async { Ok(false) }
+    }
+
     /// Runs one write on `conn`: the rows it changed.
     fn execute(
         conn: &mut Self::Connection,

@@ -376,8 +376,21 @@ pub(crate) async fn admin_contract<DB: super::Phased + Admin>(pool: &Pool<DB>, t
 
     // An atomic claim in progress is refused, and keeps its key.
     let open = claim_of("admin", "open", 4, Duration::ZERO);
+    assert!(
+        !DB::claim_in_flight(pool, table, "admin", "open")
+            .await
+            .unwrap()
+    );
     let mut conn = claimed(pool, table, &open, "a new key").await;
     assert_eq!(keys_of.forget("admin", "open").await, Forgotten::InFlight);
+    // Seen from another session (the contract's pool is another process's
+    // view): by the claim's lock, where the engine can tell.
+    assert_eq!(
+        DB::claim_in_flight(pool, table, "admin", "open")
+            .await
+            .unwrap(),
+        DB::SEES_CLAIMS
+    );
     DB::finish(
         &mut conn,
         table,
@@ -389,6 +402,11 @@ pub(crate) async fn admin_contract<DB: super::Phased + Admin>(pool: &Pool<DB>, t
     conn.release();
     let info = keys_of.lookup("admin", "open").await.expect("found");
     assert_eq!((info.state, info.status), (KeyState::Completed, Some(202)));
+    assert!(
+        !DB::claim_in_flight(pool, table, "admin", "open")
+            .await
+            .unwrap()
+    );
 
     // A phased key under its lease: in flight, with its request and the
     // names (not the values) of what it recorded; refused.

@@ -25,6 +25,10 @@ fn bound<'q>(
     query
 }
 
+/// What a `NOWAIT` read answers when a row is locked: `ER_LOCK_WAIT_TIMEOUT`
+/// (MariaDB) or `ER_LOCK_NOWAIT` (MySQL 8).
+const LOCK_NOT_GRANTED: [u16; 2] = [ER_LOCK_WAIT_TIMEOUT, 3572];
+
 /// The session's lock wait, kept while the forget's delete waits at most
 /// a second for a claim in progress.
 const SAVED_LOCK_WAIT: &str = "@idem_admin_saved_lock_wait";
@@ -54,6 +58,32 @@ impl AdminStore for MySql {
 
     fn param(_n: usize) -> String {
         "?".to_owned()
+    }
+
+    const SEES_CLAIMS: bool = true;
+
+    async fn claim_in_flight(
+        pool: &Pool<Self>,
+        table: &str,
+        scope: &str,
+        key: &str,
+    ) -> Result<bool, sqlx::Error> {
+        // A locking read meets the uncommitted row of a claim in progress
+        // and, told not to wait, fails at once; a committed or absent row
+        // it reads (or does not) without waiting.
+        let sql = format!(
+            "SELECT 1 FROM {table} WHERE scope = ? AND `key` = ? LOCK IN SHARE MODE NOWAIT"
+        );
+        let read = sqlx::query(AssertSqlSafe(sql))
+            .bind(scope.as_bytes())
+            .bind(key.as_bytes())
+            .fetch_optional(pool)
+            .await;
+        match read {
+            Ok(_) => Ok(false),
+            Err(error) if number(&error).is_some_and(|n| LOCK_NOT_GRANTED.contains(&n)) => Ok(true),
+            Err(error) => Err(error),
+        }
     }
 
     async fn execute(

@@ -2,10 +2,10 @@
 //! inlined (`super::simple`), the times read as milliseconds by the
 //! server's clock.
 
-use sqlx::{Pool, Postgres};
+use sqlx::{Pool, Postgres, Row};
 
 use super::simple;
-use super::sql::Arg;
+use super::sql::{Arg, lock_id};
 
 use crate::backend::admin::{Admin, AdminStore, Forgotten, KeyReads, KeyRow, Param, Write};
 use crate::backend::rows::{key_row, resolution_row};
@@ -46,6 +46,27 @@ impl AdminStore for Postgres {
 
     fn param(n: usize) -> String {
         format!("${n}")
+    }
+
+    const SEES_CLAIMS: bool = true;
+
+    async fn claim_in_flight(
+        pool: &Pool<Self>,
+        table: &str,
+        scope: &str,
+        key: &str,
+    ) -> Result<bool, sqlx::Error> {
+        // A bigint advisory lock shows in `pg_locks` as its high and low
+        // 32 bits, `objsubid` 1, in the database it was taken in.
+        let id = lock_id(table, scope, key) as u64;
+        let sql = "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' \
+                 AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+                 AND classid::bigint = $1 AND objid::bigint = $2 AND objsubid = 1) AS held";
+        let args = [
+            Arg::Signed((id >> 32) as i64),
+            Arg::Signed((id & 0xffff_ffff) as i64),
+        ];
+        simple(sql, &args).fetch_one(pool).await?.try_get("held")
     }
 
     async fn execute(conn: &mut sqlx::PgConnection, write: &Write<'_>) -> Result<u64, sqlx::Error> {
