@@ -350,7 +350,6 @@ impl<DB: Backend> Idem<DB> {
         crate::backend::waiting_duplicates(self.pool(), self.table_name(), scope, key)
     }
 
-    /// Whether statements must keep nothing in the session.
     /// How many times a phased key whose attempt stopped after an external
     /// step may have happened is resumed, by the completer and by clients'
     /// retries together, before it becomes uncertain (default
@@ -383,6 +382,7 @@ impl<DB: Backend> Idem<DB> {
         last(&self.inner.passes.relay)
     }
 
+    /// Whether statements must keep nothing in the session.
     pub(crate) fn pooled(&self) -> bool {
         self.inner.pooler == Pooler::Transaction
     }
