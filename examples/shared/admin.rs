@@ -78,7 +78,10 @@ fn json(info: &KeyInfo) -> serde_json::Value {
     let state = match info.state {
         KeyState::InFlight => "in_flight",
         KeyState::Completed => "finished",
+        KeyState::Uncertain => "uncertain",
         KeyState::Expired => "expired",
+        // A state this example does not know yet.
+        _ => "unknown",
     };
     serde_json::json!({
         "scope": info.scope,
@@ -162,6 +165,11 @@ async fn forget<DB: Admin>(
         Ok(Forgotten::InFlight) => (
             StatusCode::CONFLICT,
             "the key is in flight: try again once it finishes or expires\n",
+        )
+            .into_response(),
+        Ok(Forgotten::Uncertain) => (
+            StatusCode::CONFLICT,
+            "the key's outcome is uncertain: resolve it, which records what happened\n",
         )
             .into_response(),
         Err(error) => failed(error),

@@ -25,7 +25,7 @@ macro_rules! phased {
                     suite::stalled_attempts_are_fenced_once_a_retry_took_over,
                     suite::leased_keys_are_409_and_finished_ones_replay,
                     suite::provider_failures_are_not_stored,
-                    suite::the_completer_gives_up_after_max_attempts,
+                    suite::the_completer_makes_a_key_uncertain_after_max_attempts,
                     suite::failures_before_any_external_step_release_the_key,
                 );
             }

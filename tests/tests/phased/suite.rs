@@ -176,10 +176,12 @@ pub async fn provider_failures_are_not_stored<DB: PhasedDb>() {
 }
 
 /// A key whose handler keeps failing after its external step: the
-/// completer resumes it `max_attempts` times, then finishes it with a
-/// stored 500 `idempotency_request_abandoned`, which the client's retries
-/// get. Nothing was charged, and the payment stays pending for a person.
-pub async fn the_completer_gives_up_after_max_attempts<DB: PhasedDb>() {
+/// completer resumes it until its attempts reach `Idem::max_attempts`,
+/// then makes it uncertain: the provider may have charged, and nothing
+/// can tell. Every retry then gets 409 `idempotency_outcome_uncertain`,
+/// without `Retry-After`, and nothing runs for it again. Nothing was
+/// charged, and the payment stays pending for a person.
+pub async fn the_completer_makes_a_key_uncertain_after_max_attempts<DB: PhasedDb>() {
     const ATTEMPTS: u32 = 3;
     let fixture = Fixture::<DB>::new(Duration::ZERO, 1_000).await;
     let server = fixture.serve(Boundaries::none()).await;
@@ -187,24 +189,31 @@ pub async fn the_completer_gives_up_after_max_attempts<DB: PhasedDb>() {
     let failed = send(fixture.post(server.addr, &key)).await;
     assert_eq!(failed.status, StatusCode::BAD_GATEWAY, "{failed:?}");
 
-    let completer = server
-        .state
+    // The limit is the service's: the completer's requests claim the key
+    // through a router whose `Idem` has it too.
+    let mut state = server.state.clone();
+    state.idem = state.idem.max_attempts(ATTEMPTS);
+    let completer = state
         .idem
-        .completer(DB::phased_router(server.state.clone()))
-        .max_attempts(ATTEMPTS)
+        .completer(DB::phased_router(state.clone()))
         .backoff(Duration::from_millis(50));
-    let (mut resumed, mut completed, mut given_up) = (0, 0, 0);
+    let (mut resumed, mut completed, mut uncertain, mut released) = (0, 0, 0, 0);
     let deadline = Instant::now() + Duration::from_secs(30);
-    while given_up == 0 {
+    while uncertain + released == 0 {
         assert!(Instant::now() < deadline, "the completer never gave up");
         let run = completer.run_once().await.expect("a completer pass");
         resumed += run.resumed;
         completed += run.completed;
-        given_up += run.given_up;
+        uncertain += run.uncertain;
+        released += run.released;
         // The backoff between attempts on the key is the wait.
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert_eq!((resumed, completed, given_up), (ATTEMPTS, 0, 1));
+    assert_eq!(
+        (resumed, completed, uncertain, released),
+        (ATTEMPTS, 0, 1, 0),
+        "resumed up to the limit, then uncertain: the provider was called"
+    );
     let stats = fixture.provider.stats().await;
     assert_eq!(
         stats.calls,
@@ -213,19 +222,30 @@ pub async fn the_completer_gives_up_after_max_attempts<DB: PhasedDb>() {
     );
     assert_eq!(stats.charges, 0);
     let row = fixture.key_row(&key).await.expect("the key's row");
-    assert_eq!(row.status, Some(500));
+    assert_eq!(
+        row.status,
+        Some(0),
+        "uncertain, no response stored: {row:?}"
+    );
     let payments = fixture.payments().await;
     assert_eq!(payments.len(), 1, "{payments:?}");
     assert_eq!(payments[0].status, "pending");
 
     let retry = send(fixture.post(server.addr, &key)).await;
-    assert_eq!(retry.status, StatusCode::INTERNAL_SERVER_ERROR, "{retry:?}");
-    assert!(retry.replayed(), "{retry:?}");
-    assert_eq!(retry.problem_code(), "idempotency_request_abandoned");
+    assert_eq!(retry.status, StatusCode::CONFLICT, "{retry:?}");
+    assert!(!retry.replayed(), "{retry:?}");
+    assert_eq!(retry.problem_code(), "idempotency_outcome_uncertain");
     assert_eq!(retry.operation_state(), ("uncertain".into(), false));
+    assert_eq!(retry.header("retry-after"), None, "no retry can help");
     let again = send(fixture.post(server.addr, &key)).await;
-    assert_eq!(again.body, retry.body);
-    assert_eq!(completer.run_once().await.unwrap().resumed, 0, "finished");
+    assert_eq!((again.status, again.body), (retry.status, retry.body));
+    assert_eq!(
+        fixture.provider.stats().await.calls,
+        stats.calls,
+        "nothing ran for the uncertain key"
+    );
+    let run = completer.run_once().await.unwrap();
+    assert_eq!((run.resumed, run.uncertain), (0, 0), "left for a person");
     drop(server);
     fixture.discard().await;
 }
