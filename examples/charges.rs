@@ -21,8 +21,17 @@
 //!   watch a concurrent retry get 409.
 //! - `PROVIDER_URL`: the payment provider `POST /v1/payments` calls (run
 //!   `cargo run --example provider`, then `PROVIDER_URL=http://127.0.0.1:3001`);
-//!   unset, a fake provider runs inside this process (`PROVIDER_DELAY_MS` and
-//!   `PROVIDER_FAIL_FIRST` set its behaviour, as for the standalone one).
+//!   unset, a fake provider runs inside this process (`PROVIDER_DELAY_MS`,
+//!   `PROVIDER_FAIL_FIRST` and `PROVIDER_LOSE_ANSWERS` set its behaviour, as
+//!   for the standalone one).
+//! - `COMPLETER_ATTEMPTS`: how many times a payment whose attempt stopped
+//!   after the provider may have been called is tried (the completer's
+//!   resumptions and clients' retries together) before its outcome becomes
+//!   uncertain (default 5, at least 1): every request with its key is then
+//!   answered 409 `idempotency_outcome_uncertain`, for a person to resolve.
+//! - `COMPLETER_EVERY_MS`: how often the completer looks for stopped
+//!   payments, in milliseconds (default 2000, at least 1); its wait before
+//!   trying one again backs off from the same period, doubling.
 //! - `ADMIN_TOKEN`: set, the operators' routes answer requests with
 //!   `Authorization: Bearer <ADMIN_TOKEN>` (401 otherwise):
 //!   `GET /admin/idempotency/{scope}` lists the account's recent keys
@@ -49,8 +58,12 @@
 //! phased handler: a local phase writes a pending payment, the provider is
 //! charged with a key derived from the request's, and the last phase marks
 //! the payment succeeded and answers 201. Its lease is 5 s and the
-//! completer looks every 2 s, so a payment whose server died mid-call is
-//! finished within about 10 s of the restart, without the client.
+//! completer looks every 2 s (`COMPLETER_EVERY_MS`), so a payment whose
+//! server died mid-call is finished within about 10 s of the restart,
+//! without the client. One whose provider never answers (try
+//! `PROVIDER_LOSE_ANSWERS=1`) becomes uncertain after `COMPLETER_ATTEMPTS`
+//! tries: charged or not, nobody can tell, and no try charges twice (the
+//! provider gets the same derived key each time).
 //!
 //! The handlers are written once, generic over the engine; what differs
 //! between engines is their SQL (`shared/sql.rs`). An `#[idempotent]`
@@ -344,6 +357,7 @@ async fn main() -> Result<(), Box<dyn Error>> {
             .and_then(|v| v.parse().ok())
             .unwrap_or(0),
     );
+    let completer = CompleterSettings::from_env()?;
     let listener = TcpListener::bind(&addr).await?;
     let provider = provider().await?;
     // The one place that names an engine: `DATABASE_URL`'s.
@@ -351,17 +365,17 @@ async fn main() -> Result<(), Box<dyn Error>> {
         #[cfg(feature = "sqlite")]
         Database::Sqlite(pool) => {
             let handlers = (sqlite::create_charge, sqlite::create_payment);
-            serve(pool, handlers, listener, delay, provider).await
+            serve(pool, handlers, listener, delay, provider, completer).await
         }
         #[cfg(feature = "postgres")]
         Database::Postgres(pool) => {
             let handlers = (postgres::create_charge, postgres::create_payment);
-            serve(pool, handlers, listener, delay, provider).await
+            serve(pool, handlers, listener, delay, provider, completer).await
         }
         #[cfg(feature = "mysql")]
         Database::MySql(pool) => {
             let handlers = (mysql::create_charge, mysql::create_payment);
-            serve(pool, handlers, listener, delay, provider).await
+            serve(pool, handlers, listener, delay, provider, completer).await
         }
     }
 }
@@ -374,6 +388,7 @@ async fn serve<DB, C, CArgs, P, PArgs>(
     listener: TcpListener,
     delay: Duration,
     provider: Provider,
+    completer: CompleterSettings,
 ) -> Result<(), Box<dyn Error>>
 where
     DB: Sql,
@@ -383,7 +398,9 @@ where
     CArgs: 'static,
     PArgs: 'static,
 {
-    let idem = database::idem(&pool);
+    // The limit is the store's: clients' retries count toward it as the
+    // completer's resumptions do.
+    let idem = database::idem(&pool).max_attempts(completer.attempts);
     idem.migrate().await?;
     DB::create_tables(&mut *pool.acquire().await?).await?;
     idem.migrate_outbox().await?;
@@ -402,9 +419,10 @@ where
             provider,
         });
     // Resumes payments whose attempt stopped (a crash, a kill) within about
-    // two seconds of their lease's end.
+    // a period (two seconds by default) of their lease's end.
     idem.completer(app.clone())
-        .every(Duration::from_secs(2))
+        .every(completer.every)
+        .backoff(completer.every)
         .spawn();
     let app = app.merge(openapi::router(&idem, create_charge, create_payment));
     // The operators' routes exist only with a token to guard them.
@@ -415,6 +433,41 @@ where
     tracing::info!("charges API listening on http://{}", listener.local_addr()?);
     axum::serve(listener, app).await?;
     Ok(())
+}
+
+/// How the completer finishes stopped payments: `COMPLETER_ATTEMPTS` and
+/// `COMPLETER_EVERY_MS`.
+#[derive(Clone, Copy)]
+struct CompleterSettings {
+    /// Tries of a payment before it becomes uncertain.
+    attempts: u32,
+    /// How often it looks, and its first wait before a try again.
+    every: Duration,
+}
+
+impl CompleterSettings {
+    /// Reads the two variables; a set but malformed (or zero) value is an
+    /// error naming it, rather than a silent default.
+    fn from_env() -> Result<Self, String> {
+        let attempts = positive("COMPLETER_ATTEMPTS", 5)?;
+        Ok(Self {
+            attempts: u32::try_from(attempts)
+                .map_err(|_| format!("COMPLETER_ATTEMPTS={attempts} is too large"))?,
+            every: Duration::from_millis(positive("COMPLETER_EVERY_MS", 2000)?),
+        })
+    }
+}
+
+/// The environment variable `name` as an integer of at least 1, `default`
+/// when unset.
+fn positive(name: &str, default: u64) -> Result<u64, String> {
+    let Ok(value) = std::env::var(name) else {
+        return Ok(default);
+    };
+    match value.parse::<u64>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!("{name}={value:?} is not an integer of at least 1")),
+    }
 }
 
 /// The payment provider: charges with the idempotency key it is given.

@@ -11,6 +11,11 @@
 //!      -H 'Content-Type: application/json' -d '{"amount": 9999, "currency": "eur"}'
 //! # How many POSTs arrived, how many keys were charged.
 //! curl -i localhost:3001/v1/stats
+//!
+//! PROVIDER_LOSE_ANSWERS=1 cargo run --example provider
+//! # Charged (see /v1/stats), then "Empty reply from server": no status.
+//! curl -i -X POST localhost:3001/v1/payments -H 'Idempotency-Key: order-43' \
+//!      -H 'Content-Type: application/json' -d '{"amount": 1250, "currency": "eur"}'
 //! ```
 //!
 //! Environment:
@@ -19,6 +24,11 @@
 //!   outcome, before answering (default 0): kill the caller meanwhile and the
 //!   charge stays.
 //! - `PROVIDER_FAIL_FIRST`: the first N `POST`s answer `503` (default 0).
+//! - `PROVIDER_LOSE_ANSWERS`: `1`, every `POST /v1/payments` has its outcome
+//!   decided (a new key charged and counted in `/v1/stats`, a known key
+//!   replayed) and then its connection closed without an answer: the caller
+//!   gets a connection error, never a status, as when a provider charged
+//!   and its answer was lost. `0` (the default): answers are sent.
 //! - `RUST_LOG`: log filter, default `info` (one line per call).
 
 #[path = "shared/fake_provider.rs"]
@@ -49,6 +59,7 @@ async fn run() -> Result<(), String> {
     tracing::info!(
         delay_ms = settings.delay.as_millis(),
         fail_first = settings.fail_first,
+        lose_answers = settings.lose_answers,
         "fake provider listening on http://{local}"
     );
     fake_provider::serve(listener, settings)

@@ -11,6 +11,10 @@
 //!   decided (and a charge recorded), so a caller killed during the delay
 //!   leaves a charge behind, as when a provider processed a request but the
 //!   response was lost.
+//! - [`Settings::lose_answers`]: every `POST` has its outcome decided (and a
+//!   charge recorded), then its connection is closed without a byte of
+//!   answer: the caller sees a connection error and never a status, and
+//!   cannot know whether it was charged.
 //!
 //! Routes:
 //! - `POST /v1/payments`, header `Idempotency-Key`, JSON body with at least
@@ -26,18 +30,26 @@
 #![allow(dead_code)]
 
 use std::collections::HashMap;
+use std::io;
 use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::State;
+use axum::extract::connect_info::{ConnectInfo, Connected};
 use axum::http::header::{HeaderName, HeaderValue, RETRY_AFTER};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::serve::{IncomingStream, Listener};
 use serde_json::{Value, json};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
 
 /// How the fake provider misbehaves.
 #[derive(Clone, Debug, Default)]
@@ -46,18 +58,28 @@ pub struct Settings {
     pub delay: Duration,
     /// How many `POST`s, counted from the first, answer `503`.
     pub fail_first: u64,
+    /// Every `POST`, once decided (and charged), closes its connection
+    /// instead of answering.
+    pub lose_answers: bool,
 }
 
 impl Settings {
     /// Reads `PROVIDER_DELAY_MS` (milliseconds) and `PROVIDER_FAIL_FIRST`,
-    /// both unsigned integers defaulting to 0 when unset.
+    /// both unsigned integers defaulting to 0 when unset, and
+    /// `PROVIDER_LOSE_ANSWERS`, `1` (on) or `0` (off, the default).
     ///
     /// A set but malformed value (including an empty one) is an error naming
     /// the variable and its value, rather than a silent default.
     pub fn from_env() -> Result<Self, String> {
+        let lose_answers = match env_u64("PROVIDER_LOSE_ANSWERS")? {
+            0 => false,
+            1 => true,
+            other => return Err(format!("PROVIDER_LOSE_ANSWERS={other:?} is not 0 or 1")),
+        };
         Ok(Self {
             delay: Duration::from_millis(env_u64("PROVIDER_DELAY_MS")?),
             fail_first: env_u64("PROVIDER_FAIL_FIRST")?,
+            lose_answers,
         })
     }
 }
@@ -74,8 +96,9 @@ fn env_u64(name: &str) -> Result<u64, String> {
     }
 }
 
-/// The provider's `Router`, with fresh state (no calls, no charges).
-pub fn router(settings: Settings) -> Router {
+/// The provider's `Router`, with fresh state (no calls, no charges). Served
+/// on a [`Cuttable`] listener, whose connections it can close unanswered.
+fn router(settings: Settings) -> Router {
     let provider = Arc::new(Provider {
         settings,
         ledger: Mutex::new(Ledger::default()),
@@ -87,8 +110,9 @@ pub fn router(settings: Settings) -> Router {
 }
 
 /// Serves [`router`] on `listener` until the process ends.
-pub async fn serve(listener: tokio::net::TcpListener, settings: Settings) -> std::io::Result<()> {
-    axum::serve(listener, router(settings)).await
+pub async fn serve(listener: TcpListener, settings: Settings) -> io::Result<()> {
+    let app = router(settings).into_make_service_with_connect_info::<Cut>();
+    axum::serve(Cuttable(listener), app).await
 }
 
 /// Binds `127.0.0.1:0`, serves there in a tokio task and returns the address.
@@ -96,7 +120,7 @@ pub async fn serve(listener: tokio::net::TcpListener, settings: Settings) -> std
 /// For in-process use: the task lives as long as the runtime; a serving
 /// error is logged, as nobody awaits the task.
 pub async fn spawn(settings: Settings) -> std::io::Result<SocketAddr> {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     tokio::spawn(async move {
         if let Err(error) = serve(listener, settings).await {
@@ -137,6 +161,7 @@ const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-repl
 
 async fn create_payment(
     State(provider): State<Arc<Provider>>,
+    ConnectInfo(cut): ConnectInfo<Cut>,
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
@@ -150,6 +175,12 @@ async fn create_payment(
     // After the decision (and the charge): a caller that gives up now has
     // still been charged.
     tokio::time::sleep(provider.settings.delay).await;
+    if provider.settings.lose_answers {
+        // Decided and recorded, never told: the connection fails before
+        // the response's first byte (see `Cuttable`).
+        tracing::info!(key, "payment answer lost: closing the connection");
+        cut.cut();
+    }
     response
 }
 
@@ -292,4 +323,94 @@ async fn stats(State(provider): State<Arc<Provider>>) -> axum::Json<Value> {
         "calls": ledger.calls,
         "charges": ledger.payments.len(),
     }))
+}
+
+/// A listener whose connections a handler can close without an answer:
+/// each connection's [`Cut`] reaches the handler as its `ConnectInfo`.
+struct Cuttable(TcpListener);
+
+/// One connection's switch: once [`cut`](Self::cut), its reads and writes
+/// fail, so the server closes it before writing the response it was given.
+#[derive(Clone, Default)]
+pub struct Cut(Arc<AtomicBool>);
+
+impl Cut {
+    /// Closes the connection instead of answering on it.
+    fn cut(&self) {
+        self.0.store(true, Ordering::Release);
+    }
+
+    fn is_cut(&self) -> bool {
+        self.0.load(Ordering::Acquire)
+    }
+}
+
+/// A connection of a [`Cuttable`] listener.
+struct CuttableStream {
+    stream: TcpStream,
+    cut: Cut,
+}
+
+impl Listener for Cuttable {
+    type Io = CuttableStream;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        let (stream, addr) = Listener::accept(&mut self.0).await;
+        let cut = Cut::default();
+        (CuttableStream { stream, cut }, addr)
+    }
+
+    fn local_addr(&self) -> io::Result<Self::Addr> {
+        self.0.local_addr()
+    }
+}
+
+impl Connected<IncomingStream<'_, Cuttable>> for Cut {
+    fn connect_info(stream: IncomingStream<'_, Cuttable>) -> Self {
+        stream.io().cut.clone()
+    }
+}
+
+fn aborted() -> io::Error {
+    io::Error::new(io::ErrorKind::ConnectionAborted, "answer lost on purpose")
+}
+
+impl AsyncRead for CuttableStream {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        if self.cut.is_cut() {
+            return Poll::Ready(Err(aborted()));
+        }
+        Pin::new(&mut self.stream).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for CuttableStream {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        // hyper writes nothing of a response before the handler returns
+        // it, so a cut made in the handler fails its first byte.
+        if self.cut.is_cut() {
+            return Poll::Ready(Err(aborted()));
+        }
+        Pin::new(&mut self.stream).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        if self.cut.is_cut() {
+            return Poll::Ready(Err(aborted()));
+        }
+        Pin::new(&mut self.stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_shutdown(cx)
+    }
 }

@@ -7,8 +7,9 @@
 //! ```
 //!
 //! Prints the intent (unless `--key` gave one) and every attempt on stderr,
-//! the charge on stdout; exits 0 on success, 1 with the error otherwise, 2 on
-//! a usage error.
+//! the charge on stdout; exits 0 on success, 1 with the error otherwise (and,
+//! when the server said, what became of the charge and whether a new key is
+//! safe), 2 on a usage error.
 //!
 //! Environment: `IDEM_URL`, where the API is (default
 //! `http://127.0.0.1:3000`).
@@ -114,5 +115,13 @@ fn report(error: &Error) {
         if !body.trim().is_empty() {
             eprintln!("  body: {}", body.trim_end());
         }
+    }
+    // What the server said became of the charge, when it said.
+    if let Some(state) = error.operation_state() {
+        let new_key = match error.safe_new_key() {
+            Some(true) => "safe",
+            _ => "not safe: send this intent again with --key instead",
+        };
+        eprintln!("  operation: {state}; a new key is {new_key}");
     }
 }

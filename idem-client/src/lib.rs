@@ -11,7 +11,7 @@ mod rules;
 mod send;
 
 pub use clock::{Clock, ManualClock, Sleep, TokioClock};
-pub use error::{Error, LastAttempt, Problem};
+pub use error::{Error, LastAttempt, OperationState, Problem, UnknownState};
 pub use intent::{Intent, InvalidKey, MAX_KEY_LEN};
 pub use middleware::{AlreadyGone, IdemMiddleware};
 pub use policy::RetryPolicy;

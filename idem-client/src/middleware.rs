@@ -47,8 +47,14 @@ use crate::rules::{self, IDEMPOTENCY_KEY, Verdict};
 /// # Ok(()) }
 /// ```
 ///
-/// To read a 409's problem code it reads that answer's body and hands on a
-/// rebuilt response, whose `url()` and `remote_addr()` are then unknown.
+/// An uncertain outcome (`idempotency_outcome_uncertain`, or a problem
+/// whose `operation_state` is `uncertain`) comes back at once, never
+/// retried: read its body (or see [`Error::Uncertain`](crate::Error::Uncertain)
+/// for what to do with the intent).
+///
+/// To read the problem of an answer its status alone would retry (409,
+/// 429, 502, 503, 504) it reads that answer's body and hands on a rebuilt
+/// response, whose `url()` and `remote_addr()` are then unknown.
 #[derive(Clone)]
 pub struct IdemMiddleware {
     retrier: Retrier,
@@ -238,9 +244,11 @@ async fn judge(answer: Answer, clock: &dyn Clock) -> Tried<Answer, Answer> {
     };
     let status = response.status();
     let replayed = rules::replayed(response.headers());
-    // Only a 409's code decides a retry; other bodies stay unread.
-    let (response, code) =
-        if status == StatusCode::CONFLICT && rules::is_problem(response.headers()) {
+    // Only an answer its status alone would retry is read: its problem
+    // may say otherwise (a 409 other than a key in use, an uncertain
+    // outcome). Other bodies stay unread.
+    let (response, problem) =
+        if !replayed && retried_by_status(status) && rules::is_problem(response.headers()) {
             match read_problem(response).await {
                 Ok(read) => read,
                 Err(error) => {
@@ -258,14 +266,16 @@ async fn judge(answer: Answer, clock: &dyn Clock) -> Tried<Answer, Answer> {
             (response, None)
         };
     let outcome = Outcome::Status(status);
-    let next = match rules::verdict(status, replayed, code.as_deref()) {
+    let next = match rules::verdict(status, replayed, problem.as_ref()) {
         Verdict::Retry => Next::Retry {
             retry_after: rules::retry_after(response.headers(), clock.wall()),
             last: Ok(response),
         },
-        Verdict::Success | Verdict::KeyReused | Verdict::Rejected | Verdict::ServerError => {
-            Next::Stop(Ok(response))
-        }
+        Verdict::Success
+        | Verdict::KeyReused
+        | Verdict::Uncertain
+        | Verdict::Rejected
+        | Verdict::ServerError => Next::Stop(Ok(response)),
     };
     Tried {
         outcome,
@@ -274,8 +284,14 @@ async fn judge(answer: Answer, clock: &dyn Clock) -> Tried<Answer, Answer> {
     }
 }
 
+/// Whether a status alone would have its answer retried: 409 (by its
+/// code), 429, 502, 503 and 504.
+fn retried_by_status(status: StatusCode) -> bool {
+    matches!(status.as_u16(), 409 | 429 | 502 | 503 | 504)
+}
+
 /// Reads a problem body and puts it back into an equal response.
-async fn read_problem(response: Response) -> reqwest::Result<(Response, Option<String>)> {
+async fn read_problem(response: Response) -> reqwest::Result<(Response, Option<Problem>)> {
     let mut rebuilt = http::Response::builder()
         .status(response.status())
         .version(response.version());
@@ -283,9 +299,9 @@ async fn read_problem(response: Response) -> reqwest::Result<(Response, Option<S
         *headers = response.headers().clone();
     }
     let body = response.bytes().await?;
-    let code = Problem::parse(&body).and_then(|problem| problem.code);
+    let problem = Problem::parse(&body);
     let rebuilt = rebuilt
         .body(body)
         .expect("status, version and headers came from a valid response");
-    Ok((Response::from(rebuilt), code))
+    Ok((Response::from(rebuilt), problem))
 }

@@ -5,6 +5,8 @@ use std::time::{Duration, SystemTime};
 
 use http::{HeaderMap, HeaderName, StatusCode, header};
 
+use crate::error::{OperationState, Problem};
+
 /// The response header with which a server says it replayed a stored answer.
 pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
 
@@ -18,6 +20,9 @@ pub(crate) const KEY_REUSED: &str = "idempotency_key_reused";
 /// The problem code of a store that could not take the claim (503, or 409
 /// on a lock conflict).
 const STORE_UNAVAILABLE: &str = "idempotency_store_unavailable";
+/// The problem code of a key whose operation may or may not have happened
+/// (409, without `Retry-After`).
+pub(crate) const OUTCOME_UNCERTAIN: &str = "idempotency_outcome_uncertain";
 
 /// What one answer means for the operation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -28,17 +33,28 @@ pub(crate) enum Verdict {
     Retry,
     /// 422 `idempotency_key_reused`.
     KeyReused,
+    /// `idempotency_outcome_uncertain`, or a problem whose
+    /// `operation_state` is `uncertain`: final, whatever the status.
+    Uncertain,
     /// Any other 4xx.
     Rejected,
     /// Any other 5xx.
     ServerError,
 }
 
-/// The verdict on one answer. A replayed answer is the operation's stored
-/// answer, so it is final whatever its status.
-pub(crate) fn verdict(status: StatusCode, replayed: bool, code: Option<&str>) -> Verdict {
+/// The verdict on one answer, read with its problem document if it had
+/// one. A replayed answer is the operation's stored answer, so it is final
+/// whatever its status. An uncertain outcome is final too, replayed or
+/// not, even where its status alone would be retried (a 503): no retry can
+/// tell what happened.
+pub(crate) fn verdict(status: StatusCode, replayed: bool, problem: Option<&Problem>) -> Verdict {
     if status.as_u16() < 400 {
         return Verdict::Success;
+    }
+    let code = problem.and_then(|problem| problem.code.as_deref());
+    let state = problem.and_then(|problem| problem.operation_state);
+    if code == Some(OUTCOME_UNCERTAIN) || state == Some(OperationState::Uncertain) {
+        return Verdict::Uncertain;
     }
     if !replayed {
         match status {
@@ -118,6 +134,14 @@ mod tests {
         headers
     }
 
+    fn problem(code: Option<&str>, state: Option<OperationState>) -> Problem {
+        Problem {
+            code: code.map(str::to_owned),
+            operation_state: state,
+            ..Problem::default()
+        }
+    }
+
     #[test]
     fn verdicts() {
         use Verdict::*;
@@ -141,15 +165,42 @@ mod tests {
             (500, false, None, ServerError),
             (501, false, None, ServerError),
             (503, true, None, ServerError),
+            (409, false, Some(OUTCOME_UNCERTAIN), Uncertain),
+            (409, true, Some(OUTCOME_UNCERTAIN), Uncertain),
         ];
         for (status, replayed, code, expected) in cases {
             let status = StatusCode::from_u16(status).unwrap();
+            let problem = code.map(|code| problem(Some(code), None));
             assert_eq!(
-                verdict(status, replayed, code),
+                verdict(status, replayed, problem.as_ref()),
                 expected,
                 "{status} {code:?}"
             );
         }
+    }
+
+    #[test]
+    fn an_uncertain_state_is_final_whatever_the_code_and_status() {
+        let uncertain = |code| problem(code, Some(OperationState::Uncertain));
+        for (status, code) in [
+            (503, Some(STORE_UNAVAILABLE)),
+            (500, Some("idempotency_request_abandoned")),
+            (409, None),
+        ] {
+            let status = StatusCode::from_u16(status).unwrap();
+            for replayed in [false, true] {
+                assert_eq!(
+                    verdict(status, replayed, Some(&uncertain(code))),
+                    Verdict::Uncertain,
+                    "{status} {code:?} replayed: {replayed}"
+                );
+            }
+        }
+        let in_progress = problem(Some(KEY_IN_USE), Some(OperationState::InProgress));
+        assert_eq!(
+            verdict(StatusCode::CONFLICT, false, Some(&in_progress)),
+            Verdict::Retry
+        );
     }
 
     #[test]

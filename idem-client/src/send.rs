@@ -23,7 +23,8 @@ use crate::rules::{self, IDEMPOTENCY_KEY, Verdict};
 /// failures, timeouts, 409 `idempotency_key_in_use`, 429, 502, 503 and 504
 /// are retried, after `Retry-After` if the answer has one and a jittered
 /// backoff otherwise (see [`RetryPolicy`]); every other answer ends the
-/// operation. A replay (`Idempotent-Replayed: true`) is the operation's
+/// operation, and so does an uncertain outcome whatever its status
+/// ([`Error::Uncertain`]). A replay (`Idempotent-Replayed: true`) is the operation's
 /// answer like any other and comes back as [`Sent::replayed`].
 ///
 /// ```no_run
@@ -345,9 +346,8 @@ async fn attempt(
     let problem = rules::is_problem(&headers)
         .then(|| Problem::parse(&body))
         .flatten();
-    let code = problem.as_ref().and_then(|p| p.code.as_deref());
     let outcome = Outcome::Status(status);
-    let result = match rules::verdict(status, replayed, code) {
+    let result = match rules::verdict(status, replayed, problem.as_ref()) {
         Verdict::Success => Ok(Answer {
             status,
             headers,
@@ -375,6 +375,11 @@ async fn attempt(
             };
         }
         Verdict::KeyReused => Err(Error::KeyReused {
+            problem: problem.unwrap_or_default(),
+        }),
+        // Judged by its problem, so `problem` is there.
+        Verdict::Uncertain => Err(Error::Uncertain {
+            status,
             problem: problem.unwrap_or_default(),
         }),
         Verdict::Rejected => Err(Error::Rejected {

@@ -113,7 +113,8 @@ pub struct PaymentRow {
 pub struct KeyRow {
     /// The stored response's status; `None` while unfinished.
     pub status: Option<i64>,
-    /// Resumptions the completer made.
+    /// Resumptions made (by the completer or a client's retry after the
+    /// lease ended).
     pub attempts: i64,
 }
 

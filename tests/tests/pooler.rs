@@ -325,17 +325,38 @@ async fn workload(idem: Idem<Postgres>, direct: &PgPool, clients: usize) {
     assert!(swept > 0, "the sweep deleted the expired keys");
 
     // The outbox: every charge's message relayed once, then consumed once.
+    // The first delivery fails, so its error is kept and shown.
     let delivered = Arc::new(Mutex::new(Vec::new()));
-    let relay = idem.relay(sink_fn({
-        let delivered = Arc::clone(&delivered);
-        move |message: idem::outbox::Message| {
+    let refused = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let relay = idem
+        .relay(sink_fn({
             let delivered = Arc::clone(&delivered);
-            async move {
-                delivered.lock().unwrap().push(message.id.clone());
-                Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+            move |message: idem::outbox::Message| {
+                let (delivered, refused) = (Arc::clone(&delivered), Arc::clone(&refused));
+                async move {
+                    if !refused.swap(true, Ordering::SeqCst) {
+                        return Err("refused once".into());
+                    }
+                    delivered.lock().unwrap().push(message.id.clone());
+                    Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+                }
             }
-        }
-    }));
+        }))
+        .backoff(Duration::from_millis(1));
+    let first = relay
+        .run_once()
+        .await
+        .expect("relay pass through the pooler");
+    assert_eq!(first.failed, 1, "{first:?}");
+    let status = idem
+        .outbox_status(10)
+        .await
+        .expect("outbox status through the pooler");
+    assert_eq!(status.failing.len(), 1, "{status:?}");
+    assert_eq!(
+        status.failing[0].last_error.as_deref(),
+        Some("refused once")
+    );
     tokio::time::timeout(Duration::from_secs(30), async {
         while idem.pending_messages().await.unwrap() > 0 {
             relay

@@ -51,6 +51,20 @@ impl Reply {
         }
     }
 
+    /// An `idem` problem+json answer with this code and what it says of the
+    /// operation: `operation_state` and `safe_new_key` (true only for
+    /// `not_started`), as every `idem` problem carries them.
+    pub fn idem_problem(status: u16, code: &str, state: &str) -> Self {
+        let safe = state == "not_started";
+        Self::Answer {
+            status,
+            headers: vec![("content-type", "application/problem+json".into())],
+            body: format!(
+                r#"{{"type":"about:blank","title":"scripted","status":{status},"code":"{code}","operation_state":"{state}","safe_new_key":{safe}}}"#
+            ),
+        }
+    }
+
     /// Adds a header.
     pub fn with(mut self, name: &'static str, value: impl Into<String>) -> Self {
         if let Self::Answer { headers, .. } = &mut self {

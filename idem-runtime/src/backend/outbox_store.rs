@@ -51,6 +51,36 @@ pub struct MessageRow {
     pub attempts: i32,
 }
 
+/// The longest delivery error a message keeps, in characters: enough for a
+/// broker's message and its causes, short enough to read on a page.
+pub const MAX_ERROR_LEN: usize = 1000;
+
+/// A failed delivery, as [`OutboxStore::unlease`] counts it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Failure<'a> {
+    /// How long the message waits before its next delivery.
+    pub retry_after: Duration,
+    /// What the sink said, at most [`MAX_ERROR_LEN`] characters, no NUL.
+    pub error: &'a str,
+}
+
+/// The head of a scope whose delivery is failing: its oldest undelivered
+/// message, which failed at least once.
+#[derive(Debug, Clone)]
+pub struct FailingRow {
+    /// The scope's bytes.
+    pub scope: Vec<u8>,
+    /// The scope's undelivered messages.
+    pub pending: i64,
+    /// The head's failed deliveries.
+    pub attempts: i32,
+    /// What its last failed delivery said (`NULL` for a failure counted
+    /// before the column existed).
+    pub last_error: Option<String>,
+    /// When its next delivery is due, in milliseconds since the Unix epoch.
+    pub next_attempt_ms: i64,
+}
+
 /// What the outbox and the consumers ask of an engine: a supertrait of
 /// [`Backend`](super::Backend), implemented by every engine. Sealed as the
 /// others once `idem::__private` no longer re-exports it.
@@ -88,14 +118,15 @@ pub trait OutboxStore: Database {
         seqs: &[i64],
     ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
 
-    /// Ends the lease of these messages under `token`; `retry_after`:
-    /// counts a failed delivery and makes them wait that long.
+    /// Ends the lease of these messages under `token`; with a `failure`:
+    /// counts a failed delivery, keeps its error and makes them wait its
+    /// `retry_after`.
     fn unlease(
         pool: &Pool<Self>,
         outbox: &str,
         token: i64,
         seqs: &[i64],
-        retry_after: Option<Duration>,
+        failure: Option<Failure<'_>>,
     ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
 
     /// Deletes up to `batch` messages delivered more than `retention` ago.
@@ -111,6 +142,14 @@ pub trait OutboxStore: Database {
         pool: &Pool<Self>,
         outbox: &str,
     ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
+
+    /// Up to `limit` scopes whose head (oldest undelivered message) failed
+    /// a delivery, the most failed first, then the oldest.
+    fn failing_scopes(
+        pool: &Pool<Self>,
+        outbox: &str,
+        limit: u32,
+    ) -> impl Future<Output = Result<Vec<FailingRow>, sqlx::Error>> + Send;
 
     /// Records `(scope, id)` as processed in the transaction `conn` is in,
     /// kept for `retention`. `false`: it was recorded before (by a
@@ -150,3 +189,21 @@ pub(crate) fn millis(duration: Duration) -> i64 {
 
 /// The message columns every engine's lease returns, in this order.
 pub(crate) const MESSAGE_COLUMNS: &str = "seq, id, scope, topic, payload, attempts";
+
+/// The failing heads' list, one text for every engine: `next_ms` is the
+/// engine's expression of `h.available_at` in epoch milliseconds. A head
+/// is a scope's undelivered message with no older undelivered one; only a
+/// head that failed is read, so the scan starts from the messages that
+/// failed (few) rather than from every pending one.
+pub(crate) fn failing_sql(outbox: &str, next_ms: &str, limit: u32) -> String {
+    format!(
+        "SELECT h.scope, h.attempts, h.last_error, {next_ms} AS next_ms, \
+             (SELECT count(*) FROM {outbox} p \
+                 WHERE p.scope = h.scope AND p.delivered_at IS NULL) AS pending \
+         FROM {outbox} h \
+         WHERE h.delivered_at IS NULL AND h.attempts > 0 \
+             AND NOT EXISTS (SELECT 1 FROM {outbox} o \
+                 WHERE o.scope = h.scope AND o.delivered_at IS NULL AND o.seq < h.seq) \
+         ORDER BY h.attempts DESC, h.seq LIMIT {limit}"
+    )
+}

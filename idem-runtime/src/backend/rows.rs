@@ -5,7 +5,7 @@
 use sqlx::{ColumnIndex, Decode, Row, Type};
 
 use super::admin::KeyRow;
-use super::outbox_store::MessageRow;
+use super::outbox_store::{FailingRow, MessageRow};
 use super::phased::{Abandoned, Holder, Unclaimed};
 use super::store::{StoreError, decode_finished};
 use crate::fingerprint::Fingerprint;
@@ -22,6 +22,8 @@ pub(crate) trait Columns {
     fn bytes_or_null(&self, name: &str) -> Result<Option<Vec<u8>>, sqlx::Error>;
     /// Text (a message's id and topic).
     fn text(&self, name: &str) -> Result<String, sqlx::Error>;
+    /// Text or `NULL` (a delivery's error).
+    fn text_or_null(&self, name: &str) -> Result<Option<String>, sqlx::Error>;
     /// A 64-bit integer (a time in milliseconds, a token, a sequence number).
     fn int(&self, name: &str) -> Result<i64, sqlx::Error>;
     /// A 64-bit integer or `NULL`.
@@ -162,6 +164,18 @@ pub(crate) fn message_row(row: &impl Columns) -> Result<MessageRow, sqlx::Error>
         topic: row.text("topic")?,
         payload: row.bytes("payload")?,
         attempts: row.count("attempts")?,
+    })
+}
+
+/// A failing scope's head, as every engine's
+/// [`failing_sql`](super::outbox_store::failing_sql) returns it.
+pub(crate) fn failing_row(row: &impl Columns) -> Result<FailingRow, sqlx::Error> {
+    Ok(FailingRow {
+        scope: row.bytes("scope")?,
+        pending: row.int("pending")?,
+        attempts: row.count("attempts")?,
+        last_error: row.text_or_null("last_error")?,
+        next_attempt_ms: row.int("next_ms")?,
     })
 }
 

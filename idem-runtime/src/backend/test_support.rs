@@ -510,7 +510,8 @@ pub(crate) async fn admin_contract<DB: super::Phased + Admin>(pool: &Pool<DB>, t
 
 /// The outbox's and consumers' storage contract: messages exist only once
 /// committed; a lease is exclusive, in order, a prefix of each scope, and
-/// lapses; marks and unleases name their token; a processed message is
+/// lapses; marks and unleases name their token; a scope whose head failed
+/// shows with its error until that head is delivered; a processed message is
 /// recorded once, with its transaction, until its retention ends.
 pub(crate) async fn outbox_contract<DB: Backend>(pool: &Pool<DB>, outbox: &str, consumed: &str) {
     use super::NewMessage;
@@ -533,6 +534,7 @@ pub(crate) async fn outbox_contract<DB: Backend>(pool: &Pool<DB>, outbox: &str, 
         |rows: &[super::MessageRow]| rows.iter().map(|row| row.id.clone()).collect::<Vec<_>>();
     let seqs = |rows: &[super::MessageRow]| rows.iter().map(|row| row.seq).collect::<Vec<_>>();
     let minute = Duration::from_secs(60);
+    let failed = |retry_after, error| super::Failure { retry_after, error };
 
     // A rolled-back transaction's messages never exist.
     let mut conn = pool.acquire().await.unwrap();
@@ -580,15 +582,21 @@ pub(crate) async fn outbox_contract<DB: Backend>(pool: &Pool<DB>, outbox: &str, 
         unreachable!()
     };
     assert_eq!(
-        DB::unlease(pool, outbox, 1, &[c1], Some(minute))
+        DB::unlease(pool, outbox, 1, &[c1], Some(failed(minute, "c1 refused")))
             .await
             .unwrap(),
         1
     );
     assert_eq!(
-        DB::unlease(pool, outbox, 1, &[a1], Some(Duration::ZERO))
-            .await
-            .unwrap(),
+        DB::unlease(
+            pool,
+            outbox,
+            1,
+            &[a1],
+            Some(failed(Duration::ZERO, "a1 refused"))
+        )
+        .await
+        .unwrap(),
         1
     );
     assert_eq!(
@@ -601,6 +609,36 @@ pub(crate) async fn outbox_contract<DB: Backend>(pool: &Pool<DB>, outbox: &str, 
         DB::unlease(pool, outbox, 1, &[b1], None).await.unwrap(),
         0,
         "no longer ours"
+    );
+    // Each failed head shows with its error, the most failed then the
+    // oldest first; b never failed.
+    let failing = DB::failing_scopes(pool, outbox, 10).await.unwrap();
+    let shown: Vec<_> = failing
+        .iter()
+        .map(|row| {
+            (
+                &row.scope[..],
+                row.pending,
+                row.attempts,
+                row.last_error.as_deref(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        shown,
+        [
+            (&b"a"[..], 2, 1, Some("a1 refused")),
+            (&b"c"[..], 2, 1, Some("c1 refused")),
+        ]
+    );
+    assert!(
+        failing[1].next_attempt_ms - failing[0].next_attempt_ms > 50_000,
+        "c1 waits its minute: {failing:?}"
+    );
+    assert_eq!(
+        DB::failing_scopes(pool, outbox, 1).await.unwrap().len(),
+        1,
+        "limited"
     );
     let second = lease(2, Duration::ZERO).await.unwrap();
     assert_eq!(
@@ -631,6 +669,12 @@ pub(crate) async fn outbox_contract<DB: Backend>(pool: &Pool<DB>, outbox: &str, 
         "once"
     );
     assert_eq!(DB::pending_messages(pool, outbox).await.unwrap(), 2);
+    let failing = DB::failing_scopes(pool, outbox, 10).await.unwrap();
+    assert_eq!(
+        failing.iter().map(|row| &row.scope[..]).collect::<Vec<_>>(),
+        [b"c"],
+        "a's failed head was delivered"
+    );
     assert!(lease(4, minute).await.unwrap().is_empty(), "c waits for c1");
     assert_eq!(
         DB::sweep_delivered(pool, outbox, minute, 10).await.unwrap(),

@@ -25,9 +25,9 @@ pub use sink::{FnSink, Message, Sink, SinkError, sink_fn};
 pub use writer::{MAX_TOPIC_LEN, OutboxWriter};
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use crate::backend::Backend;
+use crate::backend::{Backend, FailingRow};
 use crate::error::Error;
 use crate::idem::Idem;
 use crate::table::is_table_name;
@@ -87,11 +87,39 @@ impl<DB: Backend> Idem<DB> {
     }
 
     /// The outbox's backlog as an operator's page shows it: how many
-    /// messages wait, and up to `limit` scopes whose head message failed
-    /// its last delivery, the longest failing first, with the error.
+    /// messages wait, and up to `limit` scopes whose head message (the
+    /// oldest undelivered one, which holds the scope's later messages
+    /// back) failed its last delivery, with the sink's error. The most
+    /// failed deliveries come first (with the backoff doubling, the
+    /// longest failing), then the oldest messages.
+    ///
+    /// Two reads, not one snapshot: a scope may be counted in `pending`
+    /// and be delivered by the time the failing ones are read.
+    ///
+    /// ```no_run
+    /// # use idem_runtime as idem;
+    /// # async fn demo(idem: idem::Idem<sqlx::Postgres>) -> Result<(), idem::Error> {
+    /// let status = idem.outbox_status(20).await?;
+    /// println!("{} messages wait", status.pending);
+    /// for scope in &status.failing {
+    ///     println!(
+    ///         "{}: {} waiting, {} failed deliveries: {}",
+    ///         scope.scope,
+    ///         scope.pending,
+    ///         scope.attempts,
+    ///         scope.last_error.as_deref().unwrap_or("(no error kept)")
+    ///     );
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub async fn outbox_status(&self, limit: u32) -> Result<OutboxStatus, Error> {
-        let _ = limit;
-        todo!()
+        let (pool, table) = (self.pool(), self.outbox_table_name());
+        let pending = DB::pending_messages(pool, table).await?;
+        let failing = DB::failing_scopes(pool, table, limit).await?;
+        Ok(OutboxStatus {
+            pending,
+            failing: failing.into_iter().map(FailingScope::from_row).collect(),
+        })
     }
 
     /// How many outbox messages are not delivered yet.
@@ -120,8 +148,27 @@ pub struct FailingScope {
     pub pending: u64,
     /// The head message's failed deliveries so far.
     pub attempts: u32,
-    /// What its last delivery said, as the sink reported it.
+    /// What its last failed delivery said, as the sink reported it (with
+    /// its causes, at most 1000 characters); `None` for a failure counted
+    /// before the outbox kept errors.
     pub last_error: Option<String>,
-    /// When its next delivery is due (the database's clock).
-    pub next_attempt: Option<std::time::SystemTime>,
+    /// When its next delivery is due (the database's clock; in the past
+    /// when it is due now, or under way).
+    pub next_attempt: Option<SystemTime>,
+}
+
+impl FailingScope {
+    fn from_row(row: FailingRow) -> Self {
+        let next = match u64::try_from(row.next_attempt_ms) {
+            Ok(ms) => UNIX_EPOCH + Duration::from_millis(ms),
+            Err(_) => UNIX_EPOCH - Duration::from_millis(row.next_attempt_ms.unsigned_abs()),
+        };
+        Self {
+            scope: String::from_utf8_lossy(&row.scope).into_owned(),
+            pending: row.pending.unsigned_abs(),
+            attempts: row.attempts.unsigned_abs(),
+            last_error: row.last_error,
+            next_attempt: Some(next),
+        }
+    }
 }

@@ -9,10 +9,11 @@ use std::time::Duration;
 use futures_util::{StreamExt, stream};
 use tokio::time::Instant;
 
-use crate::backend::{Backend, MessageRow};
+use crate::backend::{Backend, Failure, MAX_ERROR_LEN, MessageRow};
 use crate::error::Error;
 use crate::idem::Idem;
 use crate::observe;
+use crate::passes::{self, LastPass};
 
 use super::sink::{Message, Sink};
 
@@ -113,8 +114,9 @@ pub struct RelayRun {
 #[derive(Debug, Default)]
 struct ScopeRun {
     delivered: Vec<i64>,
-    /// The message that failed, and how long it waits before its retry.
-    failed: Option<(i64, Duration)>,
+    /// The message that failed, how long it waits before its retry, and
+    /// what the sink said.
+    failed: Option<(i64, Duration, String)>,
     deferred: Vec<i64>,
 }
 
@@ -186,7 +188,8 @@ impl<DB: Backend, S: Sink> Relay<DB, S> {
     }
 
     /// One pass: lease a batch, deliver it (scopes at once, each in
-    /// order), mark what was delivered.
+    /// order), mark what was delivered. Kept as the store's last relay
+    /// pass ([`Idem::last_relay_pass`]), failed or not.
     ///
     /// # Panics
     ///
@@ -195,6 +198,16 @@ impl<DB: Backend, S: Sink> Relay<DB, S> {
     /// message at the same moment.
     pub async fn run_once(&self) -> Result<RelayRun, Error> {
         self.check_lease();
+        let started = std::time::Instant::now();
+        let run = self.pass().await;
+        passes::keep(
+            &self.idem.inner().passes.relay,
+            LastPass::ended(started, &run),
+        );
+        run
+    }
+
+    async fn pass(&self) -> Result<RelayRun, Error> {
         let pool = self.idem.pool();
         let table = self.idem.outbox_table_name();
         let token = rand::random::<i64>() & i64::MAX;
@@ -227,15 +240,20 @@ impl<DB: Backend, S: Sink> Relay<DB, S> {
 
         let mut run = RelayRun::default();
         let (mut delivered, mut deferred) = (Vec::new(), Vec::new());
-        let mut failed: Vec<(Duration, Vec<i64>)> = Vec::new();
+        // Failures grouped by wait and error, one statement each: a sink
+        // that is down fails every scope alike.
+        let mut failed: Vec<(Duration, String, Vec<i64>)> = Vec::new();
         for scope in runs {
             delivered.extend(scope.delivered);
             deferred.extend(scope.deferred);
-            if let Some((seq, wait)) = scope.failed {
+            if let Some((seq, wait, error)) = scope.failed {
                 run.failed += 1;
-                match failed.iter_mut().find(|(same, _)| *same == wait) {
-                    Some((_, seqs)) => seqs.push(seq),
-                    None => failed.push((wait, vec![seq])),
+                match failed
+                    .iter_mut()
+                    .find(|(same, said, _)| *same == wait && *said == error)
+                {
+                    Some((_, _, seqs)) => seqs.push(seq),
+                    None => failed.push((wait, error, vec![seq])),
                 }
             }
         }
@@ -248,8 +266,12 @@ impl<DB: Backend, S: Sink> Relay<DB, S> {
         // A failed message is unleased before its scope's deferred ones,
         // so those stay behind it (the lease skips a scope whose older
         // message waits for its retry).
-        for (wait, seqs) in failed {
-            DB::unlease(pool, table, token, &seqs, Some(wait)).await?;
+        for (wait, error, seqs) in failed {
+            let failure = Failure {
+                retry_after: wait,
+                error: &error,
+            };
+            DB::unlease(pool, table, token, &seqs, Some(failure)).await?;
         }
         if !deferred.is_empty() {
             DB::unlease(pool, table, token, &deferred, None).await?;
@@ -284,7 +306,7 @@ impl<DB: Backend, S: Sink> Relay<DB, S> {
                     run.delivered.push(seq);
                     continue;
                 }
-                Ok(Err(error)) => error.to_string(),
+                Ok(Err(error)) => with_causes(&*error),
                 Err(_) => format!("no answer within {:?}", self.delivery_timeout),
             };
             let wait = self.wait_after(message.attempts);
@@ -296,7 +318,7 @@ impl<DB: Backend, S: Sink> Relay<DB, S> {
                 error = %failure,
                 "delivering an outbox message failed; it is delivered again later"
             );
-            run.failed = Some((seq, wait));
+            run.failed = Some((seq, wait, kept(&failure)));
             run.deferred.extend(rows.map(|row| row.seq));
             break;
         }
@@ -388,7 +410,57 @@ impl<DB: Backend, S: Sink> Relay<DB, S> {
     }
 }
 
+/// `error` and its sources, as one line: `error: cause: cause`.
+fn with_causes(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut line = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        line.push_str(": ");
+        line.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    line
+}
+
+/// A delivery error as a message keeps it: at most [`MAX_ERROR_LEN`]
+/// characters, without NUL (which PostgreSQL's text cannot hold).
+fn kept(error: &str) -> String {
+    error
+        .chars()
+        .map(|c| {
+            if c == '\0' {
+                char::REPLACEMENT_CHARACTER
+            } else {
+                c
+            }
+        })
+        .take(MAX_ERROR_LEN)
+        .collect()
+}
+
 /// A count of messages as [`RelayRun`] keeps it.
 fn count(messages: usize) -> u32 {
     u32::try_from(messages).unwrap_or(u32::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_kept_error_is_cut_to_its_length_without_nul() {
+        assert_eq!(kept("refused"), "refused");
+        assert_eq!(kept("a\0b"), "a\u{fffd}b");
+        let long = "é".repeat(MAX_ERROR_LEN + 5);
+        assert_eq!(kept(&long).chars().count(), MAX_ERROR_LEN);
+    }
+
+    #[test]
+    fn an_error_reads_with_its_causes() {
+        let io = std::io::Error::other("connection refused");
+        let error: Box<dyn std::error::Error + Send + Sync> =
+            Box::new(crate::error::Error::from(sqlx::Error::Io(io)));
+        let line = with_causes(&*error);
+        assert!(line.ends_with("connection refused"), "{line}");
+    }
 }

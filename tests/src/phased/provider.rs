@@ -78,11 +78,26 @@ impl ProviderProcess {
     /// Starts a provider that answers each `POST` after `delay` (its charge
     /// recorded first) and answers the first `fail_first` with 503.
     pub async fn start(delay: Duration, fail_first: u64) -> Self {
+        Self::with_env(&[
+            ("PROVIDER_DELAY_MS", &delay.as_millis().to_string()),
+            ("PROVIDER_FAIL_FIRST", &fail_first.to_string()),
+        ])
+        .await
+    }
+
+    /// Starts a provider that charges each `POST` (a key once) and then
+    /// closes its connection without an answer (`PROVIDER_LOSE_ANSWERS=1`).
+    pub async fn losing_answers() -> Self {
+        Self::with_env(&[("PROVIDER_LOSE_ANSWERS", "1")]).await
+    }
+
+    /// Starts the example with `env` set, on a port of its choosing.
+    async fn with_env(env: &[(&str, &str)]) -> Self {
         let mut command = Command::new(crate::examples::binary("provider"));
-        command
-            .env("PROVIDER_ADDR", "127.0.0.1:0")
-            .env("PROVIDER_DELAY_MS", delay.as_millis().to_string())
-            .env("PROVIDER_FAIL_FIRST", fail_first.to_string());
+        command.env("PROVIDER_ADDR", "127.0.0.1:0");
+        for (name, value) in env {
+            command.env(name, value);
+        }
         // It logs "fake provider listening on http://ADDR ..." once bound.
         let listening = |line: &str| {
             let (_, rest) = line.split_once("listening on http://")?;

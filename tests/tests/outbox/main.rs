@@ -4,12 +4,13 @@
 //! consumer records what it processed. Written once and instantiated per
 //! engine in a module named after it (`cargo test --test outbox sqlite::`).
 //! `relay.rs` holds the relay's wake-up on commit and its concurrent
-//! delivery of scopes. The kill test serves from a child process (this
+//! delivery of scopes; `status.rs` the backlog an operator's page shows. The kill test serves from a child process (this
 //! test binary, run as `outbox_child_server`) that aborts right after a
 //! commit, before its response.
 
 mod handlers;
 mod relay;
+mod status;
 mod suite;
 
 macro_rules! outbox {
@@ -25,6 +26,7 @@ macro_rules! outbox {
                     consumers_apply_each_message_once,
                     a_commit_wakes_the_relay_at_once,
                     a_pass_delivers_scopes_at_once_each_in_order,
+                    the_status_shows_each_failing_scope_with_its_error,
                 );
             }
         )*

@@ -19,10 +19,12 @@ use tokio::sync::watch;
 
 use crate::handlers::OutboxDb;
 
-// The relay's wake-up and concurrency, in a module of their own.
+// The relay's wake-up and concurrency, and the status, in modules of
+// their own.
 pub use crate::relay::{
     a_commit_wakes_the_relay_at_once, a_pass_delivers_scopes_at_once_each_in_order,
 };
+pub use crate::status::the_status_shows_each_failing_scope_with_its_error;
 
 /// Env vars of the child process's server.
 pub const CHILD_ENGINE: &str = "IDEM_OUTBOX_CHILD_ENGINE";
@@ -43,7 +45,7 @@ pub(crate) const DEADLINE: Duration = Duration::from_secs(30);
 pub(crate) struct Fixture<DB: OutboxDb> {
     database: String,
     keys: String,
-    pool: Pool<DB>,
+    pub(crate) pool: Pool<DB>,
     pub(crate) idem: Idem<DB>,
     pub(crate) account: String,
     pub(crate) http: reqwest::Client,

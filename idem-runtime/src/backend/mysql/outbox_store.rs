@@ -11,9 +11,10 @@ use super::MAX_SCOPE_BYTES;
 use crate::backend::MAX_MESSAGE_ID_LEN;
 use crate::backend::fnv1a;
 use crate::backend::outbox_store::{
-    MESSAGE_COLUMNS, MessageRow, NewMessage, OutboxStore, millis, seq_list,
+    FailingRow, Failure, MESSAGE_COLUMNS, MessageRow, NewMessage, OutboxStore, failing_sql, millis,
+    seq_list,
 };
-use crate::backend::rows::message_row;
+use crate::backend::rows::{failing_row, message_row};
 use crate::error::Error;
 
 /// How long a relay waits for another's lease before leasing nothing.
@@ -49,6 +50,7 @@ impl OutboxStore for MySql {
                 lease_token BIGINT NULL,
                 lease_until DATETIME(6) NULL,
                 delivered_at DATETIME(6) NULL,
+                last_error TEXT CHARACTER SET utf8mb4 NULL,
                 UNIQUE KEY {id} (id),
                 KEY {scopes} (scope, delivered_at, seq),
                 KEY {delivered} (delivered_at)
@@ -64,6 +66,22 @@ impl OutboxStore for MySql {
             id = index_name(outbox, "id_idx"),
         );
         sqlx::raw_sql(AssertSqlSafe(ddl)).execute(pool).await?;
+        // `last_error` came later: a table from before gets it (MySQL has
+        // no `ADD COLUMN IF NOT EXISTS`; MariaDB has). A migration at once
+        // may add it between the read and the `ALTER`, which then fails: it
+        // is there.
+        if !has_last_error(pool, outbox).await? {
+            let added = sqlx::raw_sql(AssertSqlSafe(format!(
+                "ALTER TABLE {outbox} ADD COLUMN last_error TEXT CHARACTER SET utf8mb4 NULL"
+            )))
+            .execute(pool)
+            .await;
+            if let Err(error) = added
+                && !has_last_error(pool, outbox).await?
+            {
+                return Err(error.into());
+            }
+        }
         Ok(())
     }
 
@@ -186,14 +204,15 @@ impl OutboxStore for MySql {
         outbox: &str,
         token: i64,
         seqs: &[i64],
-        retry_after: Option<Duration>,
+        failure: Option<Failure<'_>>,
     ) -> Result<u64, sqlx::Error> {
         // MySQL assigns left to right: `available_at` before the lease is
         // cleared changes nothing here, but keep the token test last.
-        let failed = match retry_after {
+        let failed = match failure {
             Some(_) => {
                 "attempts = attempts + 1, \
-                 available_at = UTC_TIMESTAMP(6) + INTERVAL ? * 1000 MICROSECOND, "
+                 available_at = UTC_TIMESTAMP(6) + INTERVAL ? * 1000 MICROSECOND, \
+                 last_error = ?, "
             }
             None => "",
         };
@@ -203,8 +222,8 @@ impl OutboxStore for MySql {
             seq_list(seqs)
         );
         let mut query = sqlx::query(AssertSqlSafe(sql));
-        if let Some(after) = retry_after {
-            query = query.bind(millis(after));
+        if let Some(failure) = failure {
+            query = query.bind(millis(failure.retry_after)).bind(failure.error);
         }
         Ok(query.bind(token).execute(pool).await?.rows_affected())
     }
@@ -234,6 +253,18 @@ impl OutboxStore for MySql {
             .fetch_one(pool)
             .await?;
         Ok(count.unsigned_abs())
+    }
+
+    async fn failing_scopes(
+        pool: &Pool<Self>,
+        outbox: &str,
+        limit: u32,
+    ) -> Result<Vec<FailingRow>, sqlx::Error> {
+        let next_ms = "TIMESTAMPDIFF(MICROSECOND, '1970-01-01', h.available_at) DIV 1000";
+        let rows = sqlx::query(AssertSqlSafe(failing_sql(outbox, next_ms, limit)))
+            .fetch_all(pool)
+            .await?;
+        rows.iter().map(failing_row).collect()
     }
 
     async fn record_consumed(
@@ -307,4 +338,19 @@ impl OutboxStore for MySql {
             .await?;
         Ok(done.rows_affected())
     }
+}
+
+/// Whether `outbox` has the `last_error` column.
+async fn has_last_error(pool: &Pool<MySql>, outbox: &str) -> Result<bool, sqlx::Error> {
+    let (schema, name) = match outbox.split_once('.') {
+        Some((schema, name)) => (format!("'{schema}'"), name),
+        None => ("DATABASE()".to_owned(), outbox),
+    };
+    let present: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT COUNT(*) FROM information_schema.columns \
+         WHERE table_schema = {schema} AND table_name = '{name}' AND column_name = 'last_error'"
+    )))
+    .fetch_one(pool)
+    .await?;
+    Ok(present > 0)
 }

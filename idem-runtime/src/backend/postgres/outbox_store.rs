@@ -9,9 +9,10 @@ use sqlx::{Pool, Postgres, Row};
 use super::sql::{Arg, fnv1a};
 use super::{index_name, qualified, regclasses_exist, run_ddl, simple};
 use crate::backend::outbox_store::{
-    MESSAGE_COLUMNS, MessageRow, NewMessage, OutboxStore, millis, seq_list,
+    FailingRow, Failure, MESSAGE_COLUMNS, MessageRow, NewMessage, OutboxStore, failing_sql, millis,
+    seq_list,
 };
-use crate::backend::rows::message_row;
+use crate::backend::rows::{failing_row, message_row};
 use crate::error::Error;
 
 impl OutboxStore for Postgres {
@@ -24,7 +25,8 @@ impl OutboxStore for Postgres {
             index_name(consumed, "expires_at_idx"),
         );
         // As for keys: a catalog read locks nothing, `CREATE INDEX IF NOT
-        // EXISTS` would wait for every open transaction writing a message.
+        // EXISTS` would wait for every open transaction writing a message
+        // (and `ADD COLUMN IF NOT EXISTS` take the table's exclusive lock).
         let migrated = regclasses_exist(
             pool,
             &[
@@ -35,7 +37,8 @@ impl OutboxStore for Postgres {
                 &qualified(consumed, &expires),
             ],
         )
-        .await?;
+        .await?
+            && has_last_error(pool, outbox).await?;
         if migrated {
             return Ok(());
         }
@@ -51,8 +54,10 @@ impl OutboxStore for Postgres {
                 attempts integer NOT NULL DEFAULT 0,
                 lease_token bigint,
                 lease_until timestamptz,
-                delivered_at timestamptz
+                delivered_at timestamptz,
+                last_error text
             );
+            ALTER TABLE {outbox} ADD COLUMN IF NOT EXISTS last_error text;
             CREATE INDEX IF NOT EXISTS {pending} ON {outbox} (seq) WHERE delivered_at IS NULL;
             CREATE INDEX IF NOT EXISTS {heads} ON {outbox} (scope, seq) WHERE delivered_at IS NULL;
             CREATE INDEX IF NOT EXISTS {touched} ON {outbox} (scope, seq)
@@ -159,12 +164,12 @@ impl OutboxStore for Postgres {
         outbox: &str,
         token: i64,
         seqs: &[i64],
-        retry_after: Option<Duration>,
+        failure: Option<Failure<'_>>,
     ) -> Result<u64, sqlx::Error> {
-        let failed = match retry_after {
+        let failed = match failure {
             Some(_) => {
                 ", attempts = attempts + 1, \
-                 available_at = now() + $2 * interval '1 millisecond'"
+                 available_at = now() + $2 * interval '1 millisecond', last_error = $3"
             }
             None => "",
         };
@@ -173,11 +178,12 @@ impl OutboxStore for Postgres {
              WHERE lease_token = $1 AND seq IN ({})",
             seq_list(seqs)
         );
-        let after = Arg::Signed(retry_after.map_or(0, millis));
-        Ok(simple(&sql, &[Arg::Signed(token), after])
-            .execute(pool)
-            .await?
-            .rows_affected())
+        let args = [
+            Arg::Signed(token),
+            Arg::Signed(failure.map_or(0, |failure| millis(failure.retry_after))),
+            Arg::Text(failure.map_or("", |failure| failure.error)),
+        ];
+        Ok(simple(&sql, &args).execute(pool).await?.rows_affected())
     }
 
     async fn sweep_delivered(
@@ -199,6 +205,18 @@ impl OutboxStore for Postgres {
         let sql = format!("SELECT count(*) FROM {outbox} WHERE delivered_at IS NULL");
         let count: i64 = simple(&sql, &[]).fetch_one(pool).await?.try_get(0)?;
         Ok(count.unsigned_abs())
+    }
+
+    async fn failing_scopes(
+        pool: &Pool<Self>,
+        outbox: &str,
+        limit: u32,
+    ) -> Result<Vec<FailingRow>, sqlx::Error> {
+        let next_ms = "(extract(epoch FROM h.available_at) * 1000)::bigint";
+        let rows = simple(&failing_sql(outbox, next_ms, limit), &[])
+            .fetch_all(pool)
+            .await?;
+        rows.iter().map(failing_row).collect()
     }
 
     async fn record_consumed(
@@ -240,4 +258,15 @@ impl OutboxStore for Postgres {
             .await?;
         Ok(done.rows_affected())
     }
+}
+
+/// Whether `outbox` has the `last_error` column (added after the table
+/// first shipped), read from the catalog without a lock.
+async fn has_last_error(pool: &Pool<Postgres>, outbox: &str) -> Result<bool, sqlx::Error> {
+    let sql = "SELECT EXISTS (SELECT 1 FROM pg_attribute \
+         WHERE attrelid = to_regclass($1) AND attname = 'last_error' AND NOT attisdropped)";
+    simple(sql, &[Arg::Text(outbox)])
+        .fetch_one(pool)
+        .await?
+        .try_get(0)
 }

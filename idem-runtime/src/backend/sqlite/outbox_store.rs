@@ -9,9 +9,10 @@ use sqlx::{AssertSqlSafe, Pool, Sqlite};
 
 use super::now_ms;
 use crate::backend::outbox_store::{
-    MESSAGE_COLUMNS, MessageRow, NewMessage, OutboxStore, millis, seq_list,
+    FailingRow, Failure, MESSAGE_COLUMNS, MessageRow, NewMessage, OutboxStore, failing_sql, millis,
+    seq_list,
 };
-use crate::backend::rows::message_row;
+use crate::backend::rows::{failing_row, message_row};
 use crate::error::Error;
 
 /// `table`'s schema prefix (`schema.`, or empty) and its own name: SQLite
@@ -40,7 +41,8 @@ impl OutboxStore for Sqlite {
                 attempts INTEGER NOT NULL DEFAULT 0,
                 lease_token INTEGER,
                 lease_until INTEGER,
-                delivered_at INTEGER
+                delivered_at INTEGER,
+                last_error TEXT
             );
             CREATE INDEX IF NOT EXISTS {schema}{name}_pending_idx ON {name} (seq)
                 WHERE delivered_at IS NULL;
@@ -59,6 +61,21 @@ impl OutboxStore for Sqlite {
                 ON {consumed_name} (expires_at);"
         );
         sqlx::raw_sql(AssertSqlSafe(ddl)).execute(pool).await?;
+        // `last_error` came later: a table from before gets it (SQLite has
+        // no `ADD COLUMN IF NOT EXISTS`). A migration at once may add it
+        // between the read and the `ALTER`, which then fails: it is there.
+        if !has_last_error(pool, &schema, name).await? {
+            let added = sqlx::raw_sql(AssertSqlSafe(format!(
+                "ALTER TABLE {outbox} ADD COLUMN last_error TEXT"
+            )))
+            .execute(pool)
+            .await;
+            if let Err(error) = added
+                && !has_last_error(pool, &schema, name).await?
+            {
+                return Err(error.into());
+            }
+        }
         Ok(())
     }
 
@@ -142,10 +159,10 @@ impl OutboxStore for Sqlite {
         outbox: &str,
         token: i64,
         seqs: &[i64],
-        retry_after: Option<Duration>,
+        failure: Option<Failure<'_>>,
     ) -> Result<u64, sqlx::Error> {
-        let failed = match retry_after {
-            Some(_) => ", attempts = attempts + 1, available_at = ?2",
+        let failed = match failure {
+            Some(_) => ", attempts = attempts + 1, available_at = ?2, last_error = ?3",
             None => "",
         };
         let sql = format!(
@@ -154,8 +171,10 @@ impl OutboxStore for Sqlite {
             seq_list(seqs)
         );
         let mut query = sqlx::query(AssertSqlSafe(sql)).bind(token);
-        if let Some(after) = retry_after {
-            query = query.bind(now_ms().saturating_add(millis(after)));
+        if let Some(failure) = failure {
+            query = query
+                .bind(now_ms().saturating_add(millis(failure.retry_after)))
+                .bind(failure.error);
         }
         Ok(query.execute(pool).await?.rows_affected())
     }
@@ -184,6 +203,17 @@ impl OutboxStore for Sqlite {
             .fetch_one(pool)
             .await?;
         Ok(count.unsigned_abs())
+    }
+
+    async fn failing_scopes(
+        pool: &Pool<Self>,
+        outbox: &str,
+        limit: u32,
+    ) -> Result<Vec<FailingRow>, sqlx::Error> {
+        let rows = sqlx::query(AssertSqlSafe(failing_sql(outbox, "h.available_at", limit)))
+            .fetch_all(pool)
+            .await?;
+        rows.iter().map(failing_row).collect()
     }
 
     async fn record_consumed(
@@ -227,4 +257,19 @@ impl OutboxStore for Sqlite {
             .await?;
         Ok(done.rows_affected())
     }
+}
+
+/// Whether the outbox `name` in `schema` (`schema.` or empty) has the
+/// `last_error` column.
+async fn has_last_error(
+    pool: &Pool<Sqlite>,
+    schema: &str,
+    name: &str,
+) -> Result<bool, sqlx::Error> {
+    let columns: Vec<String> = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT name FROM {schema}pragma_table_info('{name}')"
+    )))
+    .fetch_all(pool)
+    .await?;
+    Ok(columns.iter().any(|column| column == "last_error"))
 }
