@@ -22,7 +22,7 @@ pub(crate) trait Columns {
     fn bytes_or_null(&self, name: &str) -> Result<Option<Vec<u8>>, sqlx::Error>;
     /// Text (a message's id and topic).
     fn text(&self, name: &str) -> Result<String, sqlx::Error>;
-    /// Text or `NULL` (a delivery's error).
+    /// Text or `NULL` (a delivery's error, who resolved a key and why).
     fn text_or_null(&self, name: &str) -> Result<Option<String>, sqlx::Error>;
     /// A 64-bit integer (a time in milliseconds, a token, a sequence number).
     fn int(&self, name: &str) -> Result<i64, sqlx::Error>;
@@ -34,8 +34,6 @@ pub(crate) trait Columns {
     fn count_or_null(&self, name: &str) -> Result<Option<i32>, sqlx::Error>;
     /// A 16-bit status, maybe `NULL`.
     fn status_or_null(&self, name: &str) -> Result<Option<i16>, sqlx::Error>;
-    /// Text or `NULL`.
-    fn text_or_null(&self, name: &str) -> Result<Option<String>, sqlx::Error>;
 }
 
 impl<R: Row> Columns for R
