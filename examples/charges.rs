@@ -32,13 +32,15 @@
 //! - `COMPLETER_EVERY_MS`: how often the completer looks for stopped
 //!   payments, in milliseconds (default 2000, at least 1); its wait before
 //!   trying one again backs off from the same period, doubling.
-//! - `ADMIN_TOKEN`: set, the operators' routes answer requests with
-//!   `Authorization: Bearer <ADMIN_TOKEN>` (401 otherwise):
-//!   `GET /admin/idempotency/{scope}` lists the account's recent keys
-//!   (`?limit=`, default 50), `GET /admin/idempotency/{scope}/{key}` shows
-//!   one (404 if absent) and `DELETE` forgets a finished or expired key
-//!   (204; 404 absent, 409 in flight), so that its next request runs
-//!   afresh. Unset, those routes do not exist.
+//! - `ADMIN_TOKEN`: set, `idem::admin` serves the operators' page at
+//!   <http://127.0.0.1:3000/admin> (sign in with the token) and its JSON
+//!   routes, which answer `Authorization: Bearer <ADMIN_TOKEN>` (401
+//!   otherwise): `GET /admin/idempotency/{scope}` lists the account's
+//!   recent keys (`?limit=`, default 50), `GET /admin/idempotency/{scope}/{key}`
+//!   shows one (404 if absent), `DELETE` forgets a finished or expired key
+//!   (204; 404 absent, 409 in flight or uncertain), so that its next
+//!   request runs afresh, and `POST .../resolve` resolves an uncertain one.
+//!   Unset, neither the page nor those routes exist.
 //! - `NATS_URL` (`nats://127.0.0.1:4222`; a cluster's servers separated by
 //!   commas): set, the outbox relay publishes
 //!   each charge's `charge.created` message to NATS JetStream, in the stream
@@ -74,8 +76,6 @@
 use std::error::Error;
 use std::time::Duration;
 
-#[path = "shared/admin.rs"]
-mod admin;
 #[path = "shared/broker.rs"]
 mod broker;
 #[path = "shared/database.rs"]
@@ -427,7 +427,7 @@ where
     let app = app.merge(openapi::router(&idem, create_charge, create_payment));
     // The operators' routes exist only with a token to guard them.
     let app = match std::env::var("ADMIN_TOKEN") {
-        Ok(token) if !token.is_empty() => app.merge(admin::router(idem, &token)),
+        Ok(token) if !token.is_empty() => app.merge(idem::admin::router(idem, &token)),
         _ => app,
     };
     tracing::info!("charges API listening on http://{}", listener.local_addr()?);

@@ -31,6 +31,8 @@ pub mod guide {
     pub struct Openapi;
     #[doc = include_str!("../docs/guide/operations.md")]
     pub struct Operations;
+    #[doc = include_str!("../docs/guide/operator-page.md")]
+    pub struct OperatorPage;
     #[doc = include_str!("../docs/guide/configuration.md")]
     pub struct Configuration;
     #[doc = include_str!("../docs/guide/engines.md")]

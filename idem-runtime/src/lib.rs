@@ -28,6 +28,8 @@ mod protocol;
 mod tx;
 
 // The store handlers share, and what it offers beside requests.
+#[cfg(feature = "admin")]
+pub mod admin;
 pub mod completer;
 mod consume;
 mod idem;

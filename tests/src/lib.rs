@@ -3,6 +3,7 @@
 //! and the callers. Not published; a dev-only crate of the workspace.
 
 pub mod account;
+pub mod browser;
 pub mod chart;
 pub mod delay;
 pub mod engines;

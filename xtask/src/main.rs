@@ -3,7 +3,8 @@
 //! ARGS...`.
 //!
 //! Ready means: the Debian packages some tests start servers from are
-//! installed (PgBouncer, Patroni, etcd, HAProxy), and the shared services
+//! installed (PgBouncer, Patroni, etcd, HAProxy), and the browser the
+//! operator page's test drives (Chromium), and the shared services
 //! the tests connect to answer (PostgreSQL, MariaDB, NATS with JetStream,
 //! Redis, RabbitMQ), each started with its documented command when it is
 //! down. The Python tools of the OpenAPI tests are set up by those tests
@@ -16,8 +17,9 @@ use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
 /// The Debian packages whose servers the tests start themselves, each on
-/// ports and in directories of its own.
-const PACKAGES: &[&str] = &["pgbouncer", "patroni", "etcd-server", "haproxy"];
+/// ports and in directories of its own; and Chromium, which
+/// `tests/operator_page.rs` runs headless.
+const PACKAGES: &[&str] = &["pgbouncer", "patroni", "etcd-server", "haproxy", "chromium"];
 
 /// A shared service: how to tell it answers, and how to start it.
 struct Service {
