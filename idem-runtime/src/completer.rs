@@ -20,6 +20,7 @@ use crate::error::Error;
 use crate::idem::Idem;
 use crate::key::IDEMPOTENCY_KEY;
 use crate::observe;
+pub use crate::passes::CompleterRun;
 use crate::passes::{self, LastPass};
 use crate::problem::OperationState;
 use crate::request::StoredRequest;
@@ -46,23 +47,13 @@ pub struct Completer<DB: Phased> {
     batch: u32,
 }
 
-/// What one pass of the completer did.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct CompleterRun {
-    /// Abandoned keys it sent a request for.
-    pub resumed: u32,
-    /// Of those, the ones that answered with a stored response.
-    pub completed: u32,
-    /// Keys whose attempts ran out after an external step may have
-    /// happened: made uncertain, for a person to resolve.
-    pub uncertain: u32,
-    /// Keys whose attempts ran out before any external step: released, so
-    /// that the next retry runs afresh.
-    pub released: u32,
-}
-
 impl<DB: Phased> Idem<DB> {
+    /// What the completer's last pass on this store did, and when (`None`
+    /// before its first).
+    pub fn last_completer_pass(&self) -> Option<LastPass<CompleterRun>> {
+        passes::last(&self.inner().passes.completer)
+    }
+
     /// A completer for the phased handlers of `router`, the service's own
     /// router (with its state): abandoned keys (their lease ended, no
     /// response stored) are resumed by sending their stored request through

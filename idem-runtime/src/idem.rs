@@ -8,7 +8,7 @@ use sqlx::Pool;
 
 use crate::backend::{Acquire, Backend};
 use crate::error::Error;
-use crate::passes::{LastPass, Passes, last};
+use crate::passes::Passes;
 use crate::pooler::Pooler;
 use crate::recent::FinishedKeys;
 use crate::response::{DEFAULT_REPLAY_HEADERS, IDEMPOTENT_REPLAYED, is_forbidden};
@@ -368,18 +368,6 @@ impl<DB: Backend> Idem<DB> {
 
     pub(crate) fn attempts_limit(&self) -> u32 {
         self.inner.max_attempts
-    }
-
-    /// What the completer's last pass on this store did, and when (`None`
-    /// before its first).
-    pub fn last_completer_pass(&self) -> Option<LastPass<crate::completer::CompleterRun>> {
-        last(&self.inner.passes.completer)
-    }
-
-    /// What the last pass of a relay of this store did, and when (`None`
-    /// before the first).
-    pub fn last_relay_pass(&self) -> Option<LastPass<crate::outbox::RelayRun>> {
-        last(&self.inner.passes.relay)
     }
 
     /// Whether statements must keep nothing in the session.

@@ -58,6 +58,7 @@ pub mod fuzzing;
 mod key;
 mod observe;
 mod problem;
+mod recovery;
 mod request;
 mod response;
 mod scope;

@@ -13,7 +13,7 @@ use crate::backend::{
 use crate::error::Error;
 use crate::idem::Idem;
 use crate::observe;
-use crate::phases::Recovery;
+use crate::recovery::Recovery;
 use crate::resolve::{self, Resolution, Resolved};
 use crate::response::{StoredResponse, is_storable};
 use crate::table::resolutions_table;

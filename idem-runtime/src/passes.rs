@@ -1,11 +1,8 @@
-//! The last pass of each background task (the completer, the relays), as
-//! an operator's page shows them.
+//! What the background tasks' passes (the completer's, the relays') did,
+//! and the last of each, as an operator's page shows them.
 
 use std::sync::Mutex;
 use std::time::{Duration, SystemTime};
-
-use crate::completer::CompleterRun;
-use crate::outbox::RelayRun;
 
 /// What a background task's last pass did, and when.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -58,4 +55,33 @@ pub(crate) fn last<R: Clone>(slot: &Mutex<Option<LastPass<R>>>) -> Option<LastPa
     slot.lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
         .clone()
+}
+
+/// What one pass of the completer did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct CompleterRun {
+    /// Abandoned keys it sent a request for.
+    pub resumed: u32,
+    /// Of those, the ones that answered with a stored response.
+    pub completed: u32,
+    /// Keys whose attempts ran out after an external step may have
+    /// happened: made uncertain, for a person to resolve.
+    pub uncertain: u32,
+    /// Keys whose attempts ran out before any external step: released, so
+    /// that the next retry runs afresh.
+    pub released: u32,
+}
+
+/// What one pass of a relay did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RelayRun {
+    /// Messages the sink took.
+    pub delivered: u32,
+    /// Messages whose delivery failed: retried after a backoff.
+    pub failed: u32,
+    /// Messages leased but not tried (a scope's later messages after a
+    /// failure, or a lease running short): taken again at once.
+    pub deferred: u32,
 }

@@ -3,14 +3,15 @@
 use std::time::Duration;
 
 use axum::response::{IntoResponse, Response};
+use serde::Serialize;
 use serde::de::DeserializeOwned;
-use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
 
 use crate::backend::{FinishError, Holder, OpenTx, Phased, StoreError, abandon, in_autocommit};
 use crate::idem::Idem;
 use crate::key::IdempotencyKey;
 use crate::problem::Problem;
+use crate::recovery::Recovery;
 use crate::wake::Written;
 
 /// The steps of a phased `#[idempotent]` handler: local phases, each its
@@ -85,33 +86,6 @@ pub(crate) struct PhaseState<DB: Phased> {
     /// The [`external_once`](Phases::external_once) step an earlier
     /// attempt began without a recorded result: the key becomes uncertain.
     pub(crate) uncertain: Option<String>,
-}
-
-/// The recovery point: each recorded result by its phase's name, whether
-/// an external step may have happened, and the
-/// [`external_once`](Phases::external_once) steps that began (their calls
-/// may have happened) without a recorded result.
-#[derive(Debug, Default, Serialize, Deserialize)]
-pub(crate) struct Recovery {
-    #[serde(default)]
-    pub(crate) steps: serde_json::Map<String, serde_json::Value>,
-    #[serde(default)]
-    pub(crate) external: bool,
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub(crate) begun: Vec<String>,
-}
-
-impl Recovery {
-    pub(crate) fn decode(bytes: Option<&[u8]>) -> Result<Self, serde_json::Error> {
-        match bytes {
-            None | Some([]) => Ok(Self::default()),
-            Some(bytes) => serde_json::from_slice(bytes),
-        }
-    }
-
-    pub(crate) fn encode(&self) -> Vec<u8> {
-        serde_json::to_vec(self).expect("a JSON map serializes")
-    }
 }
 
 /// Why a phase could not run or be recorded.

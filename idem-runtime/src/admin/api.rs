@@ -7,12 +7,12 @@ use axum::Json;
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{Path, Query, State};
 use axum::response::{IntoResponse, Response};
-use http::{HeaderValue, StatusCode, header};
+use http::StatusCode;
 use serde::Deserialize;
 
 use super::Shared;
 use super::auth::ApiOperator;
-use super::format::{millis, millis_left};
+use super::format::{millis, millis_left, problem};
 use super::resolution::JsonAsk;
 use crate::backend::{Admin, Forgotten, KeyInfo, KeyState, Phased};
 use crate::error::Error;
@@ -21,23 +21,6 @@ use crate::resolve::Resolved;
 
 /// How many keys a scope's list shows without `?limit=`.
 pub(super) const DEFAULT_LIMIT: u32 = 50;
-
-/// An RFC 9457 problem with a `code` member, as `idem`'s own answers.
-pub(super) fn problem(status: StatusCode, code: &str, detail: &str) -> Response {
-    let body = serde_json::json!({
-        "type": "about:blank",
-        "title": status.canonical_reason().unwrap_or("Error"),
-        "status": status.as_u16(),
-        "code": code,
-        "detail": detail,
-    });
-    let mut response = (status, Json(body)).into_response();
-    response.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/problem+json"),
-    );
-    response
-}
 
 /// A key's state as the routes name it.
 pub(super) fn state_name(state: KeyState) -> &'static str {

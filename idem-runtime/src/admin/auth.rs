@@ -21,8 +21,8 @@ use serde::Deserialize;
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
-use super::format::encode;
-use super::{api, html};
+use super::format::{encode, problem};
+use super::html;
 
 type HmacSha256 = Hmac<Sha256>;
 
@@ -336,7 +336,7 @@ where
 
 /// 401, asking for the bearer token.
 fn unauthorized() -> Response {
-    let mut response = api::problem(
+    let mut response = problem(
         StatusCode::UNAUTHORIZED,
         "unauthorized",
         "send Authorization: Bearer <admin token>",

@@ -1,6 +1,10 @@
-//! How the admin routes write times, durations and URL parts.
+//! How the admin routes write times, durations, URL parts and problems.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::Json;
+use axum::response::{IntoResponse, Response};
+use http::{HeaderValue, StatusCode, header};
 
 /// Milliseconds since the Unix epoch (0 before it).
 pub(super) fn millis(time: SystemTime) -> u64 {
@@ -129,4 +133,21 @@ mod tests {
         assert_eq!(key_page("a&b", "k=1"), "/admin/key?scope=a%26b&key=k%3D1");
         assert_eq!(key_json("é", "k"), "/admin/idempotency/%C3%A9/k");
     }
+}
+
+/// An RFC 9457 problem with a `code` member, as `idem`'s own answers.
+pub(super) fn problem(status: StatusCode, code: &str, detail: &str) -> Response {
+    let body = serde_json::json!({
+        "type": "about:blank",
+        "title": status.canonical_reason().unwrap_or("Error"),
+        "status": status.as_u16(),
+        "code": code,
+        "detail": detail,
+    });
+    let mut response = (status, Json(body)).into_response();
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/problem+json"),
+    );
+    response
 }

@@ -302,7 +302,7 @@ impl Unclaimed {
 /// unreadable one says so too: resuming from it is refused, and nothing
 /// proves the key did nothing).
 pub(crate) fn external(recovery: Option<&[u8]>) -> bool {
-    match crate::phases::Recovery::decode(recovery) {
+    match crate::recovery::Recovery::decode(recovery) {
         Ok(recovery) => recovery.external,
         Err(_) => true,
     }

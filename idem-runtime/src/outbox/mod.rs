@@ -20,7 +20,8 @@ pub mod nats;
 #[cfg(feature = "rabbitmq")]
 pub mod rabbitmq;
 
-pub use relay::{Relay, RelayRun};
+pub use crate::passes::RelayRun;
+pub use relay::Relay;
 pub use sink::{FnSink, Message, Sink, SinkError, sink_fn};
 pub use writer::{MAX_TOPIC_LEN, OutboxWriter};
 

@@ -13,11 +13,17 @@ use crate::backend::{Backend, Failure, MAX_ERROR_LEN, MessageRow};
 use crate::error::Error;
 use crate::idem::Idem;
 use crate::observe;
-use crate::passes::{self, LastPass};
+use crate::passes::{self, LastPass, RelayRun};
 
 use super::sink::{Message, Sink};
 
 impl<DB: Backend> Idem<DB> {
+    /// What the last pass of a relay of this store did, and when (`None`
+    /// before the first).
+    pub fn last_relay_pass(&self) -> Option<LastPass<RelayRun>> {
+        passes::last(&self.inner().passes.relay)
+    }
+
     /// A relay delivering this outbox's committed messages to `sink`: see
     /// [`Relay`].
     ///
@@ -95,19 +101,6 @@ pub struct Relay<DB: Backend, S> {
     backoff: Duration,
     max_backoff: Duration,
     retention: Duration,
-}
-
-/// What one pass of a relay did.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct RelayRun {
-    /// Messages the sink took.
-    pub delivered: u32,
-    /// Messages whose delivery failed: retried after a backoff.
-    pub failed: u32,
-    /// Messages leased but not tried (a scope's later messages after a
-    /// failure, or a lease running short): taken again at once.
-    pub deferred: u32,
 }
 
 /// What a pass did with one scope's share of its batch.

@@ -13,8 +13,9 @@ use crate::admin::format::{duration, encode, iso, key_json, key_page, relative, 
 use crate::admin::resolution::{FormAsk, MAX_BY, MAX_NOTE};
 use crate::backend::{KeyInfo, KeyState};
 use crate::completer::CompleterRun;
-use crate::outbox::{OutboxStatus, RelayRun};
+use crate::outbox::OutboxStatus;
 use crate::passes::LastPass;
+use crate::passes::RelayRun;
 
 /// What the overview shows; each part read on its own, so one failing
 /// read leaves the rest.
