@@ -104,6 +104,23 @@ pub(super) fn key_json(scope: &str, key: &str) -> String {
     format!("/admin/idempotency/{}/{}", encode(scope), encode(key))
 }
 
+/// An RFC 9457 problem with a `code` member, as `idem`'s own answers.
+pub(super) fn problem(status: StatusCode, code: &str, detail: &str) -> Response {
+    let body = serde_json::json!({
+        "type": "about:blank",
+        "title": status.canonical_reason().unwrap_or("Error"),
+        "status": status.as_u16(),
+        "code": code,
+        "detail": detail,
+    });
+    let mut response = (status, Json(body)).into_response();
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/problem+json"),
+    );
+    response
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -133,21 +150,4 @@ mod tests {
         assert_eq!(key_page("a&b", "k=1"), "/admin/key?scope=a%26b&key=k%3D1");
         assert_eq!(key_json("é", "k"), "/admin/idempotency/%C3%A9/k");
     }
-}
-
-/// An RFC 9457 problem with a `code` member, as `idem`'s own answers.
-pub(super) fn problem(status: StatusCode, code: &str, detail: &str) -> Response {
-    let body = serde_json::json!({
-        "type": "about:blank",
-        "title": status.canonical_reason().unwrap_or("Error"),
-        "status": status.as_u16(),
-        "code": code,
-        "detail": detail,
-    });
-    let mut response = (status, Json(body)).into_response();
-    response.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/problem+json"),
-    );
-    response
 }
