@@ -95,6 +95,8 @@ fn json(info: &KeyInfo) -> serde_json::Value {
         "lease_until_ms": info.lease_until.map(millis),
         "phases": info.phases,
         "external": info.external,
+        // Its request or recovery point did not open (IDEM_ENCRYPTION_KEYS).
+        "unreadable": info.unreadable,
     })
 }
 
