@@ -16,6 +16,14 @@
 //!   transaction-mode pooler (PgBouncer's `pool_mode = transaction`):
 //!   every statement, `idem`'s and the example's, then keeps nothing in the
 //!   session (no statement prepared by name, reads inside a transaction).
+//! - `IDEM_ENCRYPTION_KEYS`: set, `idem` encrypts what it stores (stored
+//!   responses, and a payment's kept request and recovery points) with
+//!   AES-256-GCM: comma-separated `id:base64-of-32-bytes` keys, newest last
+//!   (`openssl rand -base64 32` makes one). New values are sealed with the
+//!   newest key, stored ones opened with the key whose id they carry: to
+//!   rotate, append a key; remove the old one once the keys it sealed have
+//!   expired (24 h here). Unset (or empty), nothing is encrypted. A value
+//!   that does not parse stops the start with the reason.
 //! - `ADDR`: where to listen, default `127.0.0.1:3000`.
 //! - `CHARGE_DELAY_MS`: the handler waits this long after its insert, to
 //!   watch a concurrent retry get 409.

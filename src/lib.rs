@@ -37,6 +37,8 @@ pub mod guide {
     pub struct Configuration;
     #[doc = include_str!("../docs/guide/engines.md")]
     pub struct Engines;
+    #[doc = include_str!("../docs/guide/encryption.md")]
+    pub struct Encryption;
     // Its client example needs the `client` feature.
     #[cfg(feature = "client")]
     #[doc = include_str!("../docs/guide/designing.md")]

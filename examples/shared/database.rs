@@ -3,11 +3,13 @@
 //! SQLite file in the current directory. `DATABASE_POOLER=transaction`
 //! says the URL is a transaction-mode pooler (PgBouncer): `idem` and the
 //! examples' own statements then keep nothing in the session.
+//! `IDEM_ENCRYPTION_KEYS` (`id:base64-of-32-bytes`, comma-separated,
+//! newest last; unset, nothing is encrypted) seals what `idem` stores.
 
 use std::error::Error;
 use std::sync::OnceLock;
 
-use idem::{Backend, Idem, Pooler};
+use idem::{Backend, Idem, KeyRing, Pooler};
 
 /// `DATABASE_POOLER`: `session` (or unset) or `transaction`.
 fn pooler() -> Result<Pooler, String> {
@@ -24,6 +26,17 @@ fn pooler() -> Result<Pooler, String> {
         .clone()
 }
 
+/// `IDEM_ENCRYPTION_KEYS`: the key ring `idem` seals its stored
+/// responses, requests and recovery points with; `None` when unset.
+fn key_ring() -> Result<Option<KeyRing>, String> {
+    static RING: OnceLock<Result<Option<KeyRing>, String>> = OnceLock::new();
+    RING.get_or_init(|| {
+        KeyRing::from_env("IDEM_ENCRYPTION_KEYS")
+            .map_err(|error| format!("IDEM_ENCRYPTION_KEYS: {error}"))
+    })
+    .clone()
+}
+
 /// Whether the examples' own statements may be prepared and kept by name
 /// in the session (sqlx's default): not behind a transaction-mode pooler,
 /// which hands each transaction any server session.
@@ -31,9 +44,15 @@ pub fn persistent() -> bool {
     pooler() != Ok(Pooler::Transaction)
 }
 
-/// `idem` on `pool`, told what sits in front of the database.
+/// `idem` on `pool`, told what sits in front of the database, sealing
+/// what it stores when `IDEM_ENCRYPTION_KEYS` is set (checked by
+/// [`connect`] first).
 pub fn idem<DB: Backend>(pool: &sqlx::Pool<DB>) -> Idem<DB> {
-    Idem::new(pool.clone()).pooler(pooler().unwrap_or_default())
+    let idem = Idem::new(pool.clone()).pooler(pooler().unwrap_or_default());
+    match key_ring() {
+        Ok(Some(ring)) => idem.encryption(ring),
+        _ => idem,
+    }
 }
 
 /// A pool on the engine `DATABASE_URL` names.
@@ -51,6 +70,15 @@ pub enum Database {
 pub async fn connect(default_file: &str, what: &str) -> Result<Database, Box<dyn Error>> {
     if pooler()? == Pooler::Transaction {
         tracing::info!("DATABASE_POOLER=transaction: statements keep nothing in the session");
+    }
+    if let Some(ring) = key_ring()? {
+        // The ids only: never a key.
+        let ids: Vec<_> = ring.ids().collect();
+        tracing::info!(
+            ?ids,
+            sealing_with = ring.current_id(),
+            "IDEM_ENCRYPTION_KEYS: stored values are encrypted"
+        );
     }
     // Only the SQLite default file uses them.
     #[cfg(not(feature = "sqlite"))]

@@ -15,7 +15,7 @@ use axum::body::Body;
 use http::{HeaderValue, header};
 use tower::ServiceExt;
 
-use crate::backend::{Holder, Phased, Release, in_autocommit};
+use crate::backend::{Holder, Phased, Release, external_step, in_autocommit};
 use crate::error::Error;
 use crate::idem::Idem;
 use crate::key::IDEMPOTENCY_KEY;
@@ -27,6 +27,7 @@ use crate::request::StoredRequest;
 use crate::resolve::Uncertainty;
 use crate::response::is_storable;
 use crate::scope::Scope;
+use crate::seal::Column;
 
 /// How long a completer's reservation of a key holds it while its request
 /// is on the way to the handler, which takes the reservation over at once:
@@ -118,10 +119,23 @@ impl<DB: Phased> Completer<DB> {
         let idem = &self.idem;
         let mut run = CompleterRun::default();
         for abandoned in DB::abandoned(idem.pool(), idem.table_name(), self.batch).await? {
-            let request = abandoned.request.as_deref().and_then(StoredRequest::decode);
+            let (sealer, holder) = (idem.sealer(), &abandoned.holder);
+            // A request that does not open is given up as one that does not
+            // decode: the key cannot be resumed without a client.
+            let request = sealer
+                .open_logged(
+                    &holder.scope,
+                    &holder.key,
+                    Column::Request,
+                    abandoned.request.as_deref(),
+                )
+                .ok()
+                .flatten()
+                .and_then(|request| StoredRequest::decode(&request));
             let spent = abandoned.attempts >= idem.attempts_limit();
             let Some(request) = request.filter(|_| !spent) else {
-                let left = give_up(idem, &abandoned.holder, abandoned.external).await?;
+                let external = external_step(&sealer, holder, abandoned.recovery.as_deref());
+                let left = give_up(idem, &abandoned.holder, external).await?;
                 match left {
                     Some(OperationState::Uncertain) => run.uncertain += 1,
                     Some(_) => run.released += 1,

@@ -36,3 +36,68 @@ pub fn stored_response(data: &[u8]) {
         assert_eq!(again.as_ref(), Some(&response));
     }
 }
+
+/// The sealed-value envelope on any bytes (a corrupt or hostile row): its
+/// decoder never panics, and what it takes apart is what the bytes hold;
+/// no bytes open as a sealed value without the key (only plain ones are
+/// read as they are); a value sealed from the bytes opens back to them,
+/// for its own row and column only; and a stored response made of the
+/// bytes opens or is refused, without a panic.
+pub fn sealed_value(data: &[u8]) {
+    use std::sync::LazyLock;
+
+    use crate::response::EncodedResponse;
+    use crate::seal::{Column, Envelope, KeyRing, Row, Sealer, is_sealed};
+
+    static RING: LazyLock<KeyRing> = LazyLock::new(|| {
+        KeyRing::new("old", [7; 32])
+            .and_then(|ring| ring.with_key("new", [9; 32]))
+            .expect("a valid ring")
+    });
+    let row = Row {
+        table: "idem_keys",
+        scope: "acct_1",
+        key: "order-42",
+    };
+    if let Some(envelope) = Envelope::parse(data) {
+        assert_eq!(envelope.header, &data[..3 + envelope.key_id.len()]);
+        assert_eq!(
+            envelope.header.len() + 12 + envelope.sealed.len(),
+            data.len()
+        );
+        assert!(envelope.sealed.len() >= 16);
+    }
+    for column in [
+        Column::Headers,
+        Column::Body,
+        Column::Request,
+        Column::Recovery,
+    ] {
+        match RING.open(row, column, data) {
+            Ok(opened) => assert!(!is_sealed(data) && *opened == *data),
+            Err(_) => assert!(is_sealed(data)),
+        }
+    }
+    let sealed = RING.seal(row, Column::Recovery, data);
+    assert_eq!(
+        *RING.open(row, Column::Recovery, &sealed).expect("opens"),
+        *data
+    );
+    assert!(RING.open(row, Column::Request, &sealed).is_err());
+    let other = Row {
+        key: "order-43",
+        ..row
+    };
+    assert!(RING.open(other, Column::Recovery, &sealed).is_err());
+    let (headers, body) = data.split_at(data.len() / 2);
+    let response = EncodedResponse {
+        status: StatusCode::OK,
+        headers: headers.to_vec(),
+        body: body.to_vec().into(),
+    };
+    let sealer = Sealer {
+        ring: Some(&RING),
+        table: row.table,
+    };
+    let _ = response.open(&sealer, row.scope, row.key);
+}

@@ -12,6 +12,7 @@ use crate::passes::Passes;
 use crate::pooler::Pooler;
 use crate::recent::FinishedKeys;
 use crate::response::{DEFAULT_REPLAY_HEADERS, IDEMPOTENT_REPLAYED, is_forbidden};
+use crate::seal::{KeyRing, Sealer};
 use crate::table::{Tables, is_table_name};
 
 /// The default table name.
@@ -79,6 +80,7 @@ pub(crate) struct Inner<DB: Backend> {
     replay_marker: HeaderName,
     problem_type_base: Option<Arc<str>>,
     max_attempts: u32,
+    ring: Option<KeyRing>,
     pub(crate) passes: Arc<Passes>,
     pub(crate) messages: Tables,
 }
@@ -103,6 +105,7 @@ impl<DB: Backend> std::fmt::Debug for Idem<DB> {
             .field("pooler", &self.inner.pooler)
             .field("replay_marker", &self.inner.replay_marker)
             .field("problem_type_base", &self.inner.problem_type_base)
+            .field("encryption", &self.inner.ring)
             .finish_non_exhaustive()
     }
 }
@@ -124,6 +127,7 @@ impl<DB: Backend> Idem<DB> {
                 replay_marker: IDEMPOTENT_REPLAYED,
                 problem_type_base: None,
                 max_attempts: DEFAULT_MAX_ATTEMPTS,
+                ring: None,
                 passes: Arc::default(),
                 messages: Tables::beside(DEFAULT_TABLE),
             }),
@@ -144,6 +148,7 @@ impl<DB: Backend> Idem<DB> {
             replay_marker: shared.replay_marker.clone(),
             problem_type_base: shared.problem_type_base.clone(),
             max_attempts: shared.max_attempts,
+            ring: shared.ring.clone(),
             passes: Arc::clone(&shared.passes),
             messages: shared.messages.clone(),
         });
@@ -364,6 +369,51 @@ impl<DB: Backend> Idem<DB> {
     /// ```
     pub fn max_attempts(self, attempts: u32) -> Self {
         self.with(|inner| inner.max_attempts = attempts.max(1))
+    }
+
+    /// Seals what the key table keeps of a request with `ring`
+    /// (AES-256-GCM): stored responses (headers and body), and for phased
+    /// keys the kept request and the recovery points. Values are sealed
+    /// with the ring's newest key and opened with the key their stored id
+    /// names; each is bound to its table, scope, key and column, so a value
+    /// copied to another row does not open (the table as
+    /// [`table`](Self::table) spells it: keep the spelling while sealed
+    /// values live). Fingerprints (hashes already),
+    /// statuses, times and an uncertain key's reason stay plain.
+    ///
+    /// A stored response that does not open (its key removed from the
+    /// ring, a value copied from another row, corruption) is answered 500
+    /// `idempotency_response_unreadable` with `operation_state`
+    /// `completed`: nothing runs again, a new key is not safe, and the
+    /// failure is logged and counted (`idem_unreadable_total`).
+    ///
+    /// Plain values stored before encryption was turned on are read as
+    /// they are, unless the ring [refuses them](KeyRing::refuse_plaintext).
+    /// Turning encryption off leaves sealed values unreadable: keep the
+    /// ring until they have expired.
+    ///
+    /// ```no_run
+    /// # use idem_runtime as idem;
+    /// use idem::{Idem, KeyRing};
+    ///
+    /// # fn demo(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+    /// // `IDEM_ENCRYPTION_KEYS=2026-12:<base64 of 32 bytes>,...`, newest last.
+    /// let mut idem = Idem::new(pool);
+    /// if let Some(ring) = KeyRing::from_env("IDEM_ENCRYPTION_KEYS")? {
+    ///     idem = idem.encryption(ring);
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn encryption(self, ring: KeyRing) -> Self {
+        self.with(|inner| inner.ring = Some(ring))
+    }
+
+    /// How this store keeps its values: sealed with its ring, or plain.
+    pub(crate) fn sealer(&self) -> Sealer<'_> {
+        Sealer {
+            ring: self.inner.ring.as_ref(),
+            table: &self.inner.table,
+        }
     }
 
     pub(crate) fn attempts_limit(&self) -> u32 {

@@ -62,6 +62,7 @@ mod recovery;
 mod request;
 mod response;
 mod scope;
+mod seal;
 
 pub use backend::{Admin, Backend, Forgotten, KeyInfo, KeyState, MAX_MESSAGE_ID_LEN, Phased};
 pub use completer::FromScope;
@@ -82,6 +83,7 @@ pub use problem::{OperationState, Problem};
 pub use resolve::{Resolution, ResolutionRecord, Resolved, Uncertainty};
 pub use response::{DEFAULT_REPLAY_HEADERS, IDEMPOTENT_REPLAYED};
 pub use scope::{MAX_SCOPE_LEN, Scope};
+pub use seal::{KeyRing, KeyRingError, MAX_KEY_ID_LEN};
 pub use table::DEFAULT_CONSUMED_RETENTION;
 pub use tx::Tx;
 

@@ -36,6 +36,11 @@ pub const UNCERTAIN_KEYS: &str = "idem_uncertain_keys";
 /// Counter of resolutions of uncertain keys, by `outcome`: `completed`,
 /// `not_started`, `retry`.
 pub const RESOLVED_TOTAL: &str = "idem_resolved_total";
+/// Counter of stored values that did not open or decode
+/// ([`Idem::encryption`](crate::Idem::encryption)), by `column`
+/// (`headers`, `body`, `request`, `recovery`) and `reason` (`malformed`,
+/// `unknown_key`, `forged`, `plain`).
+pub const UNREADABLE_TOTAL: &str = "idem_unreadable_total";
 /// Counter of the outbox relay's deliveries, by `outcome`: `delivered`,
 /// `failed` (retried later).
 pub const OUTBOX_TOTAL: &str = "idem_outbox_total";
@@ -74,6 +79,9 @@ pub enum Outcome {
     /// The key's outcome is uncertain (now, or since an earlier attempt):
     /// nothing ran, 409 `idempotency_outcome_uncertain`.
     Uncertain,
+    /// The key's stored response did not open or decode: nothing ran, 500
+    /// `idempotency_response_unreadable`.
+    Unreadable,
 }
 
 impl Outcome {
@@ -91,6 +99,7 @@ impl Outcome {
             Self::Unkeyed => "unkeyed",
             Self::Fenced => "fenced",
             Self::Uncertain => "uncertain",
+            Self::Unreadable => "unreadable",
         }
     }
 }
@@ -149,6 +158,49 @@ pub(crate) fn uncertain(scope: &str, key: &str, reason: &'static str, step: Opti
     );
 }
 
+/// The most keys whose unreadable values are remembered as logged; past
+/// it the memory starts afresh (and each key may be logged once more).
+const UNREADABLE_LOGGED: usize = 4096;
+
+/// A stored value of a key did not open or decode: counted every time,
+/// logged at error level once per key (by its tags) per process, so a
+/// client retrying it does not flood the log.
+pub(crate) fn unreadable(
+    table: &str,
+    scope: &str,
+    key: &str,
+    column: &'static str,
+    reason: &'static str,
+) {
+    ::metrics::counter!(UNREADABLE_TOTAL, "column" => column, "reason" => reason).increment(1);
+    if first_report(redact(&[table, scope, key])) {
+        tracing::error!(
+            table,
+            scope = redact(&[scope]),
+            key = redact(&[scope, key]),
+            column,
+            reason,
+            "a stored idempotency value does not open or decode (a key removed from the \
+             encryption key ring, a value copied from another row, or corruption); its \
+             requests are refused, nothing runs again (logged once per key)"
+        );
+    }
+}
+
+/// Whether `tag` (a key's) is reported for the first time in this process
+/// (or since the memory of [`UNREADABLE_LOGGED`] tags started afresh).
+fn first_report(tag: String) -> bool {
+    use std::collections::HashSet;
+    use std::sync::{Mutex, PoisonError};
+    static LOGGED: Mutex<Option<HashSet<String>>> = Mutex::new(None);
+    let mut logged = LOGGED.lock().unwrap_or_else(PoisonError::into_inner);
+    let logged = logged.get_or_insert_with(HashSet::new);
+    if logged.len() >= UNREADABLE_LOGGED {
+        logged.clear();
+    }
+    logged.insert(tag)
+}
+
 pub(crate) fn resolved(outcome: &'static str) {
     ::metrics::counter!(RESOLVED_TOTAL, "outcome" => outcome).increment(1);
 }
@@ -192,12 +244,22 @@ pub mod metrics {
     pub use super::{
         CLAIM_SECONDS, COMPLETER_TOTAL, CONSUMED_TOTAL, FENCED_TOTAL, OUTBOX_TOTAL, PHASES_TOTAL,
         REQUESTS_TOTAL, RESOLVED_TOTAL, RESUMES_TOTAL, UNCERTAIN_KEYS, UNCERTAIN_TOTAL,
+        UNREADABLE_TOTAL,
     };
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn each_unreadable_key_is_logged_once() {
+        let tag = redact(&["t", "s", "once"]);
+        assert!(first_report(tag.clone()));
+        assert!(!first_report(tag.clone()));
+        assert!(first_report(redact(&["t", "s", "other"])));
+        assert!(!first_report(tag));
+    }
 
     #[test]
     fn redaction_hides_and_separates() {

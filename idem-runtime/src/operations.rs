@@ -16,6 +16,7 @@ use crate::observe;
 use crate::recovery::Recovery;
 use crate::resolve::{self, Resolution, Resolved};
 use crate::response::{StoredResponse, is_storable};
+use crate::seal::{Column, Sealer};
 use crate::table::resolutions_table;
 
 /// Which keys [`Idem::keys`] lists, across every scope.
@@ -63,7 +64,7 @@ impl<DB: Admin> Idem<DB> {
                 || DB::claim_in_flight(self.pool(), self.table_name(), scope, key).await?;
             return Ok(running.then(|| claim_in_flight(scope, key)));
         };
-        let mut info = row.into_info();
+        let mut info = row.opened(&self.sealer()).into_info();
         let sql = format!(
             "SELECT resolved_ms, outcome, status, by_name, note FROM {} \
              WHERE scope = {} AND {} = {} ORDER BY resolved_ms",
@@ -87,7 +88,11 @@ impl<DB: Admin> Idem<DB> {
     /// most `limit`, itself capped at 1,000.
     pub async fn recent(&self, scope: &str, limit: u32) -> Result<Vec<KeyInfo>, Error> {
         let rows = DB::recent(self.pool(), self.table_name(), scope, limit.min(MAX_RECENT)).await?;
-        Ok(rows.into_iter().map(|row| row.into_info()).collect())
+        let sealer = self.sealer();
+        Ok(rows
+            .into_iter()
+            .map(|row| row.opened(&sealer).into_info())
+            .collect())
     }
 
     /// Up to `limit` keys of every scope that `filter` names (capped at
@@ -117,9 +122,10 @@ impl<DB: Admin> Idem<DB> {
         );
         let params = [Param::Int(0), Param::Int(limit.min(MAX_RECENT).into())];
         let rows = DB::read_keys(self.pool(), sql, params).await?;
+        let sealer = self.sealer();
         Ok(rows
             .into_iter()
-            .map(|row| row.into_info())
+            .map(|row| row.opened(&sealer).into_info())
             .filter(|info| match filter {
                 KeyFilter::InFlight => info.state == KeyState::InFlight && info.leased,
                 KeyFilter::Abandoned => info.state == KeyState::InFlight && !info.leased,
@@ -172,20 +178,22 @@ impl<DB: Admin> Idem<DB> {
         let Some(row) = DB::lookup(self.pool(), self.table_name(), scope, key).await? else {
             return Ok(Resolved::Absent);
         };
+        let sealer = self.sealer();
         let recovery = row.recovery.clone();
         if row.into_info().state != KeyState::Uncertain {
             return Ok(Resolved::NotUncertain);
         }
+        // Stored as a request's answer is: sealed where the store encrypts.
+        let response = response.map(|response| response.seal(&sealer, scope, key));
         let table = self.table_name();
         let p = DB::param;
         let key_column = DB::READS.key;
         let (scope_bytes, key_bytes) = (scope.as_bytes(), key.as_bytes());
-        let headers = response.as_ref().map(StoredResponse::encode_headers);
         let cleared;
         // The first write changes the row only while it is uncertain, so
         // two operators resolving at once cannot both act.
-        let first = match (&resolution.outcome, &response, &headers) {
-            (resolve::Outcome::Completed { .. }, Some(response), Some(headers)) => Write {
+        let first = match (&resolution.outcome, &response) {
+            (resolve::Outcome::Completed { .. }, Some(response)) => Write {
                 sql: format!(
                     "UPDATE {table} SET status = {}, headers = {}, body = {}, recovery = NULL, \
                          request = NULL, lease_until = NULL \
@@ -198,7 +206,7 @@ impl<DB: Admin> Idem<DB> {
                 ),
                 params: vec![
                     Param::Int(response.status.as_u16().into()),
-                    Param::Bytes(headers),
+                    Param::Bytes(&response.headers),
                     Param::Bytes(&response.body),
                     Param::Bytes(scope_bytes),
                     Param::Bytes(key_bytes),
@@ -214,7 +222,7 @@ impl<DB: Admin> Idem<DB> {
                 params: vec![Param::Bytes(scope_bytes), Param::Bytes(key_bytes)],
             },
             _ => {
-                cleared = retried(recovery.as_deref());
+                cleared = retried(&sealer, scope, key, recovery.as_deref());
                 Write {
                     sql: format!(
                         "UPDATE {table} SET status = NULL, body = NULL, attempts = 0, \
@@ -357,11 +365,20 @@ async fn completed(status: StatusCode, body: &serde_json::Value) -> Result<Store
 }
 
 /// A recovery point handed back by a `retry` resolution: the steps begun
-/// without a result forgotten, so they run again, as the operator asked.
-fn retried(recovery: Option<&[u8]>) -> Vec<u8> {
-    let mut recovery = Recovery::decode(recovery).unwrap_or_default();
+/// without a result forgotten, so they run again, as the operator asked;
+/// opened and sealed again where the store encrypts. (One that does not
+/// open or decode is handed back empty, as the operator's retry runs the
+/// request afresh.)
+fn retried(sealer: &Sealer<'_>, scope: &str, key: &str, recovery: Option<&[u8]>) -> Vec<u8> {
+    let opened = sealer.open_logged(scope, key, Column::Recovery, recovery);
+    let mut recovery = match opened {
+        Ok(opened) => Recovery::decode(opened.as_deref()).unwrap_or_default(),
+        Err(_) => Recovery::default(),
+    };
     recovery.begun.clear();
-    recovery.encode()
+    sealer
+        .seal(scope, key, Column::Recovery, &recovery.encode())
+        .into_owned()
 }
 
 /// An atomic claim in progress, which has written nothing others can read
@@ -387,5 +404,6 @@ fn claim_in_flight(scope: &str, key: &str) -> KeyInfo {
         attempts: 0,
         uncertain: None,
         resolutions: Vec::new(),
+        unreadable: false,
     }
 }

@@ -12,6 +12,7 @@ use crate::idem::Idem;
 use crate::key::IdempotencyKey;
 use crate::problem::Problem;
 use crate::recovery::Recovery;
+use crate::seal::Column;
 use crate::wake::Written;
 
 /// The steps of a phased `#[idempotent]` handler: local phases, each its
@@ -225,7 +226,7 @@ impl<DB: Phased> Phases<DB> {
             &mut conn,
             state.idem.table_name(),
             &state.holder,
-            &state.recovery.encode(),
+            &state.sealed_recovery(),
             state.lease,
         )
         .await;
@@ -384,7 +385,7 @@ impl<DB: Phased> PhaseState<DB> {
     /// Writes the recovery point (noting an external step) and renews the
     /// lease, committed on its own before the step's call.
     async fn note_external(&mut self, label: &str) -> Result<(), PhaseError> {
-        let recovery = self.recovery.encode();
+        let recovery = self.sealed_recovery();
         let (idem, holder, lease) = (&self.idem, &self.holder, self.lease);
         let recovery = &recovery;
         let recorded = in_autocommit(idem.pool(), idem.acquire(), |mut conn| async move {
@@ -400,6 +401,20 @@ impl<DB: Phased> PhaseState<DB> {
                 Err(PhaseError::Store(error))
             }
         }
+    }
+
+    /// The recovery point as the key's row keeps it: sealed where the
+    /// store encrypts.
+    fn sealed_recovery(&self) -> Vec<u8> {
+        let plain = self.recovery.encode();
+        let sealer = self.idem.sealer();
+        if sealer.ring.is_none() {
+            return plain;
+        }
+        let (scope, key) = (&self.holder.scope, &self.holder.key);
+        sealer
+            .seal(scope, key, Column::Recovery, &plain)
+            .into_owned()
     }
 
     /// A recorded result of `name`, if an earlier attempt recorded one.

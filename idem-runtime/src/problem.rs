@@ -78,6 +78,14 @@ pub enum Problem {
     /// ([`Idem::resolve`](crate::Idem::resolve)); retrying does not help,
     /// and neither does a new key, which could do it twice.
     OutcomeUncertain,
+    /// 500 without `Retry-After`: the key's operation completed, but its
+    /// stored response cannot be read back (sealed with a key since
+    /// removed from the [`KeyRing`](crate::KeyRing), copied from another
+    /// key's row, or corrupted). Nothing runs again; the state is
+    /// `completed`, so a new key is not safe (it would do the operation
+    /// twice). An operator restores the key to the ring, or
+    /// [forgets](crate::Idem::forget) the key once the client knows.
+    ResponseUnreadable,
     /// 500: the caller's scope is longer than
     /// [`MAX_SCOPE_LEN`](crate::MAX_SCOPE_LEN); nothing ran. The scope comes
     /// from the server's own extractor, so a retry cannot help.
@@ -154,6 +162,7 @@ impl Problem {
             Self::HandlerPanicked
             | Self::TransactionFailed
             | Self::ResponseNotStored
+            | Self::ResponseUnreadable
             | Self::ScopeTooLong => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -174,6 +183,7 @@ impl Problem {
             Self::HandlerPanicked | Self::TransactionFailed => "internal_error",
             Self::HandlerTimeout => "handler_timeout",
             Self::ResponseNotStored => "idempotency_response_not_stored",
+            Self::ResponseUnreadable => "idempotency_response_unreadable",
             Self::ScopeTooLong => "idempotency_scope_too_long",
             Self::OutcomeUncertain => "idempotency_outcome_uncertain",
         }
@@ -198,6 +208,7 @@ impl Problem {
             Self::HandlerPanicked | Self::TransactionFailed => "Internal server error",
             Self::HandlerTimeout => "Request took too long",
             Self::ResponseNotStored => "Response could not be stored",
+            Self::ResponseUnreadable => "Stored response unreadable",
             Self::ScopeTooLong => "Idempotency scope too long",
             Self::OutcomeUncertain => "Outcome uncertain",
         }
@@ -222,6 +233,7 @@ impl Problem {
             Self::HandlerTimeout => "The request did not finish within the server's deadline and was stopped. Nothing was done: retry after the time given in Retry-After, with the same Idempotency-Key if the request had one.".into(),
             Self::TransactionFailed => "The request's transaction failed or ended before it could commit, and no answer was stored: a retry with the same key runs the request again.".into(),
             Self::ResponseNotStored => "Nothing was done: the response is larger than can be stored for replay.".into(),
+            Self::ResponseUnreadable => "This request was already done, but the server cannot read back the response it stored for it. It was not done again. Do not retry it with a new key: that would do it twice. The server's operators have been alerted.".into(),
             Self::ScopeTooLong => "Nothing was done: the server identifies this caller by a scope longer than its idempotency key store keeps. Retrying will not help.".into(),
         }
     }
@@ -251,7 +263,10 @@ impl Problem {
             | Self::ConnectionLost { .. } => OperationState::InProgress,
             // The key's first request was answered (in the phased mode a
             // request with another fingerprint may also meet it in flight).
-            Self::KeyReused => OperationState::Completed,
+            // An unreadable response's operation committed with it: it is
+            // done, not uncertain (no resolution applies), only its answer
+            // is lost.
+            Self::KeyReused | Self::ResponseUnreadable => OperationState::Completed,
             Self::CommitOutcomeUnknown | Self::OutcomeUncertain => OperationState::Uncertain,
         }
     }
@@ -424,6 +439,7 @@ mod tests {
             (Problem::KeyHeld, InProgress),
             (Problem::ConnectionLost { retry_after: 3 }, InProgress),
             (Problem::KeyReused, Completed),
+            (Problem::ResponseUnreadable, Completed),
             (Problem::CommitOutcomeUnknown, Uncertain),
             (Problem::OutcomeUncertain, Uncertain),
         ];

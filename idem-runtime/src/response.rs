@@ -6,6 +6,8 @@ use bytes::Bytes;
 use http::{HeaderName, HeaderValue, StatusCode, header};
 use http_body_util::{BodyExt, Limited};
 
+use crate::seal::{Column, OpenError, Sealer, is_sealed};
+
 /// Header added to every replayed response.
 pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
 
@@ -59,6 +61,21 @@ pub struct StoredResponse {
     /// The allow-listed headers, in their original order.
     pub headers: Vec<(HeaderName, HeaderValue)>,
     /// The body, verbatim.
+    pub body: Bytes,
+}
+
+/// A response as the key table keeps it: its status, and its headers and
+/// body as their columns hold them ([encoded](StoredResponse::encode_headers),
+/// and sealed where the store encrypts). What the engines write and read;
+/// the protocol makes one ([`StoredResponse::seal`]) and opens it
+/// ([`EncodedResponse::open`]), so no engine knows of encryption.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EncodedResponse {
+    /// The status, never sealed.
+    pub status: StatusCode,
+    /// The `headers` column.
+    pub headers: Vec<u8>,
+    /// The `body` column.
     pub body: Bytes,
 }
 
@@ -162,7 +179,27 @@ impl StoredResponse {
         out
     }
 
+    /// The response as `scope`'s `key` keeps it in `sealer`'s table: its
+    /// headers encoded, and both columns sealed where the store encrypts.
+    pub(crate) fn seal(&self, sealer: &Sealer<'_>, scope: &str, key: &str) -> EncodedResponse {
+        let headers = self.encode_headers();
+        if sealer.ring.is_none() {
+            return EncodedResponse {
+                status: self.status,
+                headers,
+                body: self.body.clone(),
+            };
+        }
+        let seal = |column, plain: &[u8]| sealer.seal(scope, key, column, plain).into_owned();
+        EncodedResponse {
+            status: self.status,
+            headers: seal(Column::Headers, &headers),
+            body: seal(Column::Body, &self.body).into(),
+        }
+    }
+
     /// Rebuilds a stored response; `None` if any part is corrupt.
+    #[cfg(any(fuzzing, test))]
     pub fn decode(status: i64, headers: &[u8], body: Vec<u8>) -> Option<Self> {
         let status = u16::try_from(status)
             .ok()
@@ -171,6 +208,40 @@ impl StoredResponse {
             status,
             headers: decode_headers(headers)?,
             body: Bytes::from(body),
+        })
+    }
+}
+
+impl EncodedResponse {
+    /// The stored response `scope`'s `key` kept: opened where sealed (the
+    /// headers column says whether the pair is: sealed headers are never
+    /// empty and begin with the envelope's mark, plain ones never do), and
+    /// decoded. The error names the column that did not open or decode.
+    pub(crate) fn open(
+        self,
+        sealer: &Sealer<'_>,
+        scope: &str,
+        key: &str,
+    ) -> Result<StoredResponse, (Column, OpenError)> {
+        let sealed = is_sealed(&self.headers);
+        let headers = sealer
+            .open(scope, key, Column::Headers, &self.headers)
+            .map_err(|error| (Column::Headers, error))?;
+        let headers = decode_headers(&headers).ok_or((Column::Headers, OpenError::Malformed))?;
+        // A plain body is whatever the handler answered, its first byte
+        // included: only a body stored beside sealed headers is sealed.
+        let body = if sealed {
+            let opened = sealer
+                .open(scope, key, Column::Body, &self.body)
+                .map_err(|error| (Column::Body, error))?;
+            Bytes::from(opened.into_owned())
+        } else {
+            self.body
+        };
+        Ok(StoredResponse {
+            status: self.status,
+            headers,
+            body,
         })
     }
 }

@@ -76,6 +76,7 @@ pub(super) fn json(info: &KeyInfo, now: SystemTime) -> serde_json::Value {
         "phases": info.phases,
         "external": info.external,
         "begun": info.begun,
+        "unreadable": info.unreadable,
         "uncertain": uncertain,
         "resolutions": resolutions,
     })

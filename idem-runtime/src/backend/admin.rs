@@ -11,6 +11,7 @@ use super::Backend;
 use super::store::UNCERTAIN;
 use crate::request::StoredRequest;
 use crate::resolve::{ResolutionRecord, Uncertainty};
+use crate::seal::{Column, Sealer};
 
 /// The most keys [`Idem::recent`](crate::Idem::recent) lists at once.
 pub const MAX_RECENT: u32 = 1000;
@@ -80,6 +81,10 @@ pub struct KeyInfo {
     /// The key's resolutions, oldest first: read by
     /// [`Idem::lookup`](crate::Idem::lookup) only (empty in lists).
     pub resolutions: Vec<ResolutionRecord>,
+    /// Whether the key's kept request or recovery point did not open with
+    /// the store's [key ring](crate::Idem::encryption) (or decode): what
+    /// they would say (the method, path, phases) is then missing.
+    pub unreadable: bool,
 }
 
 /// What [`Idem::forget`](crate::Idem::forget) did.
@@ -129,6 +134,9 @@ pub struct KeyRow {
     pub attempts: i32,
     /// An uncertain row's `body`: its `resolve::Uncertainty`.
     pub uncertainty: Option<Vec<u8>>,
+    /// Whether its request or recovery point did not open
+    /// ([`opened`](Self::opened)).
+    pub unreadable: bool,
 }
 
 /// The recovery point's names, read without its values.
@@ -150,7 +158,31 @@ fn time(ms: i64) -> SystemTime {
 }
 
 impl KeyRow {
-    /// What the row says.
+    /// The row with its request and recovery point opened where sealed;
+    /// one that does not open is dropped, and the row marked unreadable.
+    pub(crate) fn opened(mut self, sealer: &Sealer<'_>) -> Self {
+        let (scope, key) = (
+            String::from_utf8_lossy(&self.scope).into_owned(),
+            String::from_utf8_lossy(&self.key).into_owned(),
+        );
+        for (column, value) in [
+            (Column::Request, &mut self.request),
+            (Column::Recovery, &mut self.recovery),
+        ] {
+            match sealer.open_logged(&scope, &key, column, value.as_deref()) {
+                Ok(Some(std::borrow::Cow::Owned(opened))) => *value = Some(opened),
+                Ok(_) => {}
+                Err(_) => {
+                    *value = None;
+                    self.unreadable = true;
+                }
+            }
+        }
+        self
+    }
+
+    /// What the row says (its request and recovery point plain: see
+    /// [`opened`](Self::opened)).
     pub(crate) fn into_info(self) -> KeyInfo {
         let state = match self.status {
             _ if self.expires_ms <= self.now_ms => KeyState::Expired,
@@ -163,6 +195,17 @@ impl KeyRow {
             .as_deref()
             .and_then(|bytes| serde_json::from_slice::<Recovery>(bytes).ok());
         let request = self.request.as_deref().and_then(StoredRequest::decode);
+        let unreadable = self.unreadable
+            || (self
+                .request
+                .as_deref()
+                .is_some_and(|bytes| !bytes.is_empty())
+                && request.is_none())
+            || (self
+                .recovery
+                .as_deref()
+                .is_some_and(|bytes| !bytes.is_empty())
+                && recovery.is_none());
         KeyInfo {
             scope: String::from_utf8_lossy(&self.scope).into_owned(),
             key: String::from_utf8_lossy(&self.key).into_owned(),
@@ -201,6 +244,7 @@ impl KeyRow {
             uncertain: (state == KeyState::Uncertain)
                 .then(|| Uncertainty::decode(self.uncertainty.as_deref().unwrap_or_default())),
             resolutions: Vec::new(),
+            unreadable,
         }
     }
 }

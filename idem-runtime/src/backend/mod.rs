@@ -28,6 +28,8 @@ mod phased;
 #[cfg(feature = "postgres")]
 mod postgres;
 mod rows;
+#[cfg(test)]
+mod sealing_contract;
 pub(crate) mod single_flight;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 mod sql;
@@ -45,7 +47,7 @@ pub(crate) use outbox_store::OutboxStore;
 pub(crate) use outbox_store::{FailingRow, Failure, MAX_ERROR_LEN, MessageRow};
 pub use outbox_store::{MAX_MESSAGE_ID_LEN, NewMessage};
 pub use phased::Phased;
-pub(crate) use phased::{Holder, LeaseClaim, LeaseOutcome, Release};
+pub(crate) use phased::{Holder, LeaseClaim, LeaseOutcome, Release, external_step};
 pub(crate) use single_flight::waiting_duplicates;
 pub use store::{Backend, Claim, ClaimOutcome, FinishError, StoreError};
 pub(crate) use store::{ConnectOptions, UNCERTAIN};

@@ -16,7 +16,8 @@ use sqlx::Pool;
 use super::store::decode_finished;
 use super::{Acquire, Backend, Claim, FinishError, OpenTx, StoreError};
 use crate::fingerprint::Fingerprint;
-use crate::response::StoredResponse;
+use crate::response::EncodedResponse;
+use crate::seal::{Column, Sealer};
 
 /// Who holds a key in the phased mode: the key and the fencing token the
 /// holder's claim got.
@@ -66,7 +67,7 @@ pub enum LeaseOutcome {
         /// The fingerprint it was made with.
         fingerprint: Fingerprint,
         /// Its stored response.
-        response: StoredResponse,
+        response: EncodedResponse,
     },
     /// Another attempt holds a live lease for `remaining`.
     Leased {
@@ -87,8 +88,9 @@ pub enum LeaseOutcome {
         token: i64,
         /// Its attempts so far.
         attempts: u32,
-        /// Whether an external step may have happened.
-        external: bool,
+        /// Its recovery point, as stored (sealed, maybe): whether an
+        /// external step may have happened ([`external_step`]).
+        recovery: Option<Vec<u8>>,
     },
     /// The key's outcome is uncertain; `fingerprint` is the request it names.
     Uncertain {
@@ -105,9 +107,9 @@ pub struct Abandoned {
     /// How many times it was resumed already (by a completer or a
     /// client's retry).
     pub attempts: u32,
-    /// Whether an external step may have happened (its recovery point
-    /// says so).
-    pub external: bool,
+    /// Its recovery point, as stored (sealed, maybe): whether an external
+    /// step may have happened ([`external_step`]).
+    pub recovery: Option<Vec<u8>>,
     /// The request to send again (`request::StoredRequest`), if kept.
     pub request: Option<Vec<u8>>,
 }
@@ -189,7 +191,7 @@ pub trait PhasedStore: Backend {
         conn: &mut OpenTx<Self>,
         table: &str,
         holder: &Holder,
-        response: &StoredResponse,
+        response: &EncodedResponse,
     ) -> impl Future<Output = Result<bool, FinishError>> + Send {
         async move {
             let written = Self::store(&mut ***conn, table, holder, response).await;
@@ -204,7 +206,7 @@ pub trait PhasedStore: Backend {
         conn: &mut Self::Connection,
         table: &str,
         holder: &Holder,
-        response: &StoredResponse,
+        response: &EncodedResponse,
     ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
 
     /// Leaves the key after a failed attempt, if `holder` still holds it.
@@ -286,7 +288,7 @@ impl Unclaimed {
             return Ok(LeaseOutcome::Exhausted {
                 token,
                 attempts: u32::try_from(self.attempts).unwrap_or(u32::MAX),
-                external: external(self.recovery.as_deref()),
+                recovery: self.recovery,
             });
         }
         // A lease that ended since the claim's statement: its taker is
@@ -298,13 +300,14 @@ impl Unclaimed {
     }
 }
 
-/// Whether a recovery point says an external step may have happened (an
-/// unreadable one says so too: resuming from it is refused, and nothing
-/// proves the key did nothing).
-pub(crate) fn external(recovery: Option<&[u8]>) -> bool {
-    match crate::recovery::Recovery::decode(recovery) {
-        Ok(recovery) => recovery.external,
-        Err(_) => true,
+/// Whether `holder`'s stored recovery point says an external step may
+/// have happened (one that does not open or decode says so too: resuming
+/// from it is refused, and nothing proves the key did nothing).
+pub(crate) fn external_step(sealer: &Sealer<'_>, holder: &Holder, recovery: Option<&[u8]>) -> bool {
+    let opened = sealer.open_logged(&holder.scope, &holder.key, Column::Recovery, recovery);
+    match opened.map(|opened| crate::recovery::Recovery::decode(opened.as_deref())) {
+        Ok(Ok(recovery)) => recovery.external,
+        _ => true,
     }
 }
 

@@ -10,7 +10,7 @@ use super::phased::{Abandoned, Holder, Unclaimed};
 use super::store::{StoreError, decode_finished};
 use crate::fingerprint::Fingerprint;
 use crate::resolve::ResolutionRecord;
-use crate::response::StoredResponse;
+use crate::response::EncodedResponse;
 
 /// An engine's row, read by column name into the types `idem`'s tables
 /// hold, each decoded as every engine decodes it. Every engine's row is
@@ -98,6 +98,7 @@ pub(crate) fn key_row(row: &impl Columns) -> Result<KeyRow, sqlx::Error> {
         request: row.bytes_or_null("request")?,
         attempts: row.count_or_null("attempts")?.unwrap_or(0),
         uncertainty: row.bytes_or_null("uncertainty")?,
+        unreadable: false,
     })
 }
 
@@ -131,7 +132,7 @@ pub(crate) fn abandoned(row: &impl Columns) -> Result<Abandoned, sqlx::Error> {
             token: row.int("lease_token")?,
         },
         attempts: u32::try_from(attempts).unwrap_or(u32::MAX),
-        external: super::phased::external(row.bytes_or_null("recovery")?.as_deref()),
+        recovery: row.bytes_or_null("recovery")?,
         request: row.bytes_or_null("request")?,
     })
 }
@@ -182,7 +183,7 @@ pub(crate) fn failing_row(row: &impl Columns) -> Result<FailingRow, sqlx::Error>
 /// while unfinished.
 pub(crate) fn finished_row(
     row: &impl Columns,
-) -> Result<Option<(Fingerprint, StoredResponse)>, StoreError> {
+) -> Result<Option<(Fingerprint, EncodedResponse)>, StoreError> {
     let Some(status) = row.status_or_null("status").map_err(StoreError::Database)? else {
         return Ok(None);
     };

@@ -11,7 +11,7 @@ use sqlx::{Database, Pool};
 use super::{Acquire, OpenTx};
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
-use crate::response::StoredResponse;
+use crate::response::EncodedResponse;
 
 /// One claim of `(scope, key)`: what a backend needs to insert the row.
 #[derive(Debug, Clone, Copy)]
@@ -69,8 +69,8 @@ pub enum ClaimOutcome<DB: Database> {
     Finished {
         /// The fingerprint that attempt was made with.
         fingerprint: Fingerprint,
-        /// Its stored response.
-        response: StoredResponse,
+        /// Its stored response, as the row keeps it (sealed, maybe).
+        response: EncodedResponse,
     },
     /// Another attempt holds the key and did not finish within `wait`.
     /// `running`: that attempt is known to be running (in this process);
@@ -218,7 +218,7 @@ pub trait Store: Database {
         conn: &mut OpenTx<Self>,
         table: &str,
         claim: Option<&Claim<'_>>,
-        response: Option<&StoredResponse>,
+        response: Option<&EncodedResponse>,
     ) -> impl Future<Output = Result<(), FinishError>> + Send;
 
     /// After the request's transaction was rolled back: whether the key's
@@ -268,7 +268,7 @@ pub(crate) type ConnectOptions<DB> = <<DB as Database>::Connection as sqlx::Conn
 
 /// What a claim found in a finished row ([`finished_row`](super::rows::finished_row)).
 pub(crate) fn finished<DB: Database>(
-    (fingerprint, response): (Fingerprint, StoredResponse),
+    (fingerprint, response): (Fingerprint, EncodedResponse),
 ) -> ClaimOutcome<DB> {
     ClaimOutcome::Finished {
         fingerprint,
@@ -285,22 +285,28 @@ pub(crate) fn finished<DB: Database>(
 pub(crate) const UNCERTAIN: i64 = 0;
 
 /// A finished row's fingerprint and response, as every engine reads them;
-/// an uncertain row's fingerprint as [`StoreError::Uncertain`].
+/// an uncertain row's fingerprint as [`StoreError::Uncertain`]. The
+/// response's columns are handed on as they are: the protocol opens and
+/// decodes them ([`EncodedResponse::open`]), where it knows the store's
+/// key ring, and only for a request whose fingerprint matches.
 pub(crate) fn decode_finished(
     status: i64,
     fingerprint: &[u8],
     headers: Option<Vec<u8>>,
     body: Option<Vec<u8>>,
-) -> Result<(Fingerprint, StoredResponse), StoreError> {
+) -> Result<(Fingerprint, EncodedResponse), StoreError> {
     let fingerprint = Fingerprint::from_bytes(fingerprint).ok_or(StoreError::Corrupt)?;
     if status == UNCERTAIN {
         return Err(StoreError::Uncertain { fingerprint });
     }
-    let response = StoredResponse::decode(
+    let status = u16::try_from(status)
+        .ok()
+        .and_then(|status| http::StatusCode::from_u16(status).ok())
+        .ok_or(StoreError::Corrupt)?;
+    let response = EncodedResponse {
         status,
-        &headers.unwrap_or_default(),
-        body.unwrap_or_default(),
-    )
-    .ok_or(StoreError::Corrupt)?;
+        headers: headers.unwrap_or_default(),
+        body: body.unwrap_or_default().into(),
+    };
     Ok((fingerprint, response))
 }

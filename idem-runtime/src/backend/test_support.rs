@@ -10,7 +10,7 @@ use super::admin::{Admin, Forgotten, KeyInfo, KeyState, MAX_RECENT};
 use super::single_flight;
 use super::{Acquire, Backend, Claim, ClaimOutcome, OpenTx};
 use crate::fingerprint::Fingerprint;
-use crate::response::StoredResponse;
+use crate::response::EncodedResponse;
 
 /// A claim of `key` in `scope` as the engines' tests make them: kept a
 /// minute, its fingerprint `fill` repeated, a 30 s deadline.
@@ -29,8 +29,8 @@ pub(crate) fn claim_of<'a>(scope: &'a str, key: &'a str, fill: u8, wait: Duratio
 
 /// A response of `status` with `body` and no headers, as a handler's
 /// answer is stored.
-pub(crate) fn response(status: http::StatusCode, body: &'static str) -> StoredResponse {
-    StoredResponse {
+pub(crate) fn response(status: http::StatusCode, body: &'static str) -> EncodedResponse {
+    EncodedResponse {
         status,
         headers: Vec::new(),
         body: body.into(),
@@ -38,7 +38,7 @@ pub(crate) fn response(status: http::StatusCode, body: &'static str) -> StoredRe
 }
 
 /// A 201 with `body`.
-pub(crate) fn created(body: &'static str) -> StoredResponse {
+pub(crate) fn created(body: &'static str) -> EncodedResponse {
     response(http::StatusCode::CREATED, body)
 }
 
@@ -64,7 +64,7 @@ pub(crate) async fn finished<DB: Backend>(
     pool: &Pool<DB>,
     table: &str,
     claim: &Claim<'_>,
-    response: &StoredResponse,
+    response: &EncodedResponse,
 ) {
     let mut conn = claimed(pool, table, claim, claim.key).await;
     DB::finish(&mut conn, table, Some(claim), Some(response))

@@ -166,7 +166,8 @@ async fn run_keyed<'f, DB: Backend>(
             return (Outcome::RolledBack, response);
         }
     };
-    match DB::finish(&mut conn, idem.table_name(), Some(claim), Some(&stored)).await {
+    let encoded = stored.seal(&idem.sealer(), claim.scope, claim.key);
+    match DB::finish(&mut conn, idem.table_name(), Some(claim), Some(&encoded)).await {
         Ok(()) => {
             conn.release();
             // Committed: the messages exist now, so a relay woken finds them.
@@ -517,9 +518,12 @@ mod tests {
                 sqlx::MySqlPool::connect_lazy("mysql://127.0.0.1:1/none").unwrap(),
             )),
         ));
+        // 2368 on PostgreSQL: the response as stored (sealed, maybe) waits
+        // for the finish beside the handler's own (encryption at rest,
+        // 64 bytes). An inlined acquire alone would be 2560 more.
         for (engine, (run, acquire)) in sizes {
             assert!(
-                run <= 2304,
+                run <= 2368,
                 "{engine}: run_keyed's future is {run} bytes (acquire's: {acquire})"
             );
         }

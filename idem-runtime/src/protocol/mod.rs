@@ -36,7 +36,7 @@ use crate::key::parse_key;
 use crate::observe::{self, Outcome};
 use crate::problem::{OperationState, Problem};
 use crate::request::StoredRequest;
-use crate::response::{StoredResponse, is_storable};
+use crate::response::{EncodedResponse, is_storable};
 use crate::scope::MAX_SCOPE_LEN;
 
 /// Whether a handler demands a key.
@@ -332,20 +332,36 @@ pub(crate) fn scope_too_long(claim: &Claim<'_>) -> Option<(Outcome, Response)> {
 }
 
 /// A finished key's answer to a request with `fingerprint`: its replay,
-/// or 422 for another request.
+/// or 422 for another request. The stored response is opened here, once
+/// the fingerprint matches: one that does not open is answered 500
+/// `idempotency_response_unreadable`, and nothing runs.
 pub(crate) fn answer_finished<DB: Backend>(
     idem: &Idem<DB>,
     claim: &Claim<'_>,
     fingerprint: Fingerprint,
-    response: StoredResponse,
+    response: EncodedResponse,
 ) -> (Outcome, Response) {
-    if fingerprint == claim.fingerprint {
-        (
+    if fingerprint != claim.fingerprint {
+        return (Outcome::Reused, Problem::KeyReused.into_response());
+    }
+    match response.open(&idem.sealer(), claim.scope, claim.key) {
+        Ok(response) => (
             Outcome::Replayed,
             response.replay(idem.replay_header_names(), idem.replay_marker()),
-        )
-    } else {
-        (Outcome::Reused, Problem::KeyReused.into_response())
+        ),
+        Err((column, error)) => {
+            observe::unreadable(
+                idem.table_name(),
+                claim.scope,
+                claim.key,
+                column.as_str(),
+                error.as_str(),
+            );
+            (
+                Outcome::Unreadable,
+                Problem::ResponseUnreadable.into_response(),
+            )
+        }
     }
 }
 

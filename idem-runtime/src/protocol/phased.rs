@@ -23,7 +23,7 @@ use super::{
 };
 use crate::backend::{
     Claim, ClaimOutcome, FinishError, Holder, LeaseClaim, LeaseOutcome, Phased, Release,
-    StoreError, abandon, in_autocommit,
+    StoreError, abandon, external_step, in_autocommit,
 };
 use crate::completer::give_up;
 use crate::idem::Idem;
@@ -34,6 +34,7 @@ use crate::problem::{OperationState, Problem, restate};
 use crate::recovery::Recovery;
 use crate::resolve::Uncertainty;
 use crate::response::{CaptureError, StoredResponse};
+use crate::seal::Column;
 use crate::wake::Written;
 
 /// Claims the key with a lease (or resumes it), runs the handler's phases,
@@ -67,6 +68,9 @@ async fn run_dyn<'f, DB: Phased>(
     };
     record(&span, &scope, Some(&key));
     let config = prepared.config;
+    // The request is kept sealed where the store encrypts.
+    let request = prepared.request.as_deref().unwrap_or_default();
+    let request = idem.sealer().seal(&scope, &key, Column::Request, request);
     let claim = LeaseClaim {
         // A phased claim never waits for an attempt in flight.
         claim: Claim {
@@ -74,7 +78,7 @@ async fn run_dyn<'f, DB: Phased>(
             ..config.claim(&idem, &scope, &key, fingerprint)
         },
         lease: config.lease.unwrap_or(Duration::from_secs(30)),
-        request: prepared.request.as_deref().unwrap_or_default(),
+        request: &request,
         reserved: prepared.resumed.as_ref().map(|resumed| resumed.token),
         max_attempts: idem.attempts_limit(),
     };
@@ -111,9 +115,23 @@ async fn run_keyed<'f, DB: Phased>(
         key: claim.key.to_owned(),
         token,
     };
-    let recovery = match Recovery::decode(recovery.as_deref()) {
-        Ok(recovery) => recovery,
-        Err(error) => {
+    let opened = idem.sealer().open_logged(
+        claim.scope,
+        claim.key,
+        Column::Recovery,
+        recovery.as_deref(),
+    );
+    let decoded = opened.map(|opened| Recovery::decode(opened.as_deref()));
+    let recovery = match decoded {
+        Ok(Ok(recovery)) => recovery,
+        // Logged (once per key) by `open_logged`.
+        Err(_) => {
+            return (
+                Outcome::StoreUnavailable,
+                Problem::TransactionFailed.answer(OperationState::Uncertain),
+            );
+        }
+        Ok(Err(error)) => {
             // Not a recovery point `idem` wrote: resuming from it could
             // repeat what it recorded. The key stays held for a human.
             tracing::error!(%error, "corrupt recovery point; the key is left as it is");
@@ -249,7 +267,7 @@ async fn claim_lease<DB: Phased>(
             Ok(LeaseOutcome::Exhausted {
                 token,
                 attempts,
-                external,
+                recovery,
             }) => {
                 latency("in_use");
                 let holder = Holder {
@@ -257,6 +275,7 @@ async fn claim_lease<DB: Phased>(
                     key: claim.key.to_owned(),
                     token,
                 };
+                let external = external_step(&idem.sealer(), &holder, recovery.as_deref());
                 tracing::info!(attempts, "the key's attempts are spent; giving it up");
                 match give_up(idem, &holder, external).await {
                     Ok(Some(OperationState::Uncertain)) => {
@@ -349,7 +368,8 @@ async fn store<DB: Phased>(
         },
     };
     let table = idem.table_name();
-    match DB::store_and_commit(&mut conn, table, &state.holder, &stored).await {
+    let encoded = stored.seal(&idem.sealer(), &state.holder.scope, &state.holder.key);
+    match DB::store_and_commit(&mut conn, table, &state.holder, &encoded).await {
         Ok(true) => {
             conn.release();
             // The last phase's messages are committed: wake the relays.

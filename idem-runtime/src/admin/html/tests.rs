@@ -40,6 +40,7 @@ fn uncertain(scope: &str) -> KeyInfo {
             by: Some("<ana>".to_owned()),
             note: None,
         }],
+        unreadable: false,
     }
 }
 

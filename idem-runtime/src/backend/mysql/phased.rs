@@ -18,7 +18,7 @@ use crate::backend::phased::{
 use crate::backend::rows::{abandoned, unclaimed};
 use crate::backend::store::{Store, UNCERTAIN};
 use crate::backend::{Acquire, FinishError, StoreError, abandon};
-use crate::response::StoredResponse;
+use crate::response::EncodedResponse;
 
 /// `UTC_TIMESTAMP(6)` plus a bound number of milliseconds.
 const AFTER: &str = "UTC_TIMESTAMP(6) + INTERVAL ? * 1000 MICROSECOND";
@@ -90,7 +90,7 @@ impl PhasedStore for MySql {
         conn: &mut MySqlConnection,
         table: &str,
         holder: &Holder,
-        response: &StoredResponse,
+        response: &EncodedResponse,
     ) -> Result<bool, sqlx::Error> {
         let sql = format!(
             "UPDATE {table} SET status = ?, headers = ?, body = ?, \
@@ -99,7 +99,7 @@ impl PhasedStore for MySql {
         );
         let done = sqlx::query(AssertSqlSafe(sql))
             .bind(response.status.as_u16())
-            .bind(response.encode_headers())
+            .bind(&response.headers[..])
             .bind(&response.body[..])
             .bind(holder.scope.as_bytes())
             .bind(holder.key.as_bytes())

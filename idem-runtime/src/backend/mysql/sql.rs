@@ -4,7 +4,7 @@
 use super::{SAVED_IDLE, SAVED_LOCK_WAIT, fail_if};
 use crate::backend::Claim;
 use crate::backend::sql::push_hex;
-use crate::response::StoredResponse;
+use crate::response::EncodedResponse;
 
 /// The sweep's `DELETE`s of the locked `rows`, each at most about `limit`
 /// bytes of text.
@@ -106,7 +106,7 @@ pub(super) fn claim_sql(table: &str, claim: &Claim<'_>) -> String {
 pub(super) fn store(
     table: &str,
     claim: &Claim<'_>,
-    response: &StoredResponse,
+    response: &EncodedResponse,
     late: bool,
 ) -> String {
     let expiry = if late {
@@ -121,7 +121,7 @@ pub(super) fn store(
         "UPDATE {table} SET status = {}, headers = X'{}', body = X'{}'{expiry} \
          WHERE {} AND status IS NULL",
         response.status.as_u16(),
-        hex(&response.encode_headers()),
+        hex(&response.headers),
         hex(&response.body),
         matches(claim),
     )

@@ -16,7 +16,7 @@ use super::{
 use crate::backend::store::Store;
 use crate::backend::{Acquire, Backend, Claim, ClaimOutcome, FinishError, OpenTx, StoreError};
 use crate::error::Error;
-use crate::response::StoredResponse;
+use crate::response::EncodedResponse;
 use crate::table::resolutions_table;
 
 impl Backend for MySql {}
@@ -168,7 +168,7 @@ impl Store for MySql {
         conn: &mut OpenTx<Self>,
         table: &str,
         claim: Option<&Claim<'_>>,
-        response: Option<&StoredResponse>,
+        response: Option<&EncodedResponse>,
     ) -> Result<(), FinishError> {
         // InnoDB rolls a whole transaction back on a deadlock, and the
         // session then runs in autocommit: a handler that caught that error

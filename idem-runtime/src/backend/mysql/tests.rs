@@ -11,7 +11,7 @@ use crate::backend::admin::AdminStore;
 use crate::backend::store::Store;
 use crate::backend::test_support::{claim_of, claimed, created};
 use crate::backend::{Acquire, FinishError, Forgotten, KeyState};
-use crate::response::StoredResponse;
+use crate::response::EncodedResponse;
 
 /// A pool on the test server; fails loudly without one.
 async fn test_pool(max_connections: u32) -> Pool<MySql> {
@@ -404,7 +404,7 @@ async fn the_claims_idle_bound_ends_with_its_transaction() {
         .await
         .unwrap();
     assert_eq!(inside, 32, "the deadline (30 s) and the margin");
-    let response = StoredResponse {
+    let response = EncodedResponse {
         status: http::StatusCode::CREATED,
         headers: Vec::new(),
         body: "{}".into(),
@@ -425,6 +425,15 @@ async fn the_claims_idle_bound_ends_with_its_transaction() {
     MySql::rollback(&mut conn).await.unwrap();
     conn.release();
     assert_eq!(idle().await, before, "after a rollback");
+    drop_table(&pool, &table).await;
+}
+
+/// Encryption at rest (`sealing_contract::encryption_contract`).
+#[tokio::test]
+async fn the_encryption_contract_holds() {
+    let pool = test_pool(4).await;
+    let table = key_table(&pool, "sealed").await;
+    crate::backend::sealing_contract::encryption_contract(&pool, &table).await;
     drop_table(&pool, &table).await;
 }
 

@@ -25,7 +25,7 @@ use super::rows::finished_row;
 use super::{ClaimOutcome, FinishError, OpenTx, StoreError};
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
-use crate::response::StoredResponse;
+use crate::response::EncodedResponse;
 
 mod admin;
 mod advisory;
@@ -273,7 +273,7 @@ enum Found {
     /// Committed without a response: held by an attempt outside the atomic
     /// contract (a row written by hand, or a later mode).
     Unfinished,
-    Finished(Fingerprint, StoredResponse),
+    Finished(Fingerprint, EncodedResponse),
 }
 
 /// Where a claim ended: expired rows have been deleted by then. Unless
@@ -281,7 +281,7 @@ enum Found {
 enum Settled {
     Ours,
     Held,
-    Finished(Fingerprint, StoredResponse),
+    Finished(Fingerprint, EncodedResponse),
 }
 
 fn read_row(row: &PgRow) -> Result<Found, StoreError> {

@@ -21,7 +21,7 @@ use crate::backend::phased::{
 use crate::backend::rows::{abandoned, unclaimed};
 use crate::backend::store::UNCERTAIN;
 use crate::backend::{Acquire, FinishError, OpenTx, StoreError, in_autocommit};
-use crate::response::StoredResponse;
+use crate::response::EncodedResponse;
 
 /// `clock_timestamp()` plus `$n` milliseconds.
 fn after(n: u8) -> String {
@@ -154,13 +154,13 @@ impl PhasedStore for Postgres {
         conn: &mut OpenTx<Self>,
         table: &str,
         holder: &Holder,
-        response: &StoredResponse,
+        response: &EncodedResponse,
     ) -> Result<bool, FinishError> {
         let set = format!(
             "status = {}, headers = {}, body = {}, recovery = NULL, request = NULL, \
              lease_until = NULL",
             response.status.as_u16(),
-            bytea(&response.encode_headers()),
+            bytea(&response.headers),
             bytea(&response.body)
         );
         guarded_commit(conn, &guarded_write(table, holder, &set)).await
@@ -170,17 +170,17 @@ impl PhasedStore for Postgres {
         conn: &mut PgConnection,
         table: &str,
         holder: &Holder,
-        response: &StoredResponse,
+        response: &EncodedResponse,
     ) -> Result<bool, sqlx::Error> {
         let sql = format!(
             "UPDATE {table} SET status = $1, headers = $2, body = $3, \
                  recovery = NULL, request = NULL, lease_until = NULL \
              WHERE scope = $4 AND key = $5 AND lease_token = $6 AND status IS NULL"
         );
-        let headers = response.encode_headers();
+        let headers = &response.headers;
         let args = [
             Arg::Int(response.status.as_u16().into()),
-            Arg::Bytes(&headers),
+            Arg::Bytes(headers),
             Arg::Bytes(&response.body),
             Arg::Bytes(holder.scope.as_bytes()),
             Arg::Bytes(holder.key.as_bytes()),

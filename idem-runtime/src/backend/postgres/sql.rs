@@ -10,7 +10,7 @@ use std::fmt::Write as _;
 
 use crate::backend::Claim;
 use crate::backend::sql::push_hex;
-use crate::response::StoredResponse;
+use crate::response::EncodedResponse;
 
 /// One of `idem`'s statements on the key table, written once with `$n`
 /// parameters: prepared per connection and run with `EXECUTE`, so the
@@ -448,14 +448,14 @@ impl<'c> ClaimRow<'c> {
 
     /// Stores `response` on the row and commits, in one round trip; `late`,
     /// the expiry counts from now (see `OpenTx::outlived`).
-    pub(super) fn finish_and_commit(&self, response: &StoredResponse, late: bool) -> String {
-        let headers = response.encode_headers();
+    pub(super) fn finish_and_commit(&self, response: &EncodedResponse, late: bool) -> String {
+        let headers = &response.headers;
         let mut out = self.buffer(2 * (headers.len() + response.body.len()));
         let args = [
             Arg::Bytes(self.claim.scope.as_bytes()),
             Arg::Bytes(self.claim.key.as_bytes()),
             Arg::Int(response.status.as_u16().into()),
-            Arg::Bytes(&headers),
+            Arg::Bytes(headers),
             Arg::Bytes(&response.body),
             Arg::Int(self.claim.ttl.as_millis()),
         ];
@@ -545,7 +545,7 @@ mod tests {
         let claim = claim();
         let mut row = ClaimRow::new("keys", &claim);
         row.prepared = false;
-        let response = StoredResponse {
+        let response = EncodedResponse {
             status: StatusCode::CREATED,
             headers: Vec::new(),
             body: "{}".into(),

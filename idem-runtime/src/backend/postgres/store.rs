@@ -15,7 +15,7 @@ use super::{
 use crate::backend::store::Store;
 use crate::backend::{Acquire, Backend, Claim, ClaimOutcome, FinishError, OpenTx, StoreError};
 use crate::error::Error;
-use crate::response::StoredResponse;
+use crate::response::EncodedResponse;
 use crate::table::resolutions_table;
 
 impl Backend for Postgres {}
@@ -161,7 +161,7 @@ impl Store for Postgres {
         conn: &mut OpenTx<Self>,
         table: &str,
         claim: Option<&Claim<'_>>,
-        response: Option<&StoredResponse>,
+        response: Option<&EncodedResponse>,
     ) -> Result<(), FinishError> {
         let (text, keyed) = match (claim, response) {
             (Some(claim), Some(response)) => {

@@ -53,7 +53,7 @@ async fn store(
     status: StatusCode,
     body: &'static [u8],
 ) {
-    let response = StoredResponse {
+    let response = EncodedResponse {
         status,
         headers: Vec::new(),
         body: body.into(),
@@ -510,7 +510,7 @@ async fn a_deferred_constraint_broken_at_commit_ends_the_transaction() {
     .await
     .unwrap();
     let claim = crate::backend::test_support::claim_of("s", "k", 3, Duration::ZERO);
-    let response = StoredResponse {
+    let response = EncodedResponse {
         status: StatusCode::CREATED,
         headers: Vec::new(),
         body: "{}".into(),
@@ -660,6 +660,15 @@ async fn no_index_names_what_the_finish_writes() {
             assert!(!columns.contains(written), "{definition}");
         }
     }
+    drop_table(&pool, &table).await;
+}
+
+/// Encryption at rest (`sealing_contract::encryption_contract`).
+#[tokio::test]
+async fn the_encryption_contract_holds() {
+    let pool = test_pool(4, |options| options).await;
+    let table = table(&pool, "sealed").await;
+    crate::backend::sealing_contract::encryption_contract(&pool, &table).await;
     drop_table(&pool, &table).await;
 }
 

@@ -14,7 +14,7 @@ use crate::backend::phased::{
 use crate::backend::rows::{abandoned, unclaimed};
 use crate::backend::store::UNCERTAIN;
 use crate::backend::{Acquire, StoreError, in_autocommit};
-use crate::response::StoredResponse;
+use crate::response::EncodedResponse;
 
 impl Phased for Sqlite {}
 
@@ -127,7 +127,7 @@ impl PhasedStore for Sqlite {
         conn: &mut SqliteConnection,
         table: &str,
         holder: &Holder,
-        response: &StoredResponse,
+        response: &EncodedResponse,
     ) -> Result<bool, sqlx::Error> {
         let sql = format!(
             "UPDATE {table} SET status = ?1, headers = ?2, body = ?3, \
@@ -136,7 +136,7 @@ impl PhasedStore for Sqlite {
         );
         let done = sqlx::query(AssertSqlSafe(sql))
             .bind(i64::from(response.status.as_u16()))
-            .bind(response.encode_headers())
+            .bind(&response.headers[..])
             .bind(&response.body[..])
             .bind(holder.scope.as_bytes())
             .bind(holder.key.as_bytes())

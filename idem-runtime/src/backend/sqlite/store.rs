@@ -19,7 +19,7 @@ use crate::backend::single_flight;
 use crate::backend::store::{Store, finished};
 use crate::backend::{Acquire, Backend, Claim, ClaimOutcome, FinishError, OpenTx, StoreError};
 use crate::error::Error;
-use crate::response::StoredResponse;
+use crate::response::EncodedResponse;
 use crate::table::resolutions_table;
 
 impl Backend for Sqlite {}
@@ -186,7 +186,7 @@ impl Store for Sqlite {
         conn: &mut OpenTx<Self>,
         table: &str,
         claim: Option<&Claim<'_>>,
-        response: Option<&StoredResponse>,
+        response: Option<&EncodedResponse>,
     ) -> Result<(), FinishError> {
         if let (Some(claim), Some(response)) = (claim, response) {
             // A slow request's expiry counts from its response (see
@@ -197,7 +197,7 @@ impl Store for Sqlite {
             let statement = Sql::finish(table, expires_at.is_some());
             let mut query = sqlx::query(AssertSqlSafe(statement))
                 .bind(i64::from(response.status.as_u16()))
-                .bind(response.encode_headers())
+                .bind(&response.headers[..])
                 .bind(&response.body[..])
                 .bind(claim.scope.as_bytes())
                 .bind(claim.key.as_bytes());

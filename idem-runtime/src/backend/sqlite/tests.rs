@@ -9,7 +9,7 @@ use sqlx::{Pool, Sqlite};
 use super::*;
 use crate::backend::store::Store;
 use crate::backend::{Acquire, ClaimOutcome, FinishError};
-use crate::response::StoredResponse;
+use crate::response::EncodedResponse;
 
 /// A one-connection in-memory database with a migrated key table.
 async fn key_table() -> Pool<Sqlite> {
@@ -26,8 +26,8 @@ fn claim(fingerprint: u8) -> Claim<'static> {
     crate::backend::test_support::claim_of("acct", "k", fingerprint, Duration::ZERO)
 }
 
-fn created() -> StoredResponse {
-    StoredResponse {
+fn created() -> EncodedResponse {
+    EncodedResponse {
         status: StatusCode::CREATED,
         headers: Vec::new(),
         body: "{\"id\":1}".into(),
@@ -142,6 +142,13 @@ async fn a_table_from_before_phases_is_migrated() {
         .unwrap();
     assert_eq!(rows, 1);
     crate::backend::test_support::lease_contract(&pool, "old_keys").await;
+}
+
+/// Encryption at rest (`sealing_contract::encryption_contract`).
+#[tokio::test]
+async fn the_encryption_contract_holds() {
+    let pool = key_table().await;
+    crate::backend::sealing_contract::encryption_contract(&pool, "keys").await;
 }
 
 /// The operators' key operations (`test_support::admin_contract`).
