@@ -22,22 +22,20 @@ mod admin;
 mod claim;
 mod connection;
 #[cfg(feature = "mysql")]
-mod mysql;
+pub(crate) mod mysql;
 mod outbox_store;
 mod phased;
 #[cfg(feature = "postgres")]
-mod postgres;
+pub(crate) mod postgres;
 mod rows;
-#[cfg(test)]
-mod sealing_contract;
 pub(crate) mod single_flight;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 mod sql;
 #[cfg(feature = "sqlite")]
-mod sqlite;
+pub(crate) mod sqlite;
 mod store;
 #[cfg(test)]
-mod test_support;
+pub(crate) mod test_support;
 
 pub use admin::{Admin, Forgotten, KeyInfo, KeyState, MAX_RECENT};
 pub(crate) use admin::{KeyReads, Param, Write};

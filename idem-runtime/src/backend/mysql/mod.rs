@@ -256,4 +256,4 @@ fn number(error: &sqlx::Error) -> Option<u16> {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

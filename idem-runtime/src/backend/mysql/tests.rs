@@ -14,7 +14,7 @@ use crate::backend::{Acquire, FinishError, Forgotten, KeyState};
 use crate::response::EncodedResponse;
 
 /// A pool on the test server; fails loudly without one.
-async fn test_pool(max_connections: u32) -> Pool<MySql> {
+pub(crate) async fn test_pool(max_connections: u32) -> Pool<MySql> {
     connect(MySqlPoolOptions::new().max_connections(max_connections)).await
 }
 
@@ -37,7 +37,7 @@ fn sorted(error: sqlx::Error, code: u16) -> Failure {
 /// A key table of this test process named after `name`, migrated
 /// empty (a run killed before its cleanup, with the same process id,
 /// left one).
-async fn key_table(pool: &Pool<MySql>, name: &str) -> String {
+pub(crate) async fn key_table(pool: &Pool<MySql>, name: &str) -> String {
     let table = format!("idem_{name}_{}", std::process::id());
     run(
         &mut pool.acquire().await.unwrap(),
@@ -50,7 +50,7 @@ async fn key_table(pool: &Pool<MySql>, name: &str) -> String {
 }
 
 /// Drops a test's table, at its end.
-async fn drop_table(pool: &Pool<MySql>, table: &str) {
+pub(crate) async fn drop_table(pool: &Pool<MySql>, table: &str) {
     run(
         &mut pool.acquire().await.unwrap(),
         &format!("DROP TABLE {table}"),
@@ -425,15 +425,6 @@ async fn the_claims_idle_bound_ends_with_its_transaction() {
     MySql::rollback(&mut conn).await.unwrap();
     conn.release();
     assert_eq!(idle().await, before, "after a rollback");
-    drop_table(&pool, &table).await;
-}
-
-/// Encryption at rest (`sealing_contract::encryption_contract`).
-#[tokio::test]
-async fn the_encryption_contract_holds() {
-    let pool = test_pool(4).await;
-    let table = key_table(&pool, "sealed").await;
-    crate::backend::sealing_contract::encryption_contract(&pool, &table).await;
     drop_table(&pool, &table).await;
 }
 

@@ -367,4 +367,4 @@ fn store_has_code(error: &StoreError, codes: &[&str]) -> bool {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

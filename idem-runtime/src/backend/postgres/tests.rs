@@ -12,7 +12,7 @@ use crate::backend::store::Store;
 use crate::backend::{Acquire, Claim};
 
 /// A pool on the test server, `configure`d; fails loudly without one.
-async fn test_pool(
+pub(crate) async fn test_pool(
     max_connections: u32,
     configure: impl FnOnce(sqlx::postgres::PgConnectOptions) -> sqlx::postgres::PgConnectOptions,
 ) -> Pool<Postgres> {
@@ -27,7 +27,7 @@ async fn test_pool(
 
 /// A key table of this test process named after `name`, migrated empty
 /// (a run killed before its cleanup, with the same process id, left one).
-async fn table(pool: &Pool<Postgres>, name: &str) -> String {
+pub(crate) async fn table(pool: &Pool<Postgres>, name: &str) -> String {
     let table = format!("idem_{name}_{}", std::process::id());
     sqlx::raw_sql(AssertSqlSafe(format!("DROP TABLE IF EXISTS {table}")))
         .execute(pool)
@@ -37,7 +37,7 @@ async fn table(pool: &Pool<Postgres>, name: &str) -> String {
     table
 }
 
-async fn drop_table(pool: &Pool<Postgres>, table: &str) {
+pub(crate) async fn drop_table(pool: &Pool<Postgres>, table: &str) {
     sqlx::raw_sql(AssertSqlSafe(format!("DROP TABLE {table}")))
         .execute(pool)
         .await
@@ -660,15 +660,6 @@ async fn no_index_names_what_the_finish_writes() {
             assert!(!columns.contains(written), "{definition}");
         }
     }
-    drop_table(&pool, &table).await;
-}
-
-/// Encryption at rest (`sealing_contract::encryption_contract`).
-#[tokio::test]
-async fn the_encryption_contract_holds() {
-    let pool = test_pool(4, |options| options).await;
-    let table = table(&pool, "sealed").await;
-    crate::backend::sealing_contract::encryption_contract(&pool, &table).await;
     drop_table(&pool, &table).await;
 }
 

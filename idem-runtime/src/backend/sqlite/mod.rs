@@ -54,7 +54,7 @@ mod phased;
 mod sql;
 mod store;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 /// Primary result codes (the low byte of the extended code sqlx reports).
 const SQLITE_BUSY: i32 = 5;

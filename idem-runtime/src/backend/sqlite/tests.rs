@@ -12,7 +12,7 @@ use crate::backend::{Acquire, ClaimOutcome, FinishError};
 use crate::response::EncodedResponse;
 
 /// A one-connection in-memory database with a migrated key table.
-async fn key_table() -> Pool<Sqlite> {
+pub(crate) async fn key_table() -> Pool<Sqlite> {
     let pool = SqlitePoolOptions::new()
         .max_connections(1)
         .connect("sqlite::memory:")
@@ -142,13 +142,6 @@ async fn a_table_from_before_phases_is_migrated() {
         .unwrap();
     assert_eq!(rows, 1);
     crate::backend::test_support::lease_contract(&pool, "old_keys").await;
-}
-
-/// Encryption at rest (`sealing_contract::encryption_contract`).
-#[tokio::test]
-async fn the_encryption_contract_holds() {
-    let pool = key_table().await;
-    crate::backend::sealing_contract::encryption_contract(&pool, "keys").await;
 }
 
 /// The operators' key operations (`test_support::admin_contract`).

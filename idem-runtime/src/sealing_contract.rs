@@ -10,8 +10,7 @@ use http::{HeaderValue, StatusCode, header};
 use http_body_util::BodyExt;
 use sqlx::Pool;
 
-use super::admin::{Admin, KeyState, Param, Write};
-use super::{Acquire, ClaimOutcome, Phased};
+use crate::backend::{Acquire, Admin, ClaimOutcome, KeyState, Param, Phased, Write};
 use crate::idem::Idem;
 use crate::phases::{PhaseError, Phases};
 use crate::protocol::{Answer, Config, KeyMode, prepare, run, run_phased};
@@ -111,7 +110,7 @@ async fn payment<DB: Phased>(
 
 /// The key's stored response, its columns as the table holds them.
 async fn raw_response<DB: Phased>(pool: &Pool<DB>, table: &str, key: &str) -> EncodedResponse {
-    let claim = super::test_support::claim_of("acct", key, 0, std::time::Duration::ZERO);
+    let claim = crate::backend::test_support::claim_of("acct", key, 0, std::time::Duration::ZERO);
     match DB::claim(pool, Acquire::default(), table, &claim)
         .await
         .unwrap()
@@ -308,4 +307,34 @@ pub(crate) async fn encryption_contract<DB: Phased + Admin>(pool: &Pool<DB>, tab
     let finished = pay(&with_both, "q", false).await;
     assert!(finished.replayed && holds(&finished.body, &format!("ch_{SECRET}")));
     assert!(!holds(&raw_response(pool, table, "q").await.body, SECRET));
+}
+
+/// The contract on PostgreSQL.
+#[cfg(feature = "postgres")]
+#[tokio::test]
+async fn the_encryption_contract_holds_on_postgres() {
+    use crate::backend::postgres::tests::{drop_table, table, test_pool};
+    let pool = test_pool(4, |options| options).await;
+    let table = table(&pool, "sealed").await;
+    encryption_contract(&pool, &table).await;
+    drop_table(&pool, &table).await;
+}
+
+/// The contract on MySQL/MariaDB.
+#[cfg(feature = "mysql")]
+#[tokio::test]
+async fn the_encryption_contract_holds_on_mysql() {
+    use crate::backend::mysql::tests::{drop_table, key_table, test_pool};
+    let pool = test_pool(4).await;
+    let table = key_table(&pool, "sealed").await;
+    encryption_contract(&pool, &table).await;
+    drop_table(&pool, &table).await;
+}
+
+/// The contract on SQLite.
+#[cfg(feature = "sqlite")]
+#[tokio::test]
+async fn the_encryption_contract_holds_on_sqlite() {
+    let pool = crate::backend::sqlite::tests::key_table().await;
+    encryption_contract(&pool, "keys").await;
 }
