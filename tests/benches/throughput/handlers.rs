@@ -139,6 +139,13 @@ macro_rules! service {
                     .expect("table name")
                     .advisory_locks(advisory)
                     .pooler(pooler);
+                // `IDEM_BENCH_ENCRYPTION=1`: stored data sealed at rest.
+                let idem = match std::env::var("IDEM_BENCH_ENCRYPTION").as_deref() {
+                    Ok("1") => {
+                        idem.encryption(idem::KeyRing::new("bench", [7; 32]).expect("a key id"))
+                    }
+                    _ => idem,
+                };
                 axum::Router::new()
                     .route("/{statements}/baseline", post(baseline))
                     .route("/{statements}/idempotent", post(idempotent))
