@@ -794,8 +794,8 @@ fn test_binary(name: &str) -> std::path::PathBuf {
 }
 
 /// The PostgreSQL instantiations of the conformance, phased and outbox
-/// suites and the storage contracts (keys' operations, leases, outbox)
-/// again, through PgBouncer in transaction mode. Left out, as about a
+/// suites and the storage contracts (keys' operations, leases, outbox,
+/// encryption at rest) again, through PgBouncer in transaction mode. Left out, as about a
 /// session itself: a session-level isolation set by startup option (which
 /// PgBouncer refuses: only a pooler in session mode can keep one), a
 /// server session ended by its pid under the pool's feet, and a handler
@@ -828,14 +828,17 @@ fn the_suites_pass_behind_pgbouncer() {
         ],
         38,
     );
-    passed += run_suite_behind(&url, "phased", &["postgres"], &[], 8);
-    passed += run_suite_behind(&url, "outbox", &["postgres"], &[], 5);
+    passed += run_suite_behind(&url, "phased", &["postgres"], &[], 11);
+    passed += run_suite_behind(&url, "outbox", &["postgres"], &[], 8);
     passed += run_suite_behind(
         &url,
         "idem_runtime",
-        &["backend::postgres::tests::the_"],
+        &[
+            "backend::postgres::tests::the_",
+            "sealing_contract::the_encryption_contract_holds_on_postgres",
+        ],
         &["the_longest_table_name", "the_sweeper_spares"],
-        3,
+        4,
     );
     println!("{passed} tests passed behind PgBouncer");
 }
