@@ -251,29 +251,49 @@ pub(crate) async fn give_up<DB: Phased>(
     holder: &Holder,
     external: bool,
 ) -> Result<Option<OperationState>, Error> {
-    let record = Uncertainty::encode(Uncertainty::EXHAUSTED, None);
-    let (how, left, outcome) = if external {
-        (
-            Release::Uncertain(&record),
-            OperationState::Uncertain,
-            "uncertain",
-        )
+    let (given_up, left, outcome) = if external {
+        let uncertain = make_uncertain(idem, holder, Uncertainty::EXHAUSTED, None).await?;
+        (uncertain, OperationState::Uncertain, "uncertain")
     } else {
-        (Release::Delete, OperationState::NotStarted, "released")
+        let released = release(idem, holder, Release::Delete).await?;
+        (released, OperationState::NotStarted, "released")
     };
-    let released = in_autocommit(idem.pool(), idem.acquire(), |mut conn| async move {
-        let released = DB::release(&mut conn, idem.table_name(), holder, how).await;
-        (conn, released)
-    })
-    .await?;
-    if !released {
+    if !given_up {
         return Ok(None);
     }
     observe::completer(outcome);
-    if external {
-        observe::uncertain(&holder.scope, &holder.key, Uncertainty::EXHAUSTED, None);
-    }
     Ok(Some(left))
+}
+
+/// Makes `holder`'s key uncertain for `reason` (an `Uncertainty` reason,
+/// with its `step`), counted and logged: whether it did (`false`: another
+/// attempt holds the key now).
+pub(crate) async fn make_uncertain<DB: Phased>(
+    idem: &Idem<DB>,
+    holder: &Holder,
+    reason: &'static str,
+    step: Option<&str>,
+) -> Result<bool, sqlx::Error> {
+    let record = Uncertainty::encode(reason, step);
+    let uncertain = release(idem, holder, Release::Uncertain(&record)).await?;
+    if uncertain {
+        observe::uncertain(&holder.scope, &holder.key, reason, step);
+    }
+    Ok(uncertain)
+}
+
+/// Leaves `holder`'s key as `how` says, in a statement of its own:
+/// whether the row still carried the holder's token.
+pub(crate) async fn release<DB: Phased>(
+    idem: &Idem<DB>,
+    holder: &Holder,
+    how: Release<'_>,
+) -> Result<bool, sqlx::Error> {
+    in_autocommit(idem.pool(), idem.acquire(), |mut conn| async move {
+        let released = DB::release(&mut conn, idem.table_name(), holder, how).await;
+        (conn, released)
+    })
+    .await
 }
 
 /// `key` as an RFC 9651 sf-string, which `idem` reads back as the key.

@@ -179,10 +179,10 @@ impl<DB: Admin> Idem<DB> {
             return Ok(Resolved::Absent);
         };
         let sealer = self.sealer();
-        let recovery = row.recovery.clone();
-        if row.into_info().state != KeyState::Uncertain {
+        if row.state() != KeyState::Uncertain {
             return Ok(Resolved::NotUncertain);
         }
+        let recovery = row.recovery;
         // Stored as a request's answer is: sealed where the store encrypts.
         let response = response.map(|response| response.seal(&sealer, scope, key));
         let table = self.table_name();
@@ -332,7 +332,7 @@ impl<DB: Admin> Idem<DB> {
                 return Ok(forgotten);
             }
             let row = DB::lookup(self.pool(), self.table_name(), scope, key).await?;
-            match row.map(|row| row.into_info().state) {
+            match row.map(|row| row.state()) {
                 None => return Ok(Forgotten::Absent),
                 Some(KeyState::InFlight) => return Ok(Forgotten::InFlight),
                 Some(KeyState::Uncertain) => return Ok(Forgotten::Uncertain),

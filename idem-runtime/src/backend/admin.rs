@@ -181,15 +181,20 @@ impl KeyRow {
         self
     }
 
-    /// What the row says (its request and recovery point plain: see
-    /// [`opened`](Self::opened)).
-    pub(crate) fn into_info(self) -> KeyInfo {
-        let state = match self.status {
+    /// Where the key stands, read from its status and times alone.
+    pub(crate) fn state(&self) -> KeyState {
+        match self.status {
             _ if self.expires_ms <= self.now_ms => KeyState::Expired,
             Some(UNCERTAIN) => KeyState::Uncertain,
             Some(_) => KeyState::Completed,
             None => KeyState::InFlight,
-        };
+        }
+    }
+
+    /// What the row says (its request and recovery point plain: see
+    /// [`opened`](Self::opened)).
+    pub(crate) fn into_info(self) -> KeyInfo {
+        let state = self.state();
         let recovery = self
             .recovery
             .as_deref()

@@ -23,9 +23,9 @@ use super::{
 };
 use crate::backend::{
     Claim, ClaimOutcome, FinishError, Holder, LeaseClaim, LeaseOutcome, Phased, Release,
-    StoreError, abandon, external_step, in_autocommit,
+    StoreError, abandon, external_step,
 };
-use crate::completer::give_up;
+use crate::completer::{give_up, make_uncertain, release};
 use crate::idem::Idem;
 use crate::key::IdempotencyKey;
 use crate::observe::{self, Outcome};
@@ -420,27 +420,18 @@ async fn settle_uncertain<DB: Phased>(
     if let Some(conn) = state.last.take() {
         abandon(conn).await;
     }
-    let record = Uncertainty::encode(Uncertainty::STEP_BEGUN, Some(step));
-    let (idem, holder) = (&state.idem, &state.holder);
-    let how = Release::Uncertain(&record);
-    let settled = in_autocommit(idem.pool(), idem.acquire(), |mut conn| async move {
-        let settled = DB::release(&mut conn, idem.table_name(), holder, how).await;
-        (conn, settled)
-    })
+    let settled = make_uncertain(
+        &state.idem,
+        &state.holder,
+        Uncertainty::STEP_BEGUN,
+        Some(step),
+    )
     .await;
     match settled {
-        Ok(true) => {
-            observe::uncertain(
-                &holder.scope,
-                &holder.key,
-                Uncertainty::STEP_BEGUN,
-                Some(step),
-            );
-            (
-                Outcome::Uncertain,
-                Problem::OutcomeUncertain.into_response(),
-            )
-        }
+        Ok(true) => (
+            Outcome::Uncertain,
+            Problem::OutcomeUncertain.into_response(),
+        ),
         Ok(false) => {
             observe::fenced();
             (Outcome::Fenced, Problem::KeyInUse.into_response())
@@ -469,13 +460,7 @@ async fn fail<DB: Phased>(mut state: PhaseState<DB>, backoff: Duration) -> Opera
     } else {
         Release::Delete
     };
-    let (idem, holder) = (&state.idem, &state.holder);
-    let released = in_autocommit(idem.pool(), idem.acquire(), |mut conn| async move {
-        let released = DB::release(&mut conn, idem.table_name(), holder, how).await;
-        (conn, released)
-    })
-    .await;
-    match released {
+    match release(&state.idem, &state.holder, how).await {
         Ok(_) if matches!(how, Release::Delete) => OperationState::NotStarted,
         Ok(_) => OperationState::InProgress,
         // The lease ends by itself; the next attempt then resumes.
