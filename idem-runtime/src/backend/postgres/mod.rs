@@ -40,6 +40,8 @@ const LOCK_NOT_AVAILABLE: &str = "55P03";
 const KEY_HELD: &str = "22P02";
 const UNIQUE_VIOLATION: &str = "23505";
 const DUPLICATE_TABLE: &str = "42P07";
+/// A table's row type created by a concurrent `CREATE TABLE IF NOT EXISTS`.
+const DUPLICATE_OBJECT: &str = "42710";
 const SERIALIZATION_FAILURE: &str = "40001";
 const DEADLOCK_DETECTED: &str = "40P01";
 /// `invalid_sql_statement_name`: `EXECUTE` of a statement this session has
@@ -307,7 +309,13 @@ async fn run_ddl(pool: &Pool<Postgres>, ddl: &str) -> Result<(), Error> {
             .await
         {
             Ok(_) => return Ok(()),
-            Err(error) if attempt < 3 && has_code(&error, &[UNIQUE_VIOLATION, DUPLICATE_TABLE]) => {
+            Err(error)
+                if attempt < 3
+                    && has_code(
+                        &error,
+                        &[UNIQUE_VIOLATION, DUPLICATE_TABLE, DUPLICATE_OBJECT],
+                    ) =>
+            {
                 continue;
             }
             Err(error) => return Err(error.into()),
