@@ -7,13 +7,15 @@ use syn::punctuated::Punctuated;
 use syn::{Expr, ExprArray, ExprLit, Ident, Lit, LitStr, MetaNameValue, Token, token};
 
 use crate::duration::{
-    MAX_LEASE_MS, MAX_TIMEOUT_MS, MAX_TTL_MS, MAX_WAIT_MS, MIN_LEASE_MS, parse_ms, respelled,
+    MAX_LEASE_MS, MAX_TIMEOUT_MS, MAX_TOMBSTONE_MS, MAX_TTL_MS, MAX_WAIT_MS, MIN_LEASE_MS,
+    parse_ms, respelled,
 };
 use crate::errors::Errors;
 
 const KEYS: &[&str] = &[
     "scope",
     "ttl",
+    "tombstone",
     "key",
     "wait",
     "timeout",
@@ -21,11 +23,11 @@ const KEYS: &[&str] = &[
     "fingerprint",
     "crate",
 ];
-const VALID_KEYS: &str = "valid arguments are `scope`, `ttl`, `key`, `wait`, `timeout`, `lease`, \
-                          `fingerprint` and `crate`";
+const VALID_KEYS: &str = "valid arguments are `scope`, `ttl`, `tombstone`, `key`, `wait`, \
+                          `timeout`, `lease`, `fingerprint` and `crate`";
 
 /// The keys whose value is a duration.
-const DURATION_KEYS: &[&str] = &["ttl", "wait", "timeout", "lease"];
+const DURATION_KEYS: &[&str] = &["ttl", "tombstone", "wait", "timeout", "lease"];
 
 /// How `fingerprint` is written.
 const FINGERPRINT: &str = "fingerprint(exclude = [\"/member\", ...])";
@@ -54,6 +56,8 @@ pub struct Args {
     /// only an absent `scope` is reported as missing.
     pub scope_written: bool,
     pub ttl: Option<(u64, Span)>,
+    /// How long a key outlives its `ttl` as a tombstone; `None`: not at all.
+    pub tombstone: Option<(u64, Span)>,
     pub wait: Option<(u64, Span)>,
     pub timeout: Option<(u64, Span)>,
     pub lease: Option<(u64, Span)>,
@@ -103,6 +107,7 @@ impl Args {
         match key {
             "scope" => self.scope = Some(scope(value)?),
             "ttl" => self.ttl = Some((duration(key, value)?, value_span(value))),
+            "tombstone" => self.tombstone = Some((duration(key, value)?, value_span(value))),
             "wait" => self.wait = Some((duration(key, value)?, value_span(value))),
             "timeout" => self.timeout = Some((duration(key, value)?, value_span(value))),
             "lease" => self.lease = Some((duration(key, value)?, value_span(value))),
@@ -228,6 +233,15 @@ pub fn parse(tokens: TokenStream, errors: &mut Errors) -> Args {
         errors.push(syn::Error::new(
             span,
             "`wait` is longer than `ttl`: a duplicate would outwait the key it is waiting for",
+        ));
+    }
+    if let Some((tombstone, span)) = args.tombstone
+        && tombstone <= args.ttl_ms()
+    {
+        errors.push(syn::Error::new(
+            span,
+            "`tombstone` must be longer than `ttl` (24h unless set): the tombstone is what \
+             is left of a key after its `ttl`, until `tombstone` after its response",
         ));
     }
     args
@@ -459,6 +473,7 @@ fn bad_escape(pointer: &str) -> bool {
 fn duration(key: &str, value: &Expr) -> syn::Result<u64> {
     let example = match key {
         "ttl" => "24h",
+        "tombstone" => "30d",
         "timeout" | "lease" => "30s",
         _ => "2s",
     };
@@ -472,6 +487,10 @@ fn duration(key: &str, value: &Expr) -> syn::Result<u64> {
         "ttl" => (
             MAX_TTL_MS,
             "365d: keys kept longer are a storage leak, not a retry window",
+        ),
+        "tombstone" => (
+            MAX_TOMBSTONE_MS,
+            "3650d: a tombstone is kept to refuse a late retry, not as an archive",
         ),
         "timeout" => (
             MAX_TIMEOUT_MS,
@@ -495,7 +514,7 @@ fn duration(key: &str, value: &Expr) -> syn::Result<u64> {
         ));
     }
     if ms == 0 && key != "wait" {
-        let why = if key == "ttl" {
+        let why = if key == "ttl" || key == "tombstone" {
             "a key that expires at once protects nothing"
         } else {
             "a handler stopped at once never runs"

@@ -10,6 +10,10 @@
 /// retry window.
 pub const MAX_TTL_MS: u64 = 365 * DAY_MS;
 
+/// The longest `tombstone`: ten years. A tombstone refuses a late retry;
+/// past that it is an archive, which belongs elsewhere.
+pub const MAX_TOMBSTONE_MS: u64 = 3650 * DAY_MS;
+
 /// The longest `wait`: a minute. A duplicate holds a connection while it
 /// waits; past a minute a 409 and a client retry serve everyone better.
 pub const MAX_WAIT_MS: u64 = 60 * 1000;

@@ -201,6 +201,10 @@ fn config_expr(args: &Args, handler: Option<&Handler>, private: &TokenStream) ->
     } else {
         quote!()
     };
+    let tombstone = match args.tombstone {
+        Some((ms, _)) => quote!(.tombstone(#ms)),
+        None => quote!(),
+    };
     let excluding = if args.exclude.is_empty() {
         quote!()
     } else {
@@ -209,7 +213,7 @@ fn config_expr(args: &Args, handler: Option<&Handler>, private: &TokenStream) ->
     };
     quote! {
         #private::Config::new(#ttl, #wait, #timeout, #private::KeyMode::#mode)
-            #phased #excluding
+            #phased #tombstone #excluding
     }
 }
 

@@ -94,6 +94,7 @@ pub fn sealed_value(data: &[u8]) {
         status: StatusCode::OK,
         headers: headers.to_vec(),
         body: body.to_vec().into(),
+        tombstone: None,
     };
     let sealer = Sealer {
         ring: Some(&RING),

@@ -468,7 +468,9 @@ impl<DB: Backend> Idem<DB> {
             return response;
         };
         match response.extensions().get::<crate::problem::Rendered>() {
-            Some(&crate::problem::Rendered(problem, state)) => problem.render(Some(base), state),
+            Some(&crate::problem::Rendered(problem, state)) => {
+                problem.rerender(&response, Some(base), state)
+            }
             None => response,
         }
     }

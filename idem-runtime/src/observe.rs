@@ -82,6 +82,9 @@ pub enum Outcome {
     /// The key's stored response did not open or decode: nothing ran, 500
     /// `idempotency_response_unreadable`.
     Unreadable,
+    /// The key is a tombstone (its response no longer kept): nothing ran,
+    /// 409 `idempotency_key_expired`.
+    Expired,
 }
 
 impl Outcome {
@@ -100,6 +103,7 @@ impl Outcome {
             Self::Fenced => "fenced",
             Self::Uncertain => "uncertain",
             Self::Unreadable => "unreadable",
+            Self::Expired => "expired",
         }
     }
 }

@@ -72,6 +72,9 @@ pub(crate) struct PhaseState<DB: Phased> {
     pub(crate) holder: Holder,
     pub(crate) key: IdempotencyKey,
     pub(crate) lease: Duration,
+    /// The handler's `ttl` and `tombstone`, for its response's write.
+    pub(crate) ttl: Duration,
+    pub(crate) tombstone: Option<Duration>,
     pub(crate) recovery: Recovery,
     /// A recovery point of an earlier attempt was found.
     pub(crate) resumed: bool,

@@ -71,6 +71,13 @@ impl Policy {
         self.0.ttl
     }
 
+    /// How long after its response a key is kept as a tombstone, which
+    /// refuses a late retry with `idempotency_key_expired` (`tombstone`);
+    /// `None`: after `ttl` a retry runs as a new request.
+    pub const fn tombstone(&self) -> Option<Duration> {
+        self.0.tombstone
+    }
+
     /// How long a concurrent duplicate waits for the first attempt before
     /// it is answered 409 (`wait`); zero for a phased handler.
     pub const fn wait(&self) -> Duration {
@@ -116,10 +123,13 @@ mod tests {
         assert_eq!(atomic.wait(), Duration::from_secs(2));
         assert_eq!(atomic.timeout(), Duration::from_secs(30));
         assert_eq!(atomic.lease(), None);
+        assert_eq!(atomic.tombstone(), None);
         assert_eq!(atomic.excluded(), ["/client_ts"]);
         let phased = Config::new(1_000, 0, 30_000, KeyMode::Required)
             .phased(5_000)
+            .tombstone(2_000)
             .policy();
+        assert_eq!(phased.tombstone(), Some(Duration::from_secs(2)));
         assert!(phased.key_required());
         assert_eq!(phased.lease(), Some(Duration::from_secs(5)));
         assert!(phased.excluded().is_empty());

@@ -86,6 +86,16 @@ pub enum Problem {
     /// twice). An operator restores the key to the ring, or
     /// [forgets](crate::Idem::forget) the key once the client knows.
     ResponseUnreadable,
+    /// 409 without `Retry-After`: the key's operation completed, its
+    /// response was kept for the handler's `ttl` and no longer is, and the
+    /// key is kept as a tombstone (the handler's `tombstone`). Nothing runs
+    /// again. The problem reports the original `status` (as
+    /// `original_status`) and its `Location` header, if it had one (as
+    /// `location`); the state is `completed`, so a new key is not safe.
+    KeyExpired {
+        /// The status the operation was first answered with.
+        status: u16,
+    },
     /// 500: the caller's scope is longer than
     /// [`MAX_SCOPE_LEN`](crate::MAX_SCOPE_LEN); nothing ran. The scope comes
     /// from the server's own extractor, so a retry cannot help.
@@ -149,9 +159,11 @@ impl Problem {
             Self::KeyMissing | Self::KeyInvalid(_) | Self::BodyUnreadable => {
                 StatusCode::BAD_REQUEST
             }
-            Self::KeyInUse | Self::KeyHeld | Self::KeyLeased { .. } | Self::OutcomeUncertain => {
-                StatusCode::CONFLICT
-            }
+            Self::KeyInUse
+            | Self::KeyHeld
+            | Self::KeyLeased { .. }
+            | Self::OutcomeUncertain
+            | Self::KeyExpired { .. } => StatusCode::CONFLICT,
             Self::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             Self::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
@@ -186,6 +198,7 @@ impl Problem {
             Self::ResponseUnreadable => "idempotency_response_unreadable",
             Self::ScopeTooLong => "idempotency_scope_too_long",
             Self::OutcomeUncertain => "idempotency_outcome_uncertain",
+            Self::KeyExpired { .. } => "idempotency_key_expired",
         }
     }
 
@@ -211,6 +224,7 @@ impl Problem {
             Self::ResponseUnreadable => "Stored response unreadable",
             Self::ScopeTooLong => "Idempotency scope too long",
             Self::OutcomeUncertain => "Outcome uncertain",
+            Self::KeyExpired { .. } => "Idempotency-Key expired",
         }
     }
 
@@ -234,6 +248,7 @@ impl Problem {
             Self::TransactionFailed => "The request's transaction failed or ended before it could commit, and no answer was stored: a retry with the same key runs the request again.".into(),
             Self::ResponseNotStored => "Nothing was done: the response is larger than can be stored for replay.".into(),
             Self::ResponseUnreadable => "This request was already done, but the server cannot read back the response it stored for it. It was not done again. Do not retry it with a new key: that would do it twice. The server's operators have been alerted.".into(),
+            Self::KeyExpired { status } => format!("This request was already done (it was answered {status}), and its response is no longer kept. It was not done again; `original_status` and `location` say what it answered. Do not retry it with a new key unless you mean to do it again."),
             Self::ScopeTooLong => "Nothing was done: the server identifies this caller by a scope longer than its idempotency key store keeps. Retrying will not help.".into(),
         }
     }
@@ -266,7 +281,9 @@ impl Problem {
             // An unreadable response's operation committed with it: it is
             // done, not uncertain (no resolution applies), only its answer
             // is lost.
-            Self::KeyReused | Self::ResponseUnreadable => OperationState::Completed,
+            Self::KeyReused | Self::ResponseUnreadable | Self::KeyExpired { .. } => {
+                OperationState::Completed
+            }
             Self::CommitOutcomeUnknown | Self::OutcomeUncertain => OperationState::Uncertain,
         }
     }
@@ -301,11 +318,32 @@ impl Problem {
     /// The problem as a response whose `type` is `type_base` followed by
     /// its `code` (`about:blank` without a base).
     pub(crate) fn render(self, type_base: Option<&str>, state: OperationState) -> Response {
+        self.render_with(type_base, state, None)
+    }
+
+    /// [`Problem::KeyExpired`] for an operation first answered with
+    /// `status` and `location`.
+    pub(crate) fn expired(status: StatusCode, location: Option<HeaderValue>) -> Response {
+        let problem = Self::KeyExpired {
+            status: status.as_u16(),
+        };
+        problem.render_with(None, problem.operation_state(), location)
+    }
+
+    /// [`render`](Self::render), with the `location` a
+    /// [`Problem::KeyExpired`] reports (kept on the response as
+    /// [`ExpiredLocation`], so that a response rendered again keeps it).
+    fn render_with(
+        self,
+        type_base: Option<&str>,
+        state: OperationState,
+        location: Option<HeaderValue>,
+    ) -> Response {
         let kind = match type_base {
             Some(base) => format!("{base}{}", self.code()),
             None => "about:blank".to_owned(),
         };
-        let body = serde_json::json!({
+        let mut body = serde_json::json!({
             "type": kind,
             "title": self.title(),
             "status": self.status().as_u16(),
@@ -314,6 +352,13 @@ impl Problem {
             "operation_state": state.as_str(),
             "safe_new_key": state.safe_new_key(),
         });
+        if let Self::KeyExpired { status } = self {
+            body["original_status"] = status.into();
+            body["location"] = location
+                .as_ref()
+                .and_then(|location| location.to_str().ok())
+                .into();
+        }
         let mut response = (self.status(), body.to_string()).into_response();
         let headers = response.headers_mut();
         headers.insert(
@@ -324,9 +369,31 @@ impl Problem {
             headers.insert(header::RETRY_AFTER, HeaderValue::from(seconds));
         }
         response.extensions_mut().insert(Rendered(self, state));
+        if let Some(location) = location {
+            response.extensions_mut().insert(ExpiredLocation(location));
+        }
         response
     }
+
+    /// `response`, which renders this problem, rendered again with
+    /// `type_base` and `state` (what it reports besides kept).
+    pub(crate) fn rerender(
+        self,
+        response: &Response,
+        type_base: Option<&str>,
+        state: OperationState,
+    ) -> Response {
+        let location = response
+            .extensions()
+            .get::<ExpiredLocation>()
+            .map(|ExpiredLocation(location)| location.clone());
+        self.render_with(type_base, state, location)
+    }
 }
+
+/// The `Location` a [`Problem::KeyExpired`] response reports.
+#[derive(Debug, Clone)]
+pub(crate) struct ExpiredLocation(HeaderValue);
 
 /// Marks a response as `idem`'s problem, so that a service's problem type
 /// base can be applied to it on its way out, wherever it was made (a
@@ -339,7 +406,7 @@ pub(crate) struct Rendered(pub(crate) Problem, pub(crate) OperationState);
 /// is otherwise.
 pub(crate) fn restate(response: Response, state: OperationState) -> Response {
     match response.extensions().get::<Rendered>() {
-        Some(&Rendered(problem, was)) if was != state => problem.answer(state),
+        Some(&Rendered(problem, was)) if was != state => problem.rerender(&response, None, state),
         _ => response,
     }
 }

@@ -77,6 +77,22 @@ pub struct EncodedResponse {
     pub headers: Vec<u8>,
     /// The `body` column.
     pub body: Bytes,
+    /// What a handler with `tombstone` keeps past its `ttl`: set on the
+    /// write of such a handler's response, `None` on every read.
+    pub tombstone: Option<TombstoneWrite>,
+}
+
+/// The tombstone a response's write sets up: how long it is replayed, how
+/// long its key is kept, and its `Location` (the `location` column: sealed
+/// where the store encrypts).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TombstoneWrite {
+    /// How long after the write the response is replayed (`ttl`).
+    pub replay: std::time::Duration,
+    /// How long after the write the key is kept (`tombstone`).
+    pub keep: std::time::Duration,
+    /// The `Location` header of the response, if it had one.
+    pub location: Option<Vec<u8>>,
 }
 
 /// The size of `headers` as [`StoredResponse::encode_headers`] writes them.
@@ -188,6 +204,7 @@ impl StoredResponse {
                 status: self.status,
                 headers,
                 body: self.body.clone(),
+                tombstone: None,
             };
         }
         let seal = |column, plain: &[u8]| sealer.seal(scope, key, column, plain).into_owned();
@@ -195,6 +212,7 @@ impl StoredResponse {
             status: self.status,
             headers: seal(Column::Headers, &headers),
             body: seal(Column::Body, &self.body).into(),
+            tombstone: None,
         }
     }
 

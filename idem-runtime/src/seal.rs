@@ -52,6 +52,8 @@ pub(crate) enum Column {
     Request,
     /// A phased key's recovery point.
     Recovery,
+    /// A tombstone's `Location` header.
+    Location,
 }
 
 impl Column {
@@ -61,6 +63,7 @@ impl Column {
             Self::Body => 2,
             Self::Request => 3,
             Self::Recovery => 4,
+            Self::Location => 5,
         }
     }
 
@@ -71,6 +74,7 @@ impl Column {
             Self::Body => "body",
             Self::Request => "request",
             Self::Recovery => "recovery",
+            Self::Location => "location",
         }
     }
 }

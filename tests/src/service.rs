@@ -29,7 +29,7 @@ use tokio::sync::{Notify, OnceCell};
 pub const EFFECTS: &str = "idem_service_effects";
 
 /// What each engine supplies: a pool, its SQL dialect and its router.
-pub trait TestDb: idem::Backend + Sized {
+pub trait TestDb: idem::Admin + Sized {
     /// Engine name in messages.
     const ENGINE: &'static str;
     /// One writer at a time (SQLite): while a handler's transaction is
@@ -900,6 +900,13 @@ macro_rules! define_app {
             $crate::handler!($db, create_brief, scope = "caller", wait = "300ms");
             $crate::handler!($db, create_short, scope = "caller", ttl = "1s");
             $crate::handler!($db, create_slow, scope = "caller", ttl = "2s");
+            $crate::handler!(
+                $db,
+                create_tombstoned,
+                scope = "caller",
+                ttl = "1s",
+                tombstone = "3s"
+            );
             $crate::handler!($db, create_optional, scope = "caller", key = "optional");
             $crate::handler!($db, create_deadline, scope = "caller", timeout = "500ms");
             $crate::handler!($db, create_bounded, scope = "caller", timeout = "2s");
@@ -919,6 +926,7 @@ macro_rules! define_app {
                     .route("/effects/brief", post(create_brief))
                     .route("/effects/short", post(create_short))
                     .route("/effects/slow", post(create_slow))
+                    .route("/effects/tombstoned", post(create_tombstoned))
                     .route("/effects/optional", post(create_optional))
                     .route("/effects/deadline", post(create_deadline))
                     .route("/effects/bounded", post(create_bounded))

@@ -29,6 +29,7 @@ pub(super) fn state_name(state: KeyState) -> &'static str {
         KeyState::Completed => "completed",
         KeyState::Uncertain => "uncertain",
         KeyState::Expired => "expired",
+        KeyState::Tombstone => "tombstone",
     }
 }
 

@@ -34,6 +34,11 @@ pub enum KeyState {
     Uncertain,
     /// Past its expiry: the next claim takes it over, as if it were absent.
     Expired,
+    /// Completed, past its handler's `ttl`, and kept as a tombstone (its
+    /// handler's `tombstone`): its response is no longer replayed, and
+    /// every request with it is answered `idempotency_key_expired` until it
+    /// expires.
+    Tombstone,
 }
 
 /// What a key's row says, for support and operators: never a stored
@@ -124,6 +129,8 @@ pub struct KeyRow {
     pub expires_ms: i64,
     /// `lease_until`.
     pub lease_until_ms: Option<i64>,
+    /// `replay_until`: a tombstone's end of replay.
+    pub replay_until_ms: Option<i64>,
     /// The database's now.
     pub now_ms: i64,
     /// The recovery point.
@@ -186,6 +193,13 @@ impl KeyRow {
         match self.status {
             _ if self.expires_ms <= self.now_ms => KeyState::Expired,
             Some(UNCERTAIN) => KeyState::Uncertain,
+            Some(_)
+                if self
+                    .replay_until_ms
+                    .is_some_and(|until| until <= self.now_ms) =>
+            {
+                KeyState::Tombstone
+            }
             Some(_) => KeyState::Completed,
             None => KeyState::InFlight,
         }

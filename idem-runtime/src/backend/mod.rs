@@ -29,7 +29,6 @@ mod phased;
 pub(crate) mod postgres;
 mod rows;
 pub(crate) mod single_flight;
-#[cfg(any(feature = "postgres", feature = "mysql"))]
 mod sql;
 #[cfg(feature = "sqlite")]
 pub(crate) mod sqlite;

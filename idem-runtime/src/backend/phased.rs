@@ -256,6 +256,8 @@ pub(crate) struct Unclaimed {
     pub(crate) attempts: i64,
     /// Its recovery point.
     pub(crate) recovery: Option<Vec<u8>>,
+    /// A tombstone's location (see [`decode_finished`]).
+    pub(crate) tombstone: Option<Option<Vec<u8>>>,
 }
 
 impl Unclaimed {
@@ -267,7 +269,13 @@ impl Unclaimed {
         max_attempts: u32,
     ) -> Result<LeaseOutcome, StoreError> {
         if let Some(status) = self.status {
-            return match decode_finished(status, &self.fingerprint, self.headers, self.body) {
+            return match decode_finished(
+                status,
+                &self.fingerprint,
+                self.headers,
+                self.body,
+                self.tombstone,
+            ) {
                 Ok((fingerprint, response)) => Ok(LeaseOutcome::Finished {
                     fingerprint,
                     response,

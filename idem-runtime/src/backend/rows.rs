@@ -93,6 +93,7 @@ pub(crate) fn key_row(row: &impl Columns) -> Result<KeyRow, sqlx::Error> {
         created_ms: row.int("created_ms")?,
         expires_ms: row.int("expires_ms")?,
         lease_until_ms: row.int_or_null("lease_until_ms")?,
+        replay_until_ms: row.int_or_null("replay_until_ms")?,
         now_ms: row.int("now_ms")?,
         recovery: row.bytes_or_null("recovery")?,
         request: row.bytes_or_null("request")?,
@@ -150,6 +151,7 @@ pub(crate) fn unclaimed(row: &impl Columns) -> Result<Unclaimed, sqlx::Error> {
         remaining_ms: row.int_or_null("remaining_ms")?.unwrap_or(0),
         attempts: row.count_or_null("attempts")?.unwrap_or(0).into(),
         recovery: row.bytes_or_null("recovery")?,
+        tombstone: tombstone(row)?,
     })
 }
 
@@ -179,8 +181,8 @@ pub(crate) fn failing_row(row: &impl Columns) -> Result<FailingRow, sqlx::Error>
 }
 
 /// A key's row as a claim or a replay reads it: its fingerprint and stored
-/// response once `status` is set (`headers` and `body` with it); `None`
-/// while unfinished.
+/// response once `status` is set (`headers` and `body` with it, and
+/// [`TOMBSTONE_COLUMNS`]); `None` while unfinished.
 pub(crate) fn finished_row(
     row: &impl Columns,
 ) -> Result<Option<(Fingerprint, EncodedResponse)>, StoreError> {
@@ -195,5 +197,21 @@ pub(crate) fn finished_row(
         ))
     };
     let (fingerprint, headers, body) = read().map_err(StoreError::Database)?;
-    decode_finished(status.into(), &fingerprint, headers, body).map(Some)
+    let tombstone = tombstone(row).map_err(StoreError::Database)?;
+    decode_finished(status.into(), &fingerprint, headers, body, tombstone).map(Some)
+}
+
+/// What every read of a finished row selects besides its response, for a
+/// handler's tombstone, `now` being the engine's clock: `past_ttl` (1 once
+/// the row's replay has ended, else 0 or `NULL`) and `location`.
+pub(crate) fn tombstone_columns(now: &str) -> String {
+    format!("location, CASE WHEN replay_until <= {now} THEN 1 ELSE 0 END AS past_ttl")
+}
+
+/// A row's [`tombstone_columns`]: `Some(location)` once its replay ended.
+pub(crate) fn tombstone(row: &impl Columns) -> Result<Option<Option<Vec<u8>>>, sqlx::Error> {
+    if row.count_or_null("past_ttl")?.unwrap_or(0) == 0 {
+        return Ok(None);
+    }
+    row.bytes_or_null("location").map(Some)
 }

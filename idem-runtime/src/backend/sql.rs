@@ -1,4 +1,4 @@
-//! SQL text helpers the engines that inline values share.
+//! SQL text helpers the engines share where they inline values.
 
 /// Appends the hex form of `bytes` to `out`, two digits a byte: encoded a
 /// chunk at a time on the stack from a table of digit pairs, then appended

@@ -24,6 +24,9 @@ pub struct Claim<'a> {
     pub fingerprint: Fingerprint,
     /// How long the stored response is kept.
     pub ttl: Duration,
+    /// How long after the response the key is kept as a tombstone (its
+    /// fingerprint, status and `Location`); `None`: not past `ttl`.
+    pub tombstone: Option<Duration>,
     /// How long to wait for a concurrent attempt before answering 409.
     pub wait: Duration,
     /// The handler's deadline in milliseconds: a session left behind by a
@@ -121,6 +124,19 @@ pub enum StoreError {
     Uncertain {
         /// The fingerprint the key was claimed with.
         fingerprint: Fingerprint,
+    },
+    /// The key is a tombstone: its operation completed, and its response
+    /// is no longer replayed (past the `ttl` of a handler with a
+    /// `tombstone`). Nothing runs until the tombstone expires.
+    #[error("the idempotency key has expired and is kept as a tombstone")]
+    Tombstone {
+        /// The fingerprint the key was claimed with.
+        fingerprint: Fingerprint,
+        /// The status the operation was answered with.
+        status: http::StatusCode,
+        /// Its `Location` header, as the `location` column keeps it (encoded
+        /// as the headers column is, and sealed where the store encrypts).
+        location: Option<Vec<u8>>,
     },
     /// A scope longer than the engine's key column takes.
     #[error("idempotency scope is {len} bytes; the key store takes at most {max}")]
@@ -285,7 +301,9 @@ pub(crate) fn finished<DB: Database>(
 pub(crate) const UNCERTAIN: i64 = 0;
 
 /// A finished row's fingerprint and response, as every engine reads them;
-/// an uncertain row's fingerprint as [`StoreError::Uncertain`]. The
+/// an uncertain row's fingerprint as [`StoreError::Uncertain`], and a
+/// tombstone's (`past_ttl`: the row's replay has ended) as
+/// [`StoreError::Tombstone`], with its `location`. The
 /// response's columns are handed on as they are: the protocol opens and
 /// decodes them ([`EncodedResponse::open`]), where it knows the store's
 /// key ring, and only for a request whose fingerprint matches.
@@ -294,6 +312,7 @@ pub(crate) fn decode_finished(
     fingerprint: &[u8],
     headers: Option<Vec<u8>>,
     body: Option<Vec<u8>>,
+    tombstone: Option<Option<Vec<u8>>>,
 ) -> Result<(Fingerprint, EncodedResponse), StoreError> {
     let fingerprint = Fingerprint::from_bytes(fingerprint).ok_or(StoreError::Corrupt)?;
     if status == UNCERTAIN {
@@ -303,10 +322,43 @@ pub(crate) fn decode_finished(
         .ok()
         .and_then(|status| http::StatusCode::from_u16(status).ok())
         .ok_or(StoreError::Corrupt)?;
+    if let Some(location) = tombstone {
+        return Err(StoreError::Tombstone {
+            fingerprint,
+            status,
+            location,
+        });
+    }
     let response = EncodedResponse {
         status,
         headers: headers.unwrap_or_default(),
         body: body.unwrap_or_default().into(),
+        tombstone: None,
     };
     Ok((fingerprint, response))
+}
+
+/// The assignments that keep a finished row as a tombstone, for the write
+/// of a response of a handler with `tombstone` (empty for any other):
+/// its `location`, the end of its replay (`replay_until`) and of the row
+/// (`expires_at`), both counted from the write. `literal` writes bytes as
+/// the engine's SQL literal, `after_ms` the engine's clock plus so many
+/// milliseconds. (No column is read: MySQL applies assignments in order.)
+pub(crate) fn tombstone_assignments(
+    response: &EncodedResponse,
+    literal: impl Fn(&[u8]) -> String,
+    after_ms: impl Fn(i64) -> String,
+) -> String {
+    let Some(tombstone) = &response.tombstone else {
+        return String::new();
+    };
+    let location = tombstone
+        .location
+        .as_deref()
+        .map_or_else(|| "NULL".to_owned(), literal);
+    format!(
+        ", location = {location}, replay_until = {}, expires_at = {}",
+        after_ms(super::phased::ms(tombstone.replay)),
+        after_ms(super::phased::ms(tombstone.keep))
+    )
 }

@@ -20,6 +20,7 @@ pub(crate) fn claim_of<'a>(scope: &'a str, key: &'a str, fill: u8, wait: Duratio
         key,
         fingerprint: Fingerprint::from_bytes(&[fill; 32]).unwrap(),
         ttl: Duration::from_secs(60),
+        tombstone: None,
         wait,
         timeout_ms: 30_000,
         advisory: true,
@@ -34,6 +35,7 @@ pub(crate) fn response(status: http::StatusCode, body: &'static str) -> EncodedR
         status,
         headers: Vec::new(),
         body: body.into(),
+        tombstone: None,
     }
 }
 

@@ -24,8 +24,8 @@ use crate::response::{CaptureError, StoredResponse};
 use crate::tx::Tx;
 
 use super::{
-    Answer, DynHandler, Prepared, answer_finished, answer_uncertain, call_once, read_seen, record,
-    retry_after_secs, scope_too_long,
+    Answer, DynHandler, Prepared, answer_finished, answer_tombstone, answer_uncertain, call_once,
+    read_seen, record, retry_after_secs, scope_too_long, tombstone_write,
 };
 
 /// Claims the key in `scope`, runs the handler once, stores its response in
@@ -110,6 +110,14 @@ async fn run_keyed<'f, DB: Backend>(
             observe::claim_latency("finished", started.elapsed());
             return answer_uncertain(claim, &fingerprint);
         }
+        Err(StoreError::Tombstone {
+            fingerprint,
+            status,
+            location,
+        }) => {
+            observe::claim_latency("finished", started.elapsed());
+            return answer_tombstone(idem, claim, &fingerprint, status, location.as_deref());
+        }
         Err(StoreError::Orphaned { bound }) => {
             observe::claim_latency("error", started.elapsed());
             tracing::warn!(
@@ -166,7 +174,14 @@ async fn run_keyed<'f, DB: Backend>(
             return (Outcome::RolledBack, response);
         }
     };
-    let encoded = stored.seal(&idem.sealer(), claim.scope, claim.key);
+    let mut encoded = stored.seal(&idem.sealer(), claim.scope, claim.key);
+    encoded.tombstone = tombstone_write(
+        idem,
+        (claim.scope, claim.key),
+        claim.ttl,
+        claim.tombstone,
+        &parts,
+    );
     match DB::finish(&mut conn, idem.table_name(), Some(claim), Some(&encoded)).await {
         Ok(()) => {
             conn.release();
@@ -491,6 +506,7 @@ mod tests {
                 key: "k",
                 fingerprint: Fingerprint::from_bytes(&[0; 32]).unwrap(),
                 ttl: Duration::from_secs(1),
+                tombstone: None,
                 wait: Duration::ZERO,
                 timeout_ms: 30_000,
                 advisory: true,

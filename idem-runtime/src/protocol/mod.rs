@@ -25,6 +25,7 @@ use axum::extract::{OriginalUri, Request};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use http::request::Parts;
+use http::{StatusCode, header};
 use http_body_util::BodyExt;
 use tracing::Span;
 
@@ -36,8 +37,11 @@ use crate::key::parse_key;
 use crate::observe::{self, Outcome};
 use crate::problem::{OperationState, Problem};
 use crate::request::StoredRequest;
-use crate::response::{EncodedResponse, is_storable};
+use crate::response::{
+    EncodedResponse, StoredResponse, TombstoneWrite, decode_headers, is_storable,
+};
 use crate::scope::MAX_SCOPE_LEN;
+use crate::seal::Column;
 
 /// Whether a handler demands a key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,6 +61,10 @@ pub struct Config {
     pub(crate) key: KeyMode,
     /// The lease of a phased handler; `None` in the atomic mode.
     pub(crate) lease: Option<Duration>,
+    /// How long after its response a key is kept as a tombstone (its
+    /// fingerprint, status and `Location`), refusing late retries; `None`:
+    /// the key is forgotten after `ttl`.
+    pub(crate) tombstone: Option<Duration>,
     /// JSON Pointers to the members the fingerprint leaves out.
     pub(crate) exclude: &'static [&'static str],
 }
@@ -70,8 +78,16 @@ impl Config {
             timeout: Duration::from_millis(timeout_ms),
             key,
             lease: None,
+            tombstone: None,
             exclude: &[],
         }
+    }
+
+    /// The same arguments for a handler whose keys are kept as tombstones
+    /// until `tombstone_ms` after their response (`tombstone = ".."`).
+    pub const fn tombstone(mut self, tombstone_ms: u64) -> Self {
+        self.tombstone = Some(Duration::from_millis(tombstone_ms));
+        self
     }
 
     /// The same arguments for a handler whose fingerprint leaves out the
@@ -102,6 +118,7 @@ impl Config {
             key,
             fingerprint,
             ttl: self.ttl,
+            tombstone: self.tombstone,
             wait: self.wait,
             // The handler's deadline in milliseconds (at most an hour, as
             // the attribute checks).
@@ -363,6 +380,69 @@ pub(crate) fn answer_finished<DB: Backend>(
             )
         }
     }
+}
+
+/// A tombstone's answer to a request with `fingerprint`: 409
+/// `idempotency_key_expired` with the operation's first status and
+/// `Location`, or 422 for another request. Nothing runs either way. A
+/// `location` that does not open is logged and counted, and left out.
+pub(crate) fn answer_tombstone<DB: Backend>(
+    idem: &Idem<DB>,
+    claim: &Claim<'_>,
+    fingerprint: &Fingerprint,
+    status: StatusCode,
+    location: Option<&[u8]>,
+) -> (Outcome, Response) {
+    if *fingerprint != claim.fingerprint {
+        return (
+            Outcome::Reused,
+            Problem::KeyReused.answer(OperationState::Completed),
+        );
+    }
+    let opened = idem
+        .sealer()
+        .open_logged(claim.scope, claim.key, Column::Location, location);
+    let location = opened
+        .ok()
+        .flatten()
+        .and_then(|opened| decode_headers(&opened))
+        .and_then(|headers| {
+            headers
+                .into_iter()
+                .find_map(|(name, value)| (name == header::LOCATION).then_some(value))
+        });
+    (Outcome::Expired, Problem::expired(status, location))
+}
+
+/// The tombstone the write of a response (its `parts`) sets up for
+/// `scope`'s `key`, whose handler keeps its keys as tombstones for `keep`
+/// (its `tombstone`) after a replay of `replay` (its `ttl`): the response's
+/// `Location`, encoded as the headers column is and sealed as the
+/// `location` column. `None` for a handler without `tombstone`.
+pub(crate) fn tombstone_write<DB: Backend>(
+    idem: &Idem<DB>,
+    (scope, key): (&str, &str),
+    replay: Duration,
+    keep: Option<Duration>,
+    parts: &http::response::Parts,
+) -> Option<TombstoneWrite> {
+    let keep = keep?;
+    let location = parts.headers.get(header::LOCATION).map(|location| {
+        let encoded = StoredResponse {
+            status: parts.status,
+            headers: vec![(header::LOCATION, location.clone())],
+            body: Bytes::new(),
+        }
+        .encode_headers();
+        idem.sealer()
+            .seal(scope, key, Column::Location, &encoded)
+            .into_owned()
+    });
+    Some(TombstoneWrite {
+        replay,
+        keep,
+        location,
+    })
 }
 
 /// An uncertain key's answer to a request with `fingerprint`: 409

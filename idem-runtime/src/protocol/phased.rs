@@ -18,8 +18,8 @@ use futures_util::FutureExt;
 use tracing::Instrument;
 
 use super::{
-    Answer, DynHandler, Prepared, answer_finished, answer_uncertain, call_once, read_seen, record,
-    retry_after_secs, scope_too_long,
+    Answer, DynHandler, Prepared, answer_finished, answer_tombstone, answer_uncertain, call_once,
+    read_seen, record, retry_after_secs, scope_too_long, tombstone_write,
 };
 use crate::backend::{
     Claim, ClaimOutcome, FinishError, Holder, LeaseClaim, LeaseOutcome, Phased, Release,
@@ -154,6 +154,8 @@ async fn run_keyed<'f, DB: Phased>(
         holder,
         key: IdempotencyKey::new(claim.scope.to_owned(), claim.key.to_owned()),
         lease: lease.lease,
+        ttl: claim.ttl,
+        tombstone: claim.tombstone,
         recovery,
         resumed,
         fenced: false,
@@ -243,6 +245,16 @@ async fn claim_lease<DB: Phased>(
             | Err(StoreError::Uncertain { fingerprint }) => {
                 latency("finished");
                 return Err(answer_uncertain(claim, &fingerprint));
+            }
+            Err(StoreError::Tombstone {
+                fingerprint,
+                status,
+                location,
+            }) => {
+                latency("finished");
+                let answer =
+                    answer_tombstone(idem, claim, &fingerprint, status, location.as_deref());
+                return Err(answer);
             }
             Ok(LeaseOutcome::Leased { remaining }) => {
                 latency("in_use");
@@ -368,7 +380,9 @@ async fn store<DB: Phased>(
         },
     };
     let table = idem.table_name();
-    let encoded = stored.seal(&idem.sealer(), &state.holder.scope, &state.holder.key);
+    let mut encoded = stored.seal(&idem.sealer(), &state.holder.scope, &state.holder.key);
+    let row = (state.holder.scope.as_str(), state.holder.key.as_str());
+    encoded.tombstone = tombstone_write(idem, row, state.ttl, state.tombstone, &parts);
     match DB::store_and_commit(&mut conn, table, &state.holder, &encoded).await {
         Ok(true) => {
             conn.release();

@@ -40,6 +40,72 @@ pub async fn expired_keys_run_as_new<DB: TestDb>() {
     );
 }
 
+/// With `ttl = "1s", tombstone = "3s"`: the key replays inside the
+/// second; after it, the same request is refused with
+/// `idempotency_key_expired`, carrying the first status and `Location`,
+/// and another request gets 422, neither running anything; the sweeper
+/// drops the response and keeps the answer; after the tombstone, the key
+/// runs as new. In a key table of the test's own, which it sweeps.
+pub async fn tombstones_refuse_late_retries<DB: TestDb>() {
+    let table = format!("idem_tomb_{}", crate::app::nonce());
+    let server = start_configured(DB::connect().await, |idem| {
+        idem.table(&table).expect("a plain table name")
+    })
+    .await;
+    server.state.idem.migrate().await.expect("migrate");
+    let caller = unique("tomb");
+    let client = server.client(&caller);
+    let route = "/effects/tombstoned";
+    let first = send(client.post(route, "k", BODY)).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    let location = first.header("location").expect("a location").to_owned();
+    assert!(send(client.post(route, "k", BODY)).await.replayed());
+    // The passage of time is what is under test here: past the 1 s ttl.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let expired = |answer: &crate::app::Answer| {
+        assert_eq!(answer.status, StatusCode::CONFLICT, "{answer:?}");
+        assert_eq!(answer.problem_code(), "idempotency_key_expired");
+        assert_eq!(answer.json()["original_status"], 201, "{answer:?}");
+        assert_eq!(answer.json()["location"], location.as_str(), "{answer:?}");
+        assert_eq!(answer.operation_state(), ("completed".to_owned(), false));
+        assert!(answer.header("retry-after").is_none(), "{answer:?}");
+        assert!(!answer.replayed());
+    };
+    expired(&send(client.post(route, "k", BODY)).await);
+    let other = send(client.post(route, "k", r#"{"note":"another"}"#)).await;
+    assert_eq!(other.status, StatusCode::UNPROCESSABLE_ENTITY, "{other:?}");
+    assert_eq!(other.problem_code(), "idempotency_key_reused");
+    assert_eq!(server.effects(&caller).await, 1, "nothing ran again");
+    let info = server.state.idem.lookup(&caller, "k").await.unwrap();
+    assert_eq!(info.map(|info| info.state), Some(idem::KeyState::Tombstone));
+
+    // The sweeper turns it into a tombstone proper: the response goes,
+    // the answer stays. (The count's "table" carries its condition.)
+    let pool = server.state.idem.pool().clone();
+    let dropped = format!("{table} WHERE status IS NOT NULL AND body IS NULL AND headers IS NULL");
+    assert_eq!(DB::rows_in(&pool, &dropped).await, 0);
+    let swept = server.state.idem.sweep_expired(1000).await.expect("sweep");
+    assert_eq!(swept, 1, "the sweep converts the one tombstone");
+    assert_eq!(DB::rows_in(&pool, &dropped).await, 1);
+    assert_eq!(server.state.idem.sweep_expired(1000).await.unwrap(), 0);
+    expired(&send(client.post(route, "k", BODY)).await);
+    assert_eq!(server.effects(&caller).await, 1);
+
+    // The passage of time is what is under test here: past the 3 s
+    // tombstone, which counts from the response.
+    tokio::time::sleep(Duration::from_millis(2000)).await;
+    let again = send(client.post(route, "k", BODY)).await;
+    assert_eq!(again.status, StatusCode::CREATED, "{again:?}");
+    assert!(!again.replayed());
+    assert_eq!(
+        server.effects(&caller).await,
+        2,
+        "a new request after the tombstone"
+    );
+    assert!(send(client.post(route, "k", BODY)).await.replayed());
+    DB::drop_table(&pool, &table).await;
+}
+
 /// A first attempt that runs longer than its key's lifetime still has its
 /// response kept and replayed: the expiry of a slow request counts from its
 /// response, not from its claim (which it would have outlived, committing

@@ -54,6 +54,7 @@ macro_rules! all_engines {
                 killed_server_leaves_nothing_behind,
                 bad_keys_are_400,
                 expired_keys_run_as_new,
+                tombstones_refuse_late_retries,
                 concurrent_retries_of_an_expired_key_make_one_effect,
                 sweeping_spares_live_and_taken_over_keys,
                 slow_first_attempts_are_kept_for_their_ttl,

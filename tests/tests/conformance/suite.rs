@@ -20,6 +20,7 @@ pub use crate::commits::{
 pub use crate::expiry::{
     concurrent_retries_of_an_expired_key_make_one_effect, expired_keys_run_as_new,
     slow_first_attempts_are_kept_for_their_ttl, sweeping_spares_live_and_taken_over_keys,
+    tombstones_refuse_late_retries,
 };
 pub use crate::transactions::{
     connections_come_back_outside_any_transaction, ended_transactions_are_not_successes,

@@ -360,7 +360,7 @@ pub(in crate::admin) fn key(viewer: &Viewer, view: &KeyView<'_>, status: StatusC
             }
         }
         @if info.state == KeyState::Uncertain { (resolve_forms(viewer, view)) }
-        @if matches!(info.state, KeyState::Completed | KeyState::Expired) {
+        @if matches!(info.state, KeyState::Completed | KeyState::Expired | KeyState::Tombstone) {
             h2 { "Forget" }
             p.hint { "Deletes the key: its next request runs afresh, as a first attempt." }
             form.act method="post" action="/admin/key/forget" {

@@ -42,6 +42,7 @@ impl AdminStore for MySql {
              TIMESTAMPDIFF(MICROSECOND, '1970-01-01', created_at) DIV 1000 AS created_ms, \
              TIMESTAMPDIFF(MICROSECOND, '1970-01-01', expires_at) DIV 1000 AS expires_ms, \
              TIMESTAMPDIFF(MICROSECOND, '1970-01-01', lease_until) DIV 1000 AS lease_until_ms, \
+             TIMESTAMPDIFF(MICROSECOND, '1970-01-01', replay_until) DIV 1000 AS replay_until_ms, \
              TIMESTAMPDIFF(MICROSECOND, '1970-01-01', UTC_TIMESTAMP(6)) DIV 1000 AS now_ms",
         key: "`key`",
         params: ["?", "?"],

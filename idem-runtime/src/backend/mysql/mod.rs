@@ -56,7 +56,7 @@ use sqlx_core::transaction::TransactionManager;
 
 use self::sql::{claim_sql, matches};
 use super::claim::Failure;
-use super::rows::finished_row;
+use super::rows::{finished_row, tombstone_columns};
 use super::store::finished;
 use super::{Claim, ClaimOutcome, OpenTx, StoreError};
 
@@ -65,6 +65,9 @@ mod outbox_store;
 mod phased;
 mod sql;
 mod store;
+
+/// The server's clock, as every statement of this engine reads it.
+const NOW: &str = "UTC_TIMESTAMP(6)";
 
 const ER_LOCK_WAIT_TIMEOUT: u16 = 1205;
 const ER_LOCK_DEADLOCK: u16 = 1213;
@@ -160,8 +163,9 @@ impl super::claim::ClaimAttempt<MySql> for MySqlClaim<'_> {
         // opened (sqlx did not count it), the lock wait still the claim's
         // (the read cannot wait: the row's lock is ours).
         let read = format!(
-            "SELECT status, fingerprint, headers, body FROM {} \
+            "SELECT status, fingerprint, headers, body, {} FROM {} \
              WHERE {} AND expires_at > UTC_TIMESTAMP(6) LIMIT 1 FOR UPDATE; {}",
+            tombstone_columns(NOW),
             self.table,
             matches(self.claim),
             end_claim(),

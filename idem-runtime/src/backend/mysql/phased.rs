@@ -11,11 +11,12 @@ use std::time::Duration;
 use sqlx::{AssertSqlSafe, MySql, MySqlConnection, Pool, Row};
 
 use super::MAX_SCOPE_BYTES;
+use super::sql::tombstone_set;
 use crate::backend::phased::{
     Abandoned, Holder, LeaseClaim, LeaseOutcome, Phased, PhasedStore, Release, abandoned_sql,
     count_uncertain_sql, ms,
 };
-use crate::backend::rows::{abandoned, unclaimed};
+use crate::backend::rows::{abandoned, tombstone_columns, unclaimed};
 use crate::backend::store::{Store, UNCERTAIN};
 use crate::backend::{Acquire, FinishError, StoreError, abandon};
 use crate::response::EncodedResponse;
@@ -94,8 +95,9 @@ impl PhasedStore for MySql {
     ) -> Result<bool, sqlx::Error> {
         let sql = format!(
             "UPDATE {table} SET status = ?, headers = ?, body = ?, \
-                 recovery = NULL, request = NULL, lease_until = NULL \
-             WHERE {ROW} AND lease_token = ? AND status IS NULL"
+                 recovery = NULL, request = NULL, lease_until = NULL{} \
+             WHERE {ROW} AND lease_token = ? AND status IS NULL",
+            tombstone_set(response)
         );
         let done = sqlx::query(AssertSqlSafe(sql))
             .bind(response.status.as_u16())
@@ -223,8 +225,9 @@ async fn take(
              expires_at <= UTC_TIMESTAMP(6) AS expired, \
              COALESCE(lease_until <= UTC_TIMESTAMP(6), TRUE) AS ended, \
              COALESCE(TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), lease_until) DIV 1000, 0) \
-                 AS remaining_ms \
-         FROM {table} WHERE {ROW} FOR UPDATE"
+                 AS remaining_ms, {} \
+         FROM {table} WHERE {ROW} FOR UPDATE",
+        tombstone_columns(super::NOW)
     );
     let row = sqlx::query(AssertSqlSafe(select))
         .bind(claim.scope.as_bytes())
@@ -254,7 +257,8 @@ async fn take(
         _ if expired => (
             "lease_token = COALESCE(lease_token, 0) + 1, recovery = NULL, attempts = 0, \
              created_at = UTC_TIMESTAMP(6), expires_at = UTC_TIMESTAMP(6) + INTERVAL ? * 1000 MICROSECOND, \
-             status = NULL, headers = NULL, body = NULL, fingerprint = ?",
+             status = NULL, headers = NULL, body = NULL, location = NULL, replay_until = NULL, \
+             fingerprint = ?",
             None,
         ),
         _ if resumable && reserved => (

@@ -4,6 +4,7 @@
 use super::{SAVED_IDLE, SAVED_LOCK_WAIT, fail_if};
 use crate::backend::Claim;
 use crate::backend::sql::push_hex;
+use crate::backend::store::tombstone_assignments;
 use crate::response::EncodedResponse;
 
 /// The sweep's `DELETE`s of the locked `rows`, each at most about `limit`
@@ -91,6 +92,8 @@ pub(super) fn claim_sql(table: &str, claim: &Claim<'_>) -> String {
              status = IF({expired}, NULL, status), \
              headers = IF({expired}, NULL, headers), \
              body = IF({expired}, NULL, body), \
+             location = IF({expired}, NULL, location), \
+             replay_until = IF({expired}, NULL, replay_until), \
              created_at = IF({expired}, {now}, created_at), \
              expires_at = IF({expired}, {expires}, expires_at); \
          SET SESSION innodb_lock_wait_timeout = {SAVED_LOCK_WAIT}, @idem_taken = {taken}",
@@ -109,7 +112,9 @@ pub(super) fn store(
     response: &EncodedResponse,
     late: bool,
 ) -> String {
-    let expiry = if late {
+    let expiry = if response.tombstone.is_some() {
+        tombstone_set(response)
+    } else if late {
         format!(
             ", expires_at = UTC_TIMESTAMP(6) + INTERVAL {} MICROSECOND",
             claim.ttl.as_micros()
@@ -124,6 +129,20 @@ pub(super) fn store(
         hex(&response.headers),
         hex(&response.body),
         matches(claim),
+    )
+}
+
+/// [`tombstone_assignments`] in MySQL's spelling.
+pub(super) fn tombstone_set(response: &EncodedResponse) -> String {
+    tombstone_assignments(
+        response,
+        |bytes| format!("X'{}'", hex(bytes)),
+        |ms| {
+            format!(
+                "UTC_TIMESTAMP(6) + INTERVAL {} MICROSECOND",
+                ms.saturating_mul(1000)
+            )
+        },
     )
 }
 

@@ -30,7 +30,11 @@ impl Store for MySql {
             index if index.len() <= 64 => index,
             _ => format!("idem_{suffix}"),
         };
-        let (index, lease_index) = (index_name("expires_at_idx"), index_name("lease_idx"));
+        let (index, lease_index, replay_index) = (
+            index_name("expires_at_idx"),
+            index_name("lease_idx"),
+            index_name("replay_idx"),
+        );
         let ddl = format!(
             "CREATE TABLE IF NOT EXISTS {table} (
                 scope VARBINARY({MAX_SCOPE_BYTES}) NOT NULL,
@@ -46,9 +50,12 @@ impl Store for MySql {
                 recovery LONGBLOB NULL,
                 request LONGBLOB NULL,
                 attempts INT NULL,
+                replay_until DATETIME(6) NULL,
+                location BLOB NULL,
                 PRIMARY KEY (scope, `key`),
                 KEY {index} (expires_at),
-                KEY {lease_index} (lease_until)
+                KEY {lease_index} (lease_until),
+                KEY {replay_index} (replay_until)
             ) ENGINE = InnoDB ROW_FORMAT = DYNAMIC"
         );
         // DDL takes a metadata lock: concurrent migrations queue, no race.
@@ -75,18 +82,29 @@ impl Store for MySql {
             Some((schema, name)) => (format!("'{schema}'"), name),
             None => ("DATABASE()".to_owned(), table),
         };
-        let present: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
-            "SELECT COUNT(*) FROM information_schema.columns \
-             WHERE table_schema = {schema} AND table_name = '{name}' AND column_name = 'lease_token'"
-        )))
-        .fetch_one(pool)
-        .await?;
-        if present == 0 {
+        let present = |column: &'static str| {
+            sqlx::query_scalar::<_, i64>(AssertSqlSafe(format!(
+                "SELECT COUNT(*) FROM information_schema.columns \
+                 WHERE table_schema = {schema} AND table_name = '{name}' \
+                 AND column_name = '{column}'"
+            )))
+            .fetch_one(pool)
+        };
+        if present("lease_token").await? == 0 {
             sqlx::raw_sql(AssertSqlSafe(format!(
                 "ALTER TABLE {table} ADD COLUMN lease_token BIGINT NULL, \
                  ADD COLUMN lease_until DATETIME(6) NULL, ADD COLUMN recovery LONGBLOB NULL, \
                  ADD COLUMN request LONGBLOB NULL, ADD COLUMN attempts INT NULL, \
                  ADD KEY {lease_index} (lease_until)"
+            )))
+            .execute(pool)
+            .await?;
+        }
+        // So did the tombstones'.
+        if present("replay_until").await? == 0 {
+            sqlx::raw_sql(AssertSqlSafe(format!(
+                "ALTER TABLE {table} ADD COLUMN replay_until DATETIME(6) NULL, \
+                 ADD COLUMN location BLOB NULL, ADD KEY {replay_index} (replay_until)"
             )))
             .execute(pool)
             .await?;
@@ -133,8 +151,9 @@ impl Store for MySql {
         // opened, which would otherwise go back to the pool, holding a
         // stale snapshot for the connection's next reads.
         let sql = format!(
-            "SELECT status, fingerprint, headers, body FROM {table} \
+            "SELECT status, fingerprint, headers, body, {} FROM {table} \
              WHERE {} AND status IS NOT NULL AND expires_at > UTC_TIMESTAMP(6); COMMIT",
+            crate::backend::rows::tombstone_columns(super::NOW),
             matches(claim)
         );
         let row = crate::backend::connection::on_connection(pool, acquire, |mut conn| {
@@ -332,14 +351,41 @@ impl Store for MySql {
             }
             Ok(swept)
         };
-        match swept.await {
-            Ok(swept) => Ok(swept),
+        let deleted = match swept.await {
+            Ok(deleted) => deleted,
             Err(error) => {
                 // The batch stopped inside its transaction: closing the
                 // connection rolls it back.
+                conn.close_on_drop();
+                return Err(error);
+            }
+        };
+        let left = u64::from(batch).saturating_sub(deleted);
+        if left == 0 {
+            return Ok(deleted);
+        }
+        // Rows past their replay become tombstones: their response goes,
+        // and `replay_until` becomes the epoch, below the range this scan
+        // reads, so converted rows are not read again. READ COMMITTED, as
+        // above: no gap locks.
+        let convert = format!(
+            "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION; \
+             UPDATE {table} SET headers = NULL, body = NULL, replay_until = {TOMBSTONED} \
+             WHERE replay_until > {TOMBSTONED} AND replay_until <= UTC_TIMESTAMP(6) \
+             ORDER BY replay_until LIMIT {left}; COMMIT"
+        );
+        match sqlx::raw_sql(AssertSqlSafe(convert))
+            .execute(&mut *conn)
+            .await
+        {
+            Ok(done) => Ok(deleted + done.rows_affected()),
+            Err(error) => {
                 conn.close_on_drop();
                 Err(error)
             }
         }
     }
 }
+
+/// A tombstone's `replay_until` once its response is dropped.
+const TOMBSTONED: &str = "'1970-01-01 00:00:00'";

@@ -408,6 +408,7 @@ async fn the_claims_idle_bound_ends_with_its_transaction() {
         status: http::StatusCode::CREATED,
         headers: Vec::new(),
         body: "{}".into(),
+        tombstone: None,
     };
     MySql::finish(&mut conn, &table, Some(&claim), Some(&response))
         .await

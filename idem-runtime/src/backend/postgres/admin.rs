@@ -30,6 +30,7 @@ impl AdminStore for Postgres {
              (extract(epoch FROM created_at) * 1000)::bigint AS created_ms, \
              (extract(epoch FROM expires_at) * 1000)::bigint AS expires_ms, \
              (extract(epoch FROM lease_until) * 1000)::bigint AS lease_until_ms, \
+             (extract(epoch FROM replay_until) * 1000)::bigint AS replay_until_ms, \
              (extract(epoch FROM clock_timestamp()) * 1000)::bigint AS now_ms",
         key: "key",
         params: ["$1", "$2"],

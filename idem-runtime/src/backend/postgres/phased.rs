@@ -18,8 +18,8 @@ use crate::backend::phased::{
     Abandoned, Holder, LeaseClaim, LeaseOutcome, Phased, PhasedStore, Release, abandoned_sql,
     count_uncertain_sql, ms,
 };
-use crate::backend::rows::{abandoned, unclaimed};
-use crate::backend::store::UNCERTAIN;
+use crate::backend::rows::{abandoned, tombstone_columns, unclaimed};
+use crate::backend::store::{UNCERTAIN, tombstone_assignments};
 use crate::backend::{Acquire, FinishError, OpenTx, StoreError, in_autocommit};
 use crate::response::EncodedResponse;
 
@@ -57,8 +57,8 @@ impl PhasedStore for Postgres {
                      ELSE COALESCE(k.attempts, 0) + 1 END, \
                  created_at = CASE WHEN k.expires_at <= clock_timestamp() THEN now() ELSE k.created_at END, \
                  expires_at = CASE WHEN k.expires_at <= clock_timestamp() THEN EXCLUDED.expires_at ELSE k.expires_at END, \
-                 status = NULL, headers = NULL, body = NULL, \
-                 fingerprint = EXCLUDED.fingerprint \
+                 status = NULL, headers = NULL, body = NULL, location = NULL, \
+                 replay_until = NULL, fingerprint = EXCLUDED.fingerprint \
              WHERE k.expires_at <= clock_timestamp() \
                 OR (k.status IS NULL AND k.lease_token IS NOT NULL \
                     AND k.fingerprint = EXCLUDED.fingerprint \
@@ -92,8 +92,9 @@ impl PhasedStore for Postgres {
         let select = format!(
             "SELECT status, fingerprint, headers, body, lease_token, attempts, recovery, \
                  CAST(EXTRACT(EPOCH FROM (lease_until - clock_timestamp())) * 1000 AS bigint) \
-                     AS remaining_ms \
-             FROM {table} WHERE scope = $1 AND key = $2"
+                     AS remaining_ms, {} \
+             FROM {table} WHERE scope = $1 AND key = $2",
+            tombstone_columns("clock_timestamp()")
         );
         let select = &select;
         let row = in_autocommit(pool, acquire, |mut conn| async move {
@@ -158,10 +159,11 @@ impl PhasedStore for Postgres {
     ) -> Result<bool, FinishError> {
         let set = format!(
             "status = {}, headers = {}, body = {}, recovery = NULL, request = NULL, \
-             lease_until = NULL",
+             lease_until = NULL{}",
             response.status.as_u16(),
             bytea(&response.headers),
-            bytea(&response.body)
+            bytea(&response.body),
+            tombstone_set(response)
         );
         guarded_commit(conn, &guarded_write(table, holder, &set)).await
     }
@@ -174,8 +176,9 @@ impl PhasedStore for Postgres {
     ) -> Result<bool, sqlx::Error> {
         let sql = format!(
             "UPDATE {table} SET status = $1, headers = $2, body = $3, \
-                 recovery = NULL, request = NULL, lease_until = NULL \
-             WHERE scope = $4 AND key = $5 AND lease_token = $6 AND status IS NULL"
+                 recovery = NULL, request = NULL, lease_until = NULL{} \
+             WHERE scope = $4 AND key = $5 AND lease_token = $6 AND status IS NULL",
+            tombstone_set(response)
         );
         let headers = &response.headers;
         let args = [
@@ -303,7 +306,14 @@ async fn guarded_commit(conn: &mut OpenTx<Postgres>, text: &str) -> Result<bool,
     }
 }
 
-fn bytea(bytes: &[u8]) -> String {
+/// [`tombstone_assignments`] in PostgreSQL's spelling.
+pub(super) fn tombstone_set(response: &EncodedResponse) -> String {
+    tombstone_assignments(response, bytea, |ms| {
+        format!("clock_timestamp() + {ms} * interval '1 millisecond'")
+    })
+}
+
+pub(super) fn bytea(bytes: &[u8]) -> String {
     let mut out = String::with_capacity(bytes.len() * 2 + 6);
     super::sql::push_bytea(&mut out, bytes);
     out

@@ -56,13 +56,15 @@ pub(super) const CLAIM_TRY: Statement = Statement {
 pub(super) const SELECT: Statement = Statement {
     suffix: "select",
     types: "bytea, bytea",
-    text: "SELECT status, fingerprint, headers, body, expires_at <= now() AS expired \
+    text: "SELECT status, fingerprint, headers, body, expires_at <= now() AS expired, \
+           location, CASE WHEN replay_until <= now() THEN 1 ELSE 0 END AS past_ttl \
            FROM {table} WHERE scope = $1 AND key = $2",
 };
 
 /// A finished, unexpired row, read outside the claim (`Backend::peek`);
 /// run by sqlx, not among the `PREPARE`d statements.
-pub(super) const PEEK: &str = "SELECT status, fingerprint, headers, body, false AS expired \
+pub(super) const PEEK: &str = "SELECT status, fingerprint, headers, body, false AS expired, \
+                    location, CASE WHEN replay_until <= now() THEN 1 ELSE 0 END AS past_ttl \
                     FROM {table} WHERE scope = $1 AND key = $2 \
                     AND status IS NOT NULL AND expires_at > now()";
 
@@ -102,8 +104,8 @@ const FINISH_LATE: Statement = Statement {
 /// Changes whenever a statement's text or answer changes (2: the claim
 /// answers with its row count, not the row; 3: the claim fails on a taken
 /// key, and an expired row is deleted rather than taken over in place; 4:
-/// the finish spares a finished row).
-const STATEMENTS_REVISION: &str = "4:";
+/// the finish spares a finished row; 5: the read tells a tombstone).
+const STATEMENTS_REVISION: &str = "5:";
 
 /// One argument of a statement, written into its text as a literal.
 #[derive(Clone, Copy)]
@@ -459,7 +461,16 @@ impl<'c> ClaimRow<'c> {
             Arg::Bytes(&response.body),
             Arg::Int(self.claim.ttl.as_millis()),
         ];
-        if late {
+        if response.tombstone.is_some() {
+            // A tombstone's times count from the response: never prepared,
+            // as its assignments differ from the finish's.
+            let text = self.statements.text(&FINISH).replacen(
+                " WHERE",
+                &format!("{} WHERE", super::phased::tombstone_set(response)),
+                1,
+            );
+            out.push_str(&inline(&text, &args[..5]));
+        } else if late {
             self.statements
                 .push_run(&mut out, &FINISH_LATE, false, &args);
         } else {
@@ -514,6 +525,7 @@ mod tests {
             key: "b",
             fingerprint: Fingerprint::from_bytes(&[0xab; 32]).unwrap(),
             ttl: Duration::from_secs(60),
+            tombstone: None,
             wait: Duration::ZERO,
             timeout_ms: 30_000,
             advisory: false,
@@ -549,6 +561,7 @@ mod tests {
             status: StatusCode::CREATED,
             headers: Vec::new(),
             body: "{}".into(),
+            tombstone: None,
         };
         let finish = row.finish_and_commit(&response, false);
         assert_eq!(

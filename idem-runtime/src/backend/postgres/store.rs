@@ -20,15 +20,19 @@ use crate::table::resolutions_table;
 
 impl Backend for Postgres {}
 
+/// A tombstone's `replay_until` once its response is dropped.
+const TOMBSTONED: &str = "'epoch'::timestamptz";
+
 impl Store for Postgres {
     async fn migrate(pool: &Pool<Self>, table: &str) -> Result<(), Error> {
         // The phased mode's columns and its index of leases came later:
         // a table from before gets them, once. No index names a column the
         // atomic finish writes (`status`, `headers`, `body`), not even in
         // its predicate: the finish's update then stays heap-only.
-        let (index, lease_index) = (
+        let (index, lease_index, replay_index) = (
             index_name(table, "expires_at_idx"),
             index_name(table, "lease_idx"),
+            index_name(table, "replay_idx"),
         );
         let resolutions = resolutions_table(table);
         let resolutions_index = index_name(&resolutions, "key_idx");
@@ -47,6 +51,8 @@ impl Store for Postgres {
                 recovery bytea,
                 request bytea,
                 attempts integer,
+                replay_until timestamptz,
+                location bytea,
                 PRIMARY KEY (scope, key)
             );
             ALTER TABLE {table}
@@ -54,10 +60,14 @@ impl Store for Postgres {
                 ADD COLUMN IF NOT EXISTS lease_until timestamptz,
                 ADD COLUMN IF NOT EXISTS recovery bytea,
                 ADD COLUMN IF NOT EXISTS request bytea,
-                ADD COLUMN IF NOT EXISTS attempts integer;
+                ADD COLUMN IF NOT EXISTS attempts integer,
+                ADD COLUMN IF NOT EXISTS replay_until timestamptz,
+                ADD COLUMN IF NOT EXISTS location bytea;
             CREATE INDEX IF NOT EXISTS {index} ON {table} (expires_at);
             CREATE INDEX IF NOT EXISTS {lease_index} ON {table} (lease_until)
                 WHERE lease_until IS NOT NULL;
+            CREATE INDEX IF NOT EXISTS {replay_index} ON {table} (replay_until)
+                WHERE replay_until IS NOT NULL;
             CREATE TABLE IF NOT EXISTS {resolutions} (
                 scope bytea NOT NULL,
                 key bytea NOT NULL,
@@ -79,6 +89,7 @@ impl Store for Postgres {
                 table,
                 &qualified(table, &index),
                 &qualified(table, &lease_index),
+                &qualified(table, &replay_index),
                 &resolutions,
                 &qualified(&resolutions, &resolutions_index),
             ],
@@ -245,9 +256,31 @@ impl Store for Postgres {
               ORDER BY expires_at LIMIT {batch} FOR UPDATE SKIP LOCKED) \
              AND expires_at < now()"
         );
-        Ok(sqlx::raw_sql(AssertSqlSafe(sql))
+        let deleted = sqlx::raw_sql(AssertSqlSafe(sql))
             .execute(pool)
             .await?
-            .rows_affected())
+            .rows_affected();
+        let Some(left) = (u64::from(batch))
+            .checked_sub(deleted)
+            .filter(|left| *left > 0)
+        else {
+            return Ok(deleted);
+        };
+        // Rows past their replay become tombstones: their response goes,
+        // and `replay_until` becomes the epoch, below the range this scan
+        // reads, so converted rows are not read again.
+        let sql = format!(
+            "UPDATE {table} SET headers = NULL, body = NULL, replay_until = {TOMBSTONED} \
+             WHERE (scope, key) IN \
+             (SELECT scope, key FROM {table} \
+              WHERE replay_until > {TOMBSTONED} AND replay_until <= now() \
+              ORDER BY replay_until LIMIT {left} FOR UPDATE SKIP LOCKED) \
+             AND replay_until > {TOMBSTONED} AND replay_until <= now()"
+        );
+        let converted = sqlx::raw_sql(AssertSqlSafe(sql))
+            .execute(pool)
+            .await?
+            .rows_affected();
+        Ok(deleted + converted)
     }
 }

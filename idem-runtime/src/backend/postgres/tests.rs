@@ -57,6 +57,7 @@ async fn store(
         status,
         headers: Vec::new(),
         body: body.into(),
+        tombstone: None,
     };
     Postgres::finish(&mut conn, table, Some(claim), Some(&response))
         .await
@@ -217,6 +218,7 @@ async fn bytes_arrive_intact_whatever_standard_conforming_strings_says() {
                 key: &key,
                 fingerprint: Fingerprint::from_bytes(&[0x5c; 32]).unwrap(),
                 ttl: Duration::from_secs(60),
+                tombstone: None,
                 wait: Duration::from_millis(100),
                 timeout_ms: 30_000,
                 advisory: true,
@@ -260,6 +262,7 @@ async fn inlined_statements_claim_finish_replay_and_take_over() {
         key: "inline-1",
         fingerprint,
         ttl: Duration::from_secs(60),
+        tombstone: None,
         wait: Duration::from_millis(100),
         timeout_ms: 30_000,
         advisory: true,
@@ -514,6 +517,7 @@ async fn a_deferred_constraint_broken_at_commit_ends_the_transaction() {
         status: StatusCode::CREATED,
         headers: Vec::new(),
         body: "{}".into(),
+        tombstone: None,
     };
     let ClaimOutcome::Claimed(mut conn) =
         Postgres::claim(&pool, Acquire::default(), &table, &claim)

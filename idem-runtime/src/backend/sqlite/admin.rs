@@ -31,7 +31,7 @@ impl AdminStore for Sqlite {
         columns: "scope, \"key\", fingerprint, status, recovery, request, attempts, \
              CASE WHEN status = 0 THEN body END AS uncertainty, \
              created_at AS created_ms, expires_at AS expires_ms, \
-             lease_until AS lease_until_ms, \
+             lease_until AS lease_until_ms, replay_until AS replay_until_ms, \
              CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER) AS now_ms",
         key: "\"key\"",
         params: ["?1", "?2"],

@@ -11,7 +11,7 @@ use crate::backend::phased::{
     Abandoned, Holder, LeaseClaim, LeaseOutcome, Phased, PhasedStore, Release, abandoned_sql,
     count_uncertain_sql, ms,
 };
-use crate::backend::rows::{abandoned, unclaimed};
+use crate::backend::rows::{abandoned, tombstone_columns, unclaimed};
 use crate::backend::store::UNCERTAIN;
 use crate::backend::{Acquire, StoreError, in_autocommit};
 use crate::response::EncodedResponse;
@@ -45,8 +45,8 @@ impl PhasedStore for Sqlite {
                      ELSE COALESCE(attempts, 0) + 1 END, \
                  created_at = CASE WHEN expires_at <= ?4 THEN excluded.created_at ELSE created_at END, \
                  expires_at = CASE WHEN expires_at <= ?4 THEN excluded.expires_at ELSE expires_at END, \
-                 status = NULL, headers = NULL, body = NULL, \
-                 fingerprint = excluded.fingerprint \
+                 status = NULL, headers = NULL, body = NULL, location = NULL, \
+                 replay_until = NULL, fingerprint = excluded.fingerprint \
              WHERE expires_at <= ?4 \
                 OR (status IS NULL AND lease_token IS NOT NULL \
                     AND fingerprint = excluded.fingerprint \
@@ -80,8 +80,9 @@ impl PhasedStore for Sqlite {
         }
         let select = format!(
             "SELECT status, fingerprint, headers, body, lease_token, attempts, recovery, \
-                 lease_until - ?3 AS remaining_ms \
-             FROM {table} WHERE scope = ?1 AND \"key\" = ?2"
+                 lease_until - ?3 AS remaining_ms, {} \
+             FROM {table} WHERE scope = ?1 AND \"key\" = ?2",
+            tombstone_columns("?3")
         );
         let select = &select;
         let row = in_autocommit(pool, acquire, |mut conn| async move {
@@ -131,8 +132,9 @@ impl PhasedStore for Sqlite {
     ) -> Result<bool, sqlx::Error> {
         let sql = format!(
             "UPDATE {table} SET status = ?1, headers = ?2, body = ?3, \
-                 recovery = NULL, request = NULL, lease_until = NULL \
-             WHERE scope = ?4 AND \"key\" = ?5 AND lease_token = ?6 AND status IS NULL"
+                 recovery = NULL, request = NULL, lease_until = NULL{} \
+             WHERE scope = ?4 AND \"key\" = ?5 AND lease_token = ?6 AND status IS NULL",
+            super::sql::tombstone_set(response)
         );
         let done = sqlx::query(AssertSqlSafe(sql))
             .bind(i64::from(response.status.as_u16()))

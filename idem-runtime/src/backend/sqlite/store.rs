@@ -45,6 +45,8 @@ impl Store for Sqlite {
                 recovery BLOB,
                 request BLOB,
                 attempts INTEGER,
+                replay_until INTEGER,
+                location BLOB,
                 PRIMARY KEY (scope, \"key\")
             );
             CREATE INDEX IF NOT EXISTS {schema}{name}_expires_at_idx ON {name} (expires_at);
@@ -78,6 +80,8 @@ impl Store for Sqlite {
             ("recovery", "BLOB"),
             ("request", "BLOB"),
             ("attempts", "INTEGER"),
+            ("replay_until", "INTEGER"),
+            ("location", "BLOB"),
         ] {
             if !columns.iter().any(|present| present == column) {
                 alter.push_str(&format!("ALTER TABLE {table} ADD COLUMN {column} {ty}; "));
@@ -85,7 +89,9 @@ impl Store for Sqlite {
         }
         alter.push_str(&format!(
             "CREATE INDEX IF NOT EXISTS {schema}{name}_lease_idx ON {name} (lease_until) \
-             WHERE lease_until IS NOT NULL"
+             WHERE lease_until IS NOT NULL; \
+             CREATE INDEX IF NOT EXISTS {schema}{name}_replay_idx ON {name} (replay_until) \
+             WHERE replay_until IS NOT NULL"
         ));
         sqlx::raw_sql(AssertSqlSafe(alter)).execute(pool).await?;
         let mode: String =
@@ -194,7 +200,7 @@ impl Store for Sqlite {
             let expires_at = conn
                 .outlived(claim.ttl)
                 .then(|| now_ms().saturating_add(ttl_ms(claim)));
-            let statement = Sql::finish(table, expires_at.is_some());
+            let statement = Sql::finish(table, expires_at.is_some(), response);
             let mut query = sqlx::query(AssertSqlSafe(statement))
                 .bind(i64::from(response.status.as_u16()))
                 .bind(&response.headers[..])
@@ -285,15 +291,34 @@ impl Store for Sqlite {
     }
 
     async fn sweep(pool: &Pool<Self>, table: &str, batch: u32) -> Result<u64, sqlx::Error> {
+        let now = now_ms();
         let sql = format!(
             "DELETE FROM {table} WHERE rowid IN \
              (SELECT rowid FROM {table} WHERE expires_at <= ?1 LIMIT {batch})"
         );
-        Ok(sqlx::query(AssertSqlSafe(sql))
-            .bind(now_ms())
+        let deleted = sqlx::query(AssertSqlSafe(sql))
+            .bind(now)
             .execute(pool)
             .await?
-            .rows_affected())
+            .rows_affected();
+        let left = u64::from(batch).saturating_sub(deleted);
+        if left == 0 {
+            return Ok(deleted);
+        }
+        // Rows past their replay become tombstones: their response goes,
+        // and `replay_until` becomes 0 (the epoch), below the range this
+        // scan reads, so converted rows are not read again.
+        let sql = format!(
+            "UPDATE {table} SET headers = NULL, body = NULL, replay_until = 0 WHERE rowid IN \
+             (SELECT rowid FROM {table} WHERE replay_until > 0 AND replay_until <= ?1 \
+              ORDER BY replay_until LIMIT {left})"
+        );
+        let converted = sqlx::query(AssertSqlSafe(sql))
+            .bind(now)
+            .execute(pool)
+            .await?
+            .rows_affected();
+        Ok(deleted + converted)
     }
 }
 

@@ -31,6 +31,7 @@ fn created() -> EncodedResponse {
         status: StatusCode::CREATED,
         headers: Vec::new(),
         body: "{\"id\":1}".into(),
+        tombstone: None,
     }
 }
 
