@@ -131,7 +131,8 @@ impl<DB: Phased> Completer<DB> {
                 )
                 .ok()
                 .flatten()
-                .and_then(|request| StoredRequest::decode(&request));
+                .and_then(|request| StoredRequest::decode(&request))
+                .filter(|request| resumable(idem, holder, request));
             let spent = abandoned.attempts >= idem.attempts_limit();
             let Some(request) = request.filter(|_| !spent) else {
                 let external = external_step(&sealer, holder, abandoned.recovery.as_deref());
@@ -209,20 +210,30 @@ impl<DB: Phased> Completer<DB> {
         token: i64,
         backoff: Duration,
     ) -> bool {
-        let mut request = http::Request::new(Body::from(stored.body));
-        *request.method_mut() = stored.method;
-        *request.uri_mut() = stored.uri;
-        if let Some(content_type) = stored.content_type {
+        let StoredRequest {
+            method,
+            uri,
+            content_type,
+            body,
+            caller,
+        } = stored;
+        // The clear scope and key: the row's own, or where it keeps them
+        // hashed, those its request names (`resumable` checked them).
+        let (scope, key) = caller.unwrap_or_else(|| (holder.scope.clone(), holder.key.clone()));
+        let mut request = http::Request::new(Body::from(body));
+        *request.method_mut() = method;
+        *request.uri_mut() = uri;
+        if let Some(content_type) = content_type {
             request
                 .headers_mut()
                 .insert(header::CONTENT_TYPE, content_type);
         }
-        let Ok(key) = HeaderValue::from_str(&quoted(&holder.key)) else {
+        let Ok(key) = HeaderValue::from_str(&quoted(&key)) else {
             return false;
         };
         request.headers_mut().insert(IDEMPOTENCY_KEY, key);
         request.extensions_mut().insert(Resumed {
-            scope: holder.scope.clone(),
+            scope,
             token,
             backoff,
         });
@@ -239,6 +250,22 @@ impl<DB: Phased> Completer<DB> {
             tracing::warn!(scope = tags.0, key = tags.1, %status, retry_in_ms = backoff.as_millis(), "the completer's attempt at an abandoned request failed");
         }
         completed
+    }
+}
+
+/// Whether the request the completer sends from `request` reaches
+/// `holder`'s row: with the row's scope and key where the store keeps
+/// them clear, and where it hashes them, with the clear ones the request
+/// names, which must hash to the row's. A row of another setting (kept before hashing was turned on or
+/// off, or hashed with another secret) is reached by no request: it is
+/// given up as one whose request does not decode.
+fn resumable<DB: Phased>(idem: &Idem<DB>, holder: &Holder, request: &StoredRequest) -> bool {
+    match (idem.key_hasher(), &request.caller) {
+        (None, None) => true,
+        (Some(hasher), Some((scope, key))) => {
+            hasher.scope(scope) == holder.scope && hasher.key(scope, key) == holder.key
+        }
+        _ => false,
     }
 }
 
@@ -361,8 +388,8 @@ impl<T: FromScope> FromScope for axum::Extension<T> {
 }
 
 /// Marks a request the completer sends to resume an abandoned key, in its
-/// extensions: the stored scope, and the reservation the request takes the
-/// key over with. Only `idem` makes one. A middleware that authenticates
+/// extensions: the caller's scope, and the reservation the request takes
+/// the key over with. Only `idem` makes one. A middleware that authenticates
 /// requests lets one through without credentials, as the phased handler's
 /// scope comes from [`FromScope`] for it.
 #[derive(Debug, Clone)]
@@ -374,7 +401,8 @@ pub struct Resumed {
 }
 
 impl Resumed {
-    /// The scope the key was stored under.
+    /// The scope the key was claimed in, in the clear (also where the key
+    /// table keeps it hashed, [`Idem::hash_keys`]).
     pub fn scope(&self) -> Cow<'_, str> {
         Cow::Borrowed(&self.scope)
     }

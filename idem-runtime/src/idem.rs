@@ -1,5 +1,6 @@
 //! [`Idem`]: the key store handlers share through axum state.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -8,6 +9,7 @@ use sqlx::Pool;
 
 use crate::backend::{Acquire, Backend};
 use crate::error::Error;
+use crate::hash::KeyHasher;
 use crate::passes::Passes;
 use crate::pooler::Pooler;
 use crate::recent::FinishedKeys;
@@ -81,6 +83,7 @@ pub(crate) struct Inner<DB: Backend> {
     problem_type_base: Option<Arc<str>>,
     max_attempts: u32,
     ring: Option<KeyRing>,
+    hasher: Option<KeyHasher>,
     pub(crate) passes: Arc<Passes>,
     pub(crate) messages: Tables,
 }
@@ -106,6 +109,7 @@ impl<DB: Backend> std::fmt::Debug for Idem<DB> {
             .field("replay_marker", &self.inner.replay_marker)
             .field("problem_type_base", &self.inner.problem_type_base)
             .field("encryption", &self.inner.ring)
+            .field("hash_keys", &self.inner.hasher.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -128,6 +132,7 @@ impl<DB: Backend> Idem<DB> {
                 problem_type_base: None,
                 max_attempts: DEFAULT_MAX_ATTEMPTS,
                 ring: None,
+                hasher: None,
                 passes: Arc::default(),
                 messages: Tables::beside(DEFAULT_TABLE),
             }),
@@ -149,6 +154,7 @@ impl<DB: Backend> Idem<DB> {
             problem_type_base: shared.problem_type_base.clone(),
             max_attempts: shared.max_attempts,
             ring: shared.ring.clone(),
+            hasher: shared.hasher.clone(),
             passes: Arc::clone(&shared.passes),
             messages: shared.messages.clone(),
         });
@@ -406,6 +412,73 @@ impl<DB: Backend> Idem<DB> {
     /// ```
     pub fn encryption(self, ring: KeyRing) -> Self {
         self.with(|inner| inner.ring = Some(ring))
+    }
+
+    /// Keeps scopes and keys hashed with `hasher` (HMAC-SHA256): the key
+    /// table (and its `<table>_resolutions` table) then holds no caller's
+    /// scope, such as an account id, and no key in the clear, only their
+    /// hashes (43 characters each, a key's bound to its scope; see
+    /// [`KeyHasher`]). Any scope length is kept then (the stored one is 43
+    /// bytes), where [`MAX_SCOPE_LEN`](crate::MAX_SCOPE_LEN) bounds a clear
+    /// one.
+    ///
+    /// Handlers see the clear scope and key as before
+    /// ([`Tx::key`](crate::Tx::key), derived keys), and the operations
+    /// ([`lookup`](Self::lookup), [`forget`](Self::forget),
+    /// [`resolve`](Self::resolve), [`recent`](Self::recent)) take them clear
+    /// too. What lists keys ([`recent`](Self::recent),
+    /// [`keys`](Self::keys), the admin page) shows the hashes, which cannot
+    /// be turned back; the operations take a listed pair of hashes as well.
+    ///
+    /// A phased key's kept request then carries its clear scope and key, as
+    /// the completer resumes it with them: seal it with
+    /// [`encryption`](Self::encryption) for the table to show neither.
+    ///
+    /// Turning it on (or changing the secret) makes every key stored
+    /// before unknown: their retries run as new requests. Turn it on
+    /// where a retry of a key already stored cannot come (a new table, or
+    /// after a quiet period longer than the keys' TTL), and keep the
+    /// secret as long as the keys it hashed live.
+    ///
+    /// ```no_run
+    /// # use idem_runtime as idem;
+    /// use idem::{Idem, KeyHasher};
+    ///
+    /// # fn demo(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+    /// // `IDEM_HASH_SECRET=$(openssl rand -base64 32)`
+    /// let mut idem = Idem::new(pool);
+    /// if let Some(hasher) = KeyHasher::from_env("IDEM_HASH_SECRET")? {
+    ///     idem = idem.hash_keys(hasher);
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn hash_keys(self, hasher: KeyHasher) -> Self {
+        self.with(|inner| inner.hasher = Some(hasher))
+    }
+
+    /// The store's key hasher, if it hashes scopes and keys.
+    pub(crate) fn key_hasher(&self) -> Option<&KeyHasher> {
+        self.inner.hasher.as_ref()
+    }
+
+    /// `scope` and its `key` as the key table keeps them: hashed where the
+    /// store hashes them, as they are otherwise.
+    pub(crate) fn stored<'a>(&self, scope: &'a str, key: &'a str) -> (Cow<'a, str>, Cow<'a, str>) {
+        match &self.inner.hasher {
+            Some(hasher) => (
+                Cow::Owned(hasher.scope(scope)),
+                Cow::Owned(hasher.key(scope, key)),
+            ),
+            None => (Cow::Borrowed(scope), Cow::Borrowed(key)),
+        }
+    }
+
+    /// `scope` as the key table keeps it.
+    pub(crate) fn stored_scope<'a>(&self, scope: &'a str) -> Cow<'a, str> {
+        match &self.inner.hasher {
+            Some(hasher) => Cow::Owned(hasher.scope(scope)),
+            None => Cow::Borrowed(scope),
+        }
     }
 
     /// How this store keeps its values: sealed with its ring, or plain.

@@ -55,6 +55,7 @@ mod fingerprint;
 #[cfg(any(fuzzing, test))]
 #[doc(hidden)]
 pub mod fuzzing;
+mod hash;
 mod key;
 mod observe;
 mod problem;
@@ -69,6 +70,7 @@ pub use completer::FromScope;
 pub use consume::{ConsumeError, Consumed};
 pub use error::Error;
 pub use fingerprint::Fingerprint;
+pub use hash::{KeyHasher, KeyHasherError};
 pub use idem::{
     DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_TABLE, Idem,
 };
@@ -91,6 +93,9 @@ pub use tx::Tx;
 // so it stands above everything it checks.
 #[cfg(test)]
 mod sealing_contract;
+// Hashed scopes and keys end to end, on every engine.
+#[cfg(test)]
+mod hashing_contract;
 
 /// What `#[idempotent]`'s expansion names. Not a public API: it changes
 /// without notice.

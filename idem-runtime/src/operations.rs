@@ -1,6 +1,7 @@
 //! [`Idem`]'s key operations for support and operators: look a key up,
 //! list a scope's recent keys, forget a key that is done.
 
+use std::borrow::Cow;
 use std::time::SystemTime;
 
 use axum::response::IntoResponse;
@@ -11,6 +12,7 @@ use crate::backend::{
     Admin, Forgotten, KeyInfo, KeyReads, KeyState, MAX_RECENT, Param, UNCERTAIN, Write,
 };
 use crate::error::Error;
+use crate::hash::looks_hashed;
 use crate::idem::Idem;
 use crate::observe;
 use crate::recovery::Recovery;
@@ -46,6 +48,11 @@ impl<DB: Admin> Idem<DB> {
     /// PostgreSQL and MySQL when another process does (seen by its lock);
     /// on SQLite only then. A phased key is seen as soon as it is claimed.
     ///
+    /// Where the store hashes scopes and keys ([`hash_keys`](Self::hash_keys)),
+    /// give the clear ones; the [`KeyInfo`] then shows the hashes, as the
+    /// table keeps them. A pair of hashes as a listing shows them finds
+    /// the key too.
+    ///
     /// ```no_run
     /// # use idem_runtime as idem;
     /// use idem::{Idem, KeyState};
@@ -59,6 +66,29 @@ impl<DB: Admin> Idem<DB> {
     /// # Ok(()) }
     /// ```
     pub async fn lookup(&self, scope: &str, key: &str) -> Result<Option<KeyInfo>, Error> {
+        for (scope, key) in self.names(scope, key) {
+            if let Some(info) = self.lookup_stored(&scope, &key).await? {
+                return Ok(Some(info));
+            }
+        }
+        Ok(None)
+    }
+
+    /// The names a key may be given by to an operation, as the table keeps
+    /// them, in the order to try them: its clear scope and key (hashed where
+    /// the store hashes them), then where the store hashes them and they
+    /// look like hashes, the names as given (a listing's).
+    fn names<'a>(&self, scope: &'a str, key: &'a str) -> Vec<(Cow<'a, str>, Cow<'a, str>)> {
+        let mut names = vec![self.stored(scope, key)];
+        if self.key_hasher().is_some() && looks_hashed(scope) && looks_hashed(key) {
+            names.push((Cow::Borrowed(scope), Cow::Borrowed(key)));
+        }
+        names
+    }
+
+    /// [`lookup`](Self::lookup) of a key by its names as the table keeps
+    /// them.
+    async fn lookup_stored(&self, scope: &str, key: &str) -> Result<Option<KeyInfo>, Error> {
         let Some(row) = DB::lookup(self.pool(), self.table_name(), scope, key).await? else {
             let running = self.running_here(scope, key)
                 || DB::claim_in_flight(self.pool(), self.table_name(), scope, key).await?;
@@ -86,8 +116,17 @@ impl<DB: Admin> Idem<DB> {
 
     /// The most recent keys of `scope` (by creation, newest first), at
     /// most `limit`, itself capped at 1,000.
+    ///
+    /// Where the store hashes scopes and keys ([`hash_keys`](Self::hash_keys)),
+    /// give the clear scope (or its hash, as a listing shows it); the keys
+    /// listed show the hashes, as the table keeps them.
     pub async fn recent(&self, scope: &str, limit: u32) -> Result<Vec<KeyInfo>, Error> {
-        let rows = DB::recent(self.pool(), self.table_name(), scope, limit.min(MAX_RECENT)).await?;
+        let limit = limit.min(MAX_RECENT);
+        let stored = self.stored_scope(scope);
+        let mut rows = DB::recent(self.pool(), self.table_name(), &stored, limit).await?;
+        if rows.is_empty() && self.key_hasher().is_some() && looks_hashed(scope) {
+            rows = DB::recent(self.pool(), self.table_name(), scope, limit).await?;
+        }
         let sealer = self.sealer();
         Ok(rows
             .into_iter()
@@ -99,6 +138,7 @@ impl<DB: Admin> Idem<DB> {
     /// 1,000): in flight and abandoned ones by their lease's end, uncertain
     /// ones the longest uncertain first. For an operator's overview; the
     /// keys' resolutions are not read (see [`lookup`](Self::lookup)).
+    /// Where the store hashes scopes and keys, they show the hashes.
     pub async fn keys(&self, filter: KeyFilter, limit: u32) -> Result<Vec<KeyInfo>, Error> {
         // Phased and uncertain rows keep a `lease_until` and a token,
         // finished ones no lease: the lease index finds these few among the
@@ -148,6 +188,7 @@ impl<DB: Admin> Idem<DB> {
     /// A key that is not uncertain is left as it is
     /// ([`Resolved::NotUncertain`]); a status `idem` would not store is
     /// refused ([`Error::InvalidResolution`]) and changes nothing.
+    /// `scope` and `key` are named as for [`lookup`](Self::lookup).
     ///
     /// ```no_run
     /// # use idem_runtime as idem;
@@ -175,9 +216,17 @@ impl<DB: Admin> Idem<DB> {
             resolve::Outcome::Completed { status, body } => Some(completed(*status, body).await?),
             _ => None,
         };
-        let Some(row) = DB::lookup(self.pool(), self.table_name(), scope, key).await? else {
+        let mut found = None;
+        for (scope, key) in self.names(scope, key) {
+            if let Some(row) = DB::lookup(self.pool(), self.table_name(), &scope, &key).await? {
+                found = Some((scope, key, row));
+                break;
+            }
+        }
+        let Some((scope, key, row)) = found else {
             return Ok(Resolved::Absent);
         };
+        let (scope, key) = (&*scope, &*key);
         let sealer = self.sealer();
         if row.state() != KeyState::Uncertain {
             return Ok(Resolved::NotUncertain);
@@ -304,6 +353,8 @@ impl<DB: Admin> Idem<DB> {
     /// the claim's finished row lands after it; on MySQL the delete waits
     /// for the claim up to a second, then answers `InFlight`.
     ///
+    /// `scope` and `key` are named as for [`lookup`](Self::lookup).
+    ///
     /// ```no_run
     /// # use idem_runtime as idem;
     /// use idem::{Forgotten, Idem};
@@ -319,6 +370,19 @@ impl<DB: Admin> Idem<DB> {
     /// # Ok(()) }
     /// ```
     pub async fn forget(&self, scope: &str, key: &str) -> Result<Forgotten, Error> {
+        let mut forgotten = Forgotten::Absent;
+        for (scope, key) in self.names(scope, key) {
+            forgotten = self.forget_stored(&scope, &key).await?;
+            if forgotten != Forgotten::Absent {
+                break;
+            }
+        }
+        Ok(forgotten)
+    }
+
+    /// [`forget`](Self::forget) of a key by its names as the table keeps
+    /// them.
+    async fn forget_stored(&self, scope: &str, key: &str) -> Result<Forgotten, Error> {
         let (slot, _) = single_flight::flight_slot(self.pool(), self.table_name(), scope, key);
         if single_flight::in_flight(&slot).is_some() {
             return Ok(Forgotten::InFlight);

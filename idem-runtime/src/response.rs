@@ -78,8 +78,9 @@ pub struct EncodedResponse {
     /// The `body` column.
     pub body: Bytes,
     /// What a handler with `tombstone` keeps past its `ttl`: set on the
-    /// write of such a handler's response, `None` on every read.
-    pub tombstone: Option<TombstoneWrite>,
+    /// write of such a handler's response, `None` on every read. Boxed:
+    /// the response waits in every request's future for its commit.
+    pub tombstone: Option<Box<TombstoneWrite>>,
 }
 
 /// The tombstone a response's write sets up: how long it is replayed, how

@@ -374,7 +374,7 @@ impl FromStr for KeyRing {
 
 /// What is wrong with a key's base64, without the decoder's own words,
 /// which quote the offending character (perhaps one of the key's).
-fn base64_reason(error: &base64::DecodeError) -> String {
+pub(crate) fn base64_reason(error: &base64::DecodeError) -> String {
     use base64::DecodeError::{InvalidByte, InvalidLastSymbol, InvalidLength, InvalidPadding};
     match error {
         InvalidByte(offset, _) => format!("a character outside base64 at offset {offset}"),

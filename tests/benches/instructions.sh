@@ -9,6 +9,11 @@
 #   tests/benches/instructions.sh            # baseline, idempotent, replay, two_phase
 #   IDEM_IR_SCENARIOS=replay,read_floor tests/benches/instructions.sh  # and a replay's floor
 #   IDEM_IR_SCENARIOS=idempotent IDEM_IR_STATEMENTS=3 tests/benches/instructions.sh
+#   IDEM_BENCH_HASH_KEYS=1 tests/benches/instructions.sh  # scopes and keys hashed
+#
+# The benchmark's server inherits the environment, so its A/B switches
+# apply: IDEM_BENCH_ENCRYPTION=1 (values sealed at rest), IDEM_BENCH_HASH_KEYS=1
+# (scopes and keys stored hashed), run back to back with a run without.
 #
 # It starts its own PostgreSQL cluster under callgrind (a temporary directory,
 # port IDEM_IR_PORT, default 55499; the machine's PostgreSQL 15 binaries and

@@ -46,9 +46,12 @@ pub enum KeyState {
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct KeyInfo {
-    /// The caller the key belongs to.
+    /// The caller the key belongs to, as the table keeps it: hashed where
+    /// the store hashes scopes and keys
+    /// ([`Idem::hash_keys`](crate::Idem::hash_keys)).
     pub scope: String,
-    /// The key.
+    /// The key, as the table keeps it (hashed, bound to its scope, where
+    /// the store hashes them).
     pub key: String,
     /// Where it stands.
     pub state: KeyState,

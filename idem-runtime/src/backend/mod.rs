@@ -46,7 +46,7 @@ pub use outbox_store::{MAX_MESSAGE_ID_LEN, NewMessage};
 pub use phased::Phased;
 pub(crate) use phased::{Holder, LeaseClaim, LeaseOutcome, Release, external_step};
 pub(crate) use single_flight::waiting_duplicates;
-pub use store::{Backend, Claim, ClaimOutcome, FinishError, StoreError};
+pub use store::{Backend, Claim, ClaimOutcome, FinishError, StoreError, Tombstone};
 pub(crate) use store::{ConnectOptions, UNCERTAIN};
 
 /// FNV-1a: a stable 64-bit name for any text (a statement's, an index's),

@@ -25,8 +25,9 @@ pub struct Claim<'a> {
     /// How long the stored response is kept.
     pub ttl: Duration,
     /// How long after the response the key is kept as a tombstone (its
-    /// fingerprint, status and `Location`); `None`: not past `ttl`.
-    pub tombstone: Option<Duration>,
+    /// fingerprint, status and `Location`), in milliseconds; `None`: not
+    /// past `ttl`. (Milliseconds, as `timeout_ms`.)
+    pub tombstone_ms: Option<std::num::NonZeroU64>,
     /// How long to wait for a concurrent attempt before answering 409.
     pub wait: Duration,
     /// The handler's deadline in milliseconds: a session left behind by a
@@ -54,6 +55,11 @@ impl Claim<'_> {
     /// vanished: the handler's deadline plus `ORPHAN_MARGIN`.
     pub fn orphan_bound(&self) -> Duration {
         self.timeout() + ORPHAN_MARGIN
+    }
+
+    /// How long after the response the key is kept as a tombstone.
+    pub fn tombstone(&self) -> Option<Duration> {
+        self.tombstone_ms.map(|ms| Duration::from_millis(ms.get()))
     }
 
     /// The handler's deadline.
@@ -128,16 +134,9 @@ pub enum StoreError {
     /// The key is a tombstone: its operation completed, and its response
     /// is no longer replayed (past the `ttl` of a handler with a
     /// `tombstone`). Nothing runs until the tombstone expires.
+    /// (Boxed: every claim's future holds room for its error.)
     #[error("the idempotency key has expired and is kept as a tombstone")]
-    Tombstone {
-        /// The fingerprint the key was claimed with.
-        fingerprint: Fingerprint,
-        /// The status the operation was answered with.
-        status: http::StatusCode,
-        /// Its `Location` header, as the `location` column keeps it (encoded
-        /// as the headers column is, and sealed where the store encrypts).
-        location: Option<Vec<u8>>,
-    },
+    Tombstone(Box<Tombstone>),
     /// A scope longer than the engine's key column takes.
     #[error("idempotency scope is {len} bytes; the key store takes at most {max}")]
     ScopeTooLong {
@@ -154,6 +153,18 @@ impl StoreError {
     pub(crate) fn is_gone<DB: Backend>(&self) -> bool {
         matches!(self, Self::Database(error) if super::connection::is_gone::<DB>(error))
     }
+}
+
+/// What a tombstone keeps ([`StoreError::Tombstone`]).
+#[derive(Debug)]
+pub struct Tombstone {
+    /// The fingerprint the key was claimed with.
+    pub fingerprint: Fingerprint,
+    /// The status the operation was answered with.
+    pub status: http::StatusCode,
+    /// Its `Location` header, as the `location` column keeps it (encoded
+    /// as the headers column is, and sealed where the store encrypts).
+    pub location: Option<Vec<u8>>,
 }
 
 /// Why the finish of a request's transaction (`Store::finish`) did not
@@ -323,11 +334,11 @@ pub(crate) fn decode_finished(
         .and_then(|status| http::StatusCode::from_u16(status).ok())
         .ok_or(StoreError::Corrupt)?;
     if let Some(location) = tombstone {
-        return Err(StoreError::Tombstone {
+        return Err(StoreError::Tombstone(Box::new(Tombstone {
             fingerprint,
             status,
             location,
-        });
+        })));
     }
     let response = EncodedResponse {
         status,

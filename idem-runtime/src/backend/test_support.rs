@@ -20,7 +20,7 @@ pub(crate) fn claim_of<'a>(scope: &'a str, key: &'a str, fill: u8, wait: Duratio
         key,
         fingerprint: Fingerprint::from_bytes(&[fill; 32]).unwrap(),
         ttl: Duration::from_secs(60),
-        tombstone: None,
+        tombstone_ms: None,
         wait,
         timeout_ms: 30_000,
         advisory: true,

@@ -55,16 +55,21 @@ async fn run_dyn<'f, DB: Backend>(
     handler: &mut DynHandler<'_, 'f, Tx<DB>>,
 ) -> Response {
     let span = prepared.span.clone();
-    let key = prepared.key.as_ref().map(|(key, _)| key.as_str());
-    record(&span, &scope, key);
     let (outcome, response) = match prepared.key {
         Some((key, fingerprint)) => {
-            let claim = prepared.config.claim(&idem, &scope, &key, fingerprint);
-            run_keyed(&idem, &claim, handler)
+            let (stored_scope, stored_key) = idem.stored(&scope, &key);
+            record(&span, &stored_scope, Some(&stored_key));
+            let claim = prepared
+                .config
+                .claim(&idem, &stored_scope, &stored_key, fingerprint);
+            run_keyed(&idem, &claim, &(&scope, &key), handler)
                 .instrument(span.clone())
                 .await
         }
         None => {
+            if !span.is_disabled() {
+                record(&span, &idem.stored_scope(&scope), None);
+            }
             run_without_key(&idem, prepared.config.timeout, handler)
                 .instrument(span.clone())
                 .await
@@ -74,9 +79,12 @@ async fn run_dyn<'f, DB: Backend>(
     idem.typed(response)
 }
 
+/// `caller`: the clear scope and key, as the handler sees them (the claim
+/// has them as the table keeps them).
 async fn run_keyed<'f, DB: Backend>(
     idem: &Idem<DB>,
     claim: &Claim<'_>,
+    caller: &(&str, &str),
     handler: &mut DynHandler<'_, 'f, Tx<DB>>,
 ) -> (Outcome, Response) {
     if let Some(refused) = scope_too_long(claim) {
@@ -110,13 +118,9 @@ async fn run_keyed<'f, DB: Backend>(
             observe::claim_latency("finished", started.elapsed());
             return answer_uncertain(claim, &fingerprint);
         }
-        Err(StoreError::Tombstone {
-            fingerprint,
-            status,
-            location,
-        }) => {
+        Err(StoreError::Tombstone(tombstone)) => {
             observe::claim_latency("finished", started.elapsed());
-            return answer_tombstone(idem, claim, &fingerprint, status, location.as_deref());
+            return answer_tombstone(idem, claim, &tombstone);
         }
         Err(StoreError::Orphaned { bound }) => {
             observe::claim_latency("error", started.elapsed());
@@ -140,7 +144,7 @@ async fn run_keyed<'f, DB: Backend>(
             );
         }
     };
-    let key = IdempotencyKey::new(claim.scope.to_owned(), claim.key.to_owned());
+    let key = IdempotencyKey::new(caller.0.to_owned(), caller.1.to_owned());
     let executed = execute(conn, Some(key), idem, claim.timeout(), handler).await;
     let (response, mut conn, wrote_outbox) = match executed {
         Ok((answer, conn, wrote)) if answer.commits() => (answer.response, conn, wrote),
@@ -179,7 +183,7 @@ async fn run_keyed<'f, DB: Backend>(
         idem,
         (claim.scope, claim.key),
         claim.ttl,
-        claim.tombstone,
+        claim.tombstone(),
         &parts,
     );
     match DB::finish(&mut conn, idem.table_name(), Some(claim), Some(&encoded)).await {
@@ -506,7 +510,7 @@ mod tests {
                 key: "k",
                 fingerprint: Fingerprint::from_bytes(&[0; 32]).unwrap(),
                 ttl: Duration::from_secs(1),
-                tombstone: None,
+                tombstone_ms: None,
                 wait: Duration::ZERO,
                 timeout_ms: 30_000,
                 advisory: true,
@@ -516,7 +520,7 @@ mod tests {
             let mut answer = |_tx| -> HandlerFuture<'static> {
                 Box::pin(async move { Answer::new(Response::default(), false) })
             };
-            let run = std::mem::size_of_val(&run_keyed(idem, &claim, &mut answer));
+            let run = std::mem::size_of_val(&run_keyed(idem, &claim, &("s", "k"), &mut answer));
             (run, acquire)
         }
         let mut sizes = vec![("postgres", size(&idem()))];
@@ -534,12 +538,15 @@ mod tests {
                 sqlx::MySqlPool::connect_lazy("mysql://127.0.0.1:1/none").unwrap(),
             )),
         ));
-        // 2368 on PostgreSQL: the response as stored (sealed, maybe) waits
+        // 2424 on PostgreSQL: the response as stored (sealed, maybe) waits
         // for the finish beside the handler's own (encryption at rest,
-        // 64 bytes). An inlined acquire alone would be 2560 more.
+        // 64 bytes), the clear scope and key wait for the handler beside
+        // the claim's (hashed keys, 16), and claims and stored responses
+        // carry their tombstone (40; its write and read are boxed). An
+        // inlined acquire alone would be 2560 more.
         for (engine, (run, acquire)) in sizes {
             assert!(
-                run <= 2368,
+                run <= 2424,
                 "{engine}: run_keyed's future is {run} bytes (acquire's: {acquire})"
             );
         }

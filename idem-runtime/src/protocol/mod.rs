@@ -25,11 +25,11 @@ use axum::extract::{OriginalUri, Request};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use http::request::Parts;
-use http::{StatusCode, header};
+use http::header;
 use http_body_util::BodyExt;
 use tracing::Span;
 
-use crate::backend::{Backend, Claim, ClaimOutcome, StoreError};
+use crate::backend::{Backend, Claim, ClaimOutcome, StoreError, Tombstone};
 use crate::completer::Resumed;
 use crate::fingerprint::Fingerprint;
 use crate::idem::Idem;
@@ -105,7 +105,9 @@ impl Config {
     }
 
     /// The claim of `key` in `scope` under these arguments and `idem`'s
-    /// settings.
+    /// settings: `scope` and `key` as the key table keeps them
+    /// ([`Idem::stored`]: hashed where the store hashes them), as every
+    /// statement, lock, seal and log line downstream of the claim sees them.
     pub(crate) fn claim<'a, DB: Backend>(
         &self,
         idem: &Idem<DB>,
@@ -118,7 +120,11 @@ impl Config {
             key,
             fingerprint,
             ttl: self.ttl,
-            tombstone: self.tombstone,
+            tombstone_ms: self.tombstone.and_then(|tombstone| {
+                u64::try_from(tombstone.as_millis())
+                    .ok()
+                    .and_then(std::num::NonZeroU64::new)
+            }),
             wait: self.wait,
             // The handler's deadline in milliseconds (at most an hour, as
             // the attribute checks).
@@ -389,19 +395,20 @@ pub(crate) fn answer_finished<DB: Backend>(
 pub(crate) fn answer_tombstone<DB: Backend>(
     idem: &Idem<DB>,
     claim: &Claim<'_>,
-    fingerprint: &Fingerprint,
-    status: StatusCode,
-    location: Option<&[u8]>,
+    tombstone: &Tombstone,
 ) -> (Outcome, Response) {
-    if *fingerprint != claim.fingerprint {
+    if tombstone.fingerprint != claim.fingerprint {
         return (
             Outcome::Reused,
             Problem::KeyReused.answer(OperationState::Completed),
         );
     }
-    let opened = idem
-        .sealer()
-        .open_logged(claim.scope, claim.key, Column::Location, location);
+    let opened = idem.sealer().open_logged(
+        claim.scope,
+        claim.key,
+        Column::Location,
+        tombstone.location.as_deref(),
+    );
     let location = opened
         .ok()
         .flatten()
@@ -411,7 +418,10 @@ pub(crate) fn answer_tombstone<DB: Backend>(
                 .into_iter()
                 .find_map(|(name, value)| (name == header::LOCATION).then_some(value))
         });
-    (Outcome::Expired, Problem::expired(status, location))
+    (
+        Outcome::Expired,
+        Problem::expired(tombstone.status, location),
+    )
 }
 
 /// The tombstone the write of a response (its `parts`) sets up for
@@ -425,7 +435,7 @@ pub(crate) fn tombstone_write<DB: Backend>(
     replay: Duration,
     keep: Option<Duration>,
     parts: &http::response::Parts,
-) -> Option<TombstoneWrite> {
+) -> Option<Box<TombstoneWrite>> {
     let keep = keep?;
     let location = parts.headers.get(header::LOCATION).map(|location| {
         let encoded = StoredResponse {
@@ -438,11 +448,11 @@ pub(crate) fn tombstone_write<DB: Backend>(
             .seal(scope, key, Column::Location, &encoded)
             .into_owned()
     });
-    Some(TombstoneWrite {
+    Some(Box::new(TombstoneWrite {
         replay,
         keep,
         location,
-    })
+    }))
 }
 
 /// An uncertain key's answer to a request with `fingerprint`: 409

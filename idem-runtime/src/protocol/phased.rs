@@ -32,6 +32,7 @@ use crate::observe::{self, Outcome};
 use crate::phases::{PhaseState, Phases};
 use crate::problem::{OperationState, Problem, restate};
 use crate::recovery::Recovery;
+use crate::request::StoredRequest;
 use crate::resolve::Uncertainty;
 use crate::response::{CaptureError, StoredResponse};
 use crate::seal::Column;
@@ -66,16 +67,25 @@ async fn run_dyn<'f, DB: Phased>(
         observe::finish(&span, Outcome::Rejected);
         return idem.problem(Problem::KeyMissing);
     };
-    record(&span, &scope, Some(&key));
+    let (stored_scope, stored_key) = idem.stored(&scope, &key);
+    record(&span, &stored_scope, Some(&stored_key));
     let config = prepared.config;
-    // The request is kept sealed where the store encrypts.
     let request = prepared.request.as_deref().unwrap_or_default();
-    let request = idem.sealer().seal(&scope, &key, Column::Request, request);
+    // Where the table keeps hashes, the request names its caller, whom the
+    // completer resumes it as.
+    let request = match idem.key_hasher() {
+        Some(_) => Cow::Owned(StoredRequest::with_caller(request, &scope, &key)),
+        None => Cow::Borrowed(request),
+    };
+    // The request is kept sealed where the store encrypts.
+    let request = idem
+        .sealer()
+        .seal(&stored_scope, &stored_key, Column::Request, &request);
     let claim = LeaseClaim {
         // A phased claim never waits for an attempt in flight.
         claim: Claim {
             wait: Duration::ZERO,
-            ..config.claim(&idem, &scope, &key, fingerprint)
+            ..config.claim(&idem, &stored_scope, &stored_key, fingerprint)
         },
         lease: config.lease.unwrap_or(Duration::from_secs(30)),
         request: &request,
@@ -86,16 +96,19 @@ async fn run_dyn<'f, DB: Phased>(
         .resumed
         .as_ref()
         .map_or(Duration::ZERO, |resumed| resumed.backoff);
-    let (outcome, response) = run_keyed(&idem, &claim, backoff, handler)
+    let (outcome, response) = run_keyed(&idem, &claim, (&scope, &key), backoff, handler)
         .instrument(span.clone())
         .await;
     observe::finish(&span, outcome);
     idem.typed(response)
 }
 
+/// `caller`: the clear scope and key, as the handler sees them (the claim
+/// has them as the table keeps them).
 async fn run_keyed<'f, DB: Phased>(
     idem: &Idem<DB>,
     lease: &LeaseClaim<'_>,
+    caller: (&str, &str),
     backoff: Duration,
     handler: &mut DynHandler<'_, 'f, Phases<DB>>,
 ) -> (Outcome, Response) {
@@ -152,10 +165,10 @@ async fn run_keyed<'f, DB: Phased>(
     let state = PhaseState {
         idem: idem.clone(),
         holder,
-        key: IdempotencyKey::new(claim.scope.to_owned(), claim.key.to_owned()),
+        key: IdempotencyKey::new(caller.0.to_owned(), caller.1.to_owned()),
         lease: lease.lease,
         ttl: claim.ttl,
-        tombstone: claim.tombstone,
+        tombstone: claim.tombstone(),
         recovery,
         resumed,
         fenced: false,
@@ -246,15 +259,9 @@ async fn claim_lease<DB: Phased>(
                 latency("finished");
                 return Err(answer_uncertain(claim, &fingerprint));
             }
-            Err(StoreError::Tombstone {
-                fingerprint,
-                status,
-                location,
-            }) => {
+            Err(StoreError::Tombstone(tombstone)) => {
                 latency("finished");
-                let answer =
-                    answer_tombstone(idem, claim, &fingerprint, status, location.as_deref());
-                return Err(answer);
+                return Err(answer_tombstone(idem, claim, &tombstone));
             }
             Ok(LeaseOutcome::Leased { remaining }) => {
                 latency("in_use");

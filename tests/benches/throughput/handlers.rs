@@ -146,6 +146,11 @@ macro_rules! service {
                     }
                     _ => idem,
                 };
+                // `IDEM_BENCH_HASH_KEYS=1`: scopes and keys stored hashed.
+                let idem = match std::env::var("IDEM_BENCH_HASH_KEYS").as_deref() {
+                    Ok("1") => idem.hash_keys(idem::KeyHasher::new([9; 32])),
+                    _ => idem,
+                };
                 axum::Router::new()
                     .route("/{statements}/baseline", post(baseline))
                     .route("/{statements}/idempotent", post(idempotent))

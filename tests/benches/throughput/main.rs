@@ -45,6 +45,7 @@
 //! | `IDEM_BENCH_ADVISORY_LOCKS` | 1 | 0: the claim without advisory locks, as on a server without them (diagnostic) |
 //! | `IDEM_BENCH_POOLER` | `session` | `transaction`: `idem`'s statements keep nothing in the session (`Pooler::Transaction`), for an A/B of what that costs |
 //! | `IDEM_BENCH_ENCRYPTION` | 0 | 1: stored responses sealed at rest (`Idem::encryption`), for an A/B of what that costs |
+//! | `IDEM_BENCH_HASH_KEYS` | 0 | 1: scopes and keys stored hashed (`Idem::hash_keys`), for an A/B of what that costs |
 //! | `IDEM_BENCH_POOL` | 16 | the server's connection pool (all scenarios) |
 //! | `IDEM_BENCH_SERVER_THREADS` | cores | the server's tokio workers |
 //! | `IDEM_BENCH_FILLFACTOR` | 100 | fillfactor of the key tables (diagnostic) |

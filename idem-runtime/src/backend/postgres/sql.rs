@@ -525,7 +525,7 @@ mod tests {
             key: "b",
             fingerprint: Fingerprint::from_bytes(&[0xab; 32]).unwrap(),
             ttl: Duration::from_secs(60),
-            tombstone: None,
+            tombstone_ms: None,
             wait: Duration::ZERO,
             timeout_ms: 30_000,
             advisory: false,

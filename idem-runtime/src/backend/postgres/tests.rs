@@ -218,7 +218,7 @@ async fn bytes_arrive_intact_whatever_standard_conforming_strings_says() {
                 key: &key,
                 fingerprint: Fingerprint::from_bytes(&[0x5c; 32]).unwrap(),
                 ttl: Duration::from_secs(60),
-                tombstone: None,
+                tombstone_ms: None,
                 wait: Duration::from_millis(100),
                 timeout_ms: 30_000,
                 advisory: true,
@@ -262,7 +262,7 @@ async fn inlined_statements_claim_finish_replay_and_take_over() {
         key: "inline-1",
         fingerprint,
         ttl: Duration::from_secs(60),
-        tombstone: None,
+        tombstone_ms: None,
         wait: Duration::from_millis(100),
         timeout_ms: 30_000,
         advisory: true,
@@ -655,7 +655,7 @@ async fn no_index_names_what_the_finish_writes() {
             .fetch_all(&pool)
             .await
             .unwrap();
-    assert_eq!(definitions.len(), 3, "{definitions:?}");
+    assert_eq!(definitions.len(), 4, "{definitions:?}");
     for definition in &definitions {
         let columns = definition
             .split_once(" USING ")
