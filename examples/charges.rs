@@ -316,7 +316,9 @@ macro_rules! idempotent_handlers {
         mod $engine {
             use super::*;
 
-            #[idempotent(scope = "account", ttl = "24h")]
+            // A retry that comes back after a day is refused, not charged
+            // again, for 30 days.
+            #[idempotent(scope = "account", ttl = "24h", tombstone = "30d")]
             pub async fn create_charge(
                 account: Account,
                 State(app): State<AppState<$db>>,

@@ -152,6 +152,8 @@ mod tests {
             (409, false, Some(KEY_IN_USE), Retry),
             (409, false, Some(STORE_UNAVAILABLE), Retry),
             (409, false, Some("order_conflict"), Rejected),
+            // A tombstone: done long ago, never retried (nor with a new key).
+            (409, false, Some("idempotency_key_expired"), Rejected),
             (409, false, None, Rejected),
             (429, false, None, Retry),
             (502, false, None, Retry),

@@ -608,6 +608,7 @@ mod tests {
         for key in KEYS {
             let value = match *key {
                 "ttl" | "wait" | "timeout" | "lease" => "1s",
+                "tombstone" => "30d",
                 "key" => "required",
                 "crate" => "::idem",
                 _ => "a",
@@ -669,8 +670,8 @@ mod tests {
         let message = one_message(quote!(scope = "a", colour = "red"));
         assert_eq!(
             message,
-            "unknown argument `colour`; valid arguments are `scope`, `ttl`, `key`, `wait`, \
-             `timeout`, `lease`, `fingerprint` and `crate`"
+            "unknown argument `colour`; valid arguments are `scope`, `ttl`, `tombstone`, `key`, \
+             `wait`, `timeout`, `lease`, `fingerprint` and `crate`"
         );
         assert!(one_message(quote!(scope)).contains("expected `scope = \"...\"`"));
         assert!(one_message(quote!("account")).contains("write `scope = \"account\"`"));
@@ -890,5 +891,26 @@ mod tests {
             "`exclude` set multiple times"
         );
         assert!(written(quote!(fingerprint(exclude))).contains("expected `=`"));
+    }
+
+    #[test]
+    fn tombstones_outlive_the_ttl_within_ten_years() {
+        let args = parse_ok(quote!(scope = "a", ttl = "1h", tombstone = "30d"));
+        assert_eq!(args.tombstone.map(|(ms, _)| ms), Some(30 * 86_400_000));
+        assert!(parse_ok(quote!(scope = "a")).tombstone.is_none());
+        let longest = parse_ok(quote!(scope = "a", tombstone = "3650d"));
+        assert_eq!(longest.tombstone.map(|(ms, _)| ms), Some(MAX_TOMBSTONE_MS));
+        assert!(one_message(quote!(scope = "a", tombstone = "3651d")).contains("at most 3650d"),);
+        // Not longer than the ttl, written or the default 24h.
+        assert!(
+            one_message(quote!(scope = "a", ttl = "2d", tombstone = "2d"))
+                .contains("longer than `ttl`")
+        );
+        assert!(one_message(quote!(scope = "a", tombstone = "12h")).contains("longer than `ttl`"));
+        assert!(one_message(quote!(scope = "a", tombstone = "0s")).contains("greater than zero"));
+        assert_eq!(
+            one_message(quote!(scope = "a", tombstone = 30d)),
+            "`tombstone` takes a string literal: write `tombstone = \"30d\"`"
+        );
     }
 }

@@ -157,6 +157,21 @@ use proc_macro::TokenStream;
 /// #[idempotent(scope = "account", ttl = "7d")]
 /// ```
 ///
+/// ## `tombstone`
+///
+/// `tombstone = "<whole number><unit>"`, written as `ttl` is: keeps the
+/// key past its `ttl`, without its response, until this long after the
+/// response. Meanwhile a retry with the same request gets 409
+/// `idempotency_key_expired` (no `Retry-After`) with the first status and
+/// `Location` (the problem's `original_status` and `location`), and
+/// nothing runs; another request gets 422. After it the key runs as new.
+/// Longer than `ttl` (24h unless set), at most `"3650d"`. Without it a
+/// key is forgotten after its `ttl`.
+///
+/// ```ignore
+/// #[idempotent(scope = "account", ttl = "24h", tombstone = "30d")]
+/// ```
+///
 /// ## `key`
 ///
 /// `key = "required"` (the default) or `key = "optional"`: whether a

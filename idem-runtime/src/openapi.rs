@@ -343,6 +343,9 @@ impl IdempotentRoutes {
             Some(lease) => extension["lease"] = json!(iso8601(lease)),
             None => extension["wait"] = json!(iso8601(policy.wait())),
         }
+        if let Some(tombstone) = policy.tombstone() {
+            extension["tombstone"] = json!(iso8601(tombstone));
+        }
         extension
     }
 }
@@ -476,7 +479,7 @@ fn problems(policy: &Policy) -> Vec<(StatusCode, Vec<&'static str>, Option<Heade
         header.description = Some(text.to_owned());
         Some(header)
     };
-    let (in_use, conflicts) = match policy.lease() {
+    let (in_use, mut conflicts) = match policy.lease() {
         // A phased key can also become uncertain, which no wait resolves.
         Some(_) => (
             "Seconds until the first attempt's lease ends: retry then, with the same key \
@@ -489,6 +492,9 @@ fn problems(policy: &Policy) -> Vec<(StatusCode, Vec<&'static str>, Option<Heade
             vec![code(Problem::KeyInUse)],
         ),
     };
+    if policy.tombstone().is_some() {
+        conflicts.push(code(Problem::KeyExpired { status: 201 }));
+    }
     vec![
         (StatusCode::BAD_REQUEST, bad_request, None),
         (StatusCode::CONFLICT, conflicts, retry_after(in_use)),
@@ -691,8 +697,19 @@ fn describe(policy: &Policy, replay_header: &str) -> String {
          429 is not kept, so a retry after one runs afresh. The same request means the same \
          method, path, query and body (a JSON body in its RFC 8785 canonical form, so member \
          order and whitespace do not count{excluded}); the same key with another request gets \
-         422 (`idempotency_key_reused`). {in_flight}",
+         422 (`idempotency_key_reused`). {in_flight}{tombstone}",
         ttl = human(policy.ttl()),
+        tombstone = match policy.tombstone() {
+            Some(tombstone) => format!(
+                " After those {ttl}, the key is kept without its response until {} after that response: a \
+                 retry with it gets 409 (`idempotency_key_expired`, no `Retry-After`) with the \
+                 first status (`original_status`) and `Location` (`location`), and nothing runs \
+                 again.",
+                human(tombstone),
+                ttl = human(policy.ttl()),
+            ),
+            None => String::new(),
+        },
     )
 }
 
@@ -854,6 +871,26 @@ mod tests {
         assert!(description.contains("1 hour"), "{description}");
         assert!(description.contains("`/client_ts`"), "{description}");
         assert!(api["components"]["schemas"][PROBLEM_SCHEMA].is_object());
+    }
+
+    /// A handler with `tombstone` documents it, its 409, and what a late
+    /// retry gets.
+    #[test]
+    fn tombstones_are_documented() {
+        let mut api = utoipa::openapi::OpenApiBuilder::new().build();
+        let policy = Config::new(86_400_000, 0, 30_000, KeyMode::Required)
+            .tombstone(30 * 86_400_000)
+            .policy();
+        IdempotentRoutes::new()
+            .route_policy(HttpMethod::Post, "/v1/charges", policy)
+            .apply(&mut api);
+        let api = serde_json::to_value(&api).unwrap();
+        let operation = &api["paths"]["/v1/charges"]["post"];
+        assert_eq!(operation["x-idempotency"]["tombstone"], "PT720H");
+        let conflict = operation["responses"]["409"].to_string();
+        assert!(conflict.contains("idempotency_key_expired"), "{conflict}");
+        let description = operation["description"].as_str().unwrap();
+        assert!(description.contains("until 30 days after"), "{description}");
     }
 
     #[test]

@@ -26,6 +26,7 @@ const SECRET: &str = "sk_live_do_not_store";
 const LOCATION: &str = "/v1/charges/ch_hidden_location";
 
 const ATOMIC: Config = Config::new(60_000, 0, 30_000, KeyMode::Required);
+const TOMBSTONED: Config = ATOMIC.tombstone(120_000);
 const PHASED: Config = Config::new(60_000, 0, 30_000, KeyMode::Required).phased(30_000);
 
 /// A finished response: status, `Location` and body.
@@ -59,8 +60,13 @@ fn request(key: &str, body: &str) -> (http::request::Parts, Body) {
 /// A request of `key` to an atomic handler answering 201 with `id` and
 /// the secret.
 async fn charge<DB: Phased>(idem: &Idem<DB>, key: &str, id: &str) -> Seen {
+    charge_under(&ATOMIC, idem, key, id).await
+}
+
+/// [`charge`] to a handler of `config`.
+async fn charge_under<DB: Phased>(config: &Config, idem: &Idem<DB>, key: &str, id: &str) -> Seen {
     let (parts, body) = request(key, r#"{"amount":1000}"#);
-    let (prepared, _) = prepare(idem, parts, body, &ATOMIC).await.unwrap();
+    let (prepared, _) = prepare(idem, parts, body, config).await.unwrap();
     let answer = format!(r#"{{"id":"{id}","secret":"{SECRET}"}}"#);
     let handler = |_tx: Tx<DB>| async move {
         let response = (StatusCode::CREATED, [(header::LOCATION, LOCATION)], answer);
@@ -307,6 +313,44 @@ pub(crate) async fn encryption_contract<DB: Phased + Admin>(pool: &Pool<DB>, tab
     let finished = pay(&with_both, "q", false).await;
     assert!(finished.replayed && holds(&finished.body, &format!("ch_{SECRET}")));
     assert!(!holds(&raw_response(pool, table, "q").await.body, SECRET));
+
+    // A tombstone's `Location` is sealed too, and opened for its answer:
+    // `t`'s replay ended by hand (its end set to its claim's time).
+    let kept = charge_under(&TOMBSTONED, &with_both, "t", "ch_t").await;
+    assert_eq!(kept.status, StatusCode::CREATED);
+    let ended = Write {
+        sql: format!(
+            "UPDATE {table} SET replay_until = created_at WHERE scope = {} AND {} = {}",
+            p(1),
+            DB::READS.key,
+            p(2)
+        ),
+        params: vec![Param::Bytes(b"acct"), Param::Bytes(b"t")],
+    };
+    assert!(DB::write_all(pool, vec![ended]).await.unwrap());
+    let claim = crate::backend::test_support::claim_of("acct", "t", 0, std::time::Duration::ZERO);
+    let tombstone = match DB::claim(pool, Acquire::default(), table, &claim).await {
+        Err(crate::backend::StoreError::Tombstone(tombstone)) => tombstone,
+        other => panic!("a tombstone, not {other:?}"),
+    };
+    let location = tombstone.location.expect("the Location is kept");
+    assert!(!holds(&location, LOCATION) && !holds(&location, "location"));
+    assert_eq!(key_id(&location), b"k2");
+    let late = charge_under(&TOMBSTONED, &with_both, "t", "ch_t2").await;
+    assert_eq!(late.status, StatusCode::CONFLICT);
+    let json: serde_json::Value = serde_json::from_slice(&late.body).unwrap();
+    assert_eq!(json["code"], "idempotency_key_expired");
+    assert_eq!(
+        (json["original_status"].as_u64(), json["location"].as_str()),
+        (Some(201), Some(LOCATION))
+    );
+    // Without the key, the answer holds: without the location.
+    let late = charge_under(&TOMBSTONED, &plain, "t", "ch_t3").await;
+    let json: serde_json::Value = serde_json::from_slice(&late.body).unwrap();
+    assert_eq!(
+        (json["code"].as_str(), &json["location"]),
+        (Some("idempotency_key_expired"), &serde_json::Value::Null)
+    );
 }
 
 /// The contract on PostgreSQL.

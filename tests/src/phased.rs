@@ -170,6 +170,10 @@ pub fn refuses_local(headers: &HeaderMap) -> bool {
 /// the stored request's path, not its headers.
 pub const ONCE_PATH: &str = "/v1/payments/once";
 
+/// The phased handler with `ttl = "2s", tombstone = "4s"` (its lease as
+/// [`PATH`]'s).
+pub const TOMBSTONE_PATH: &str = "/v1/payments/tombstoned";
+
 /// How an engine spells the suite's SQL.
 pub struct Dialect {
     /// The first three placeholders.
@@ -454,6 +458,17 @@ macro_rules! phased_app {
                 pay(account, headers, state, phases, new, true).await
             }
 
+            #[idempotent(scope = "account", lease = "2s", ttl = "2s", tombstone = "4s")]
+            pub async fn create_tombstoned(
+                account: Account,
+                headers: HeaderMap,
+                State(state): State<PhasedState<$db>>,
+                phases: Phases<$db>,
+                Json(new): Json<NewPayment>,
+            ) -> Result<Response, PayError> {
+                pay(account, headers, state, phases, new, false).await
+            }
+
             #[idempotent(scope = "account", lease = "30s")]
             pub async fn create_long(
                 account: Account,
@@ -471,6 +486,7 @@ macro_rules! phased_app {
                     .route(phased::PATH, post(create))
                     .route(phased::LONG_PATH, post(create_long))
                     .route(phased::ONCE_PATH, post(create_once))
+                    .route(phased::TOMBSTONE_PATH, post(create_tombstoned))
                     .with_state(state)
             }
         }

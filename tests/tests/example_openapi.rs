@@ -18,11 +18,11 @@ use idem_tests::examples::{self, free_port};
 use serde_json::Value;
 use tokio::process::{Child, Command};
 
-/// The routes `#[idempotent]` handlers serve, with their retention and,
-/// for the phased one, its lease.
-const IDEMPOTENT: [(&str, &str, &str, Option<&str>); 2] = [
-    ("/v1/charges", "post", "PT24H", None),
-    ("/v1/payments", "post", "PT24H", Some("PT5S")),
+/// The routes `#[idempotent]` handlers serve, with their retention, their
+/// tombstone (the charges') and, for the phased one, its lease.
+const IDEMPOTENT: [(&str, &str, &str, Option<&str>, Option<&str>); 2] = [
+    ("/v1/charges", "post", "PT24H", Some("PT720H"), None),
+    ("/v1/payments", "post", "PT24H", None, Some("PT5S")),
 ];
 
 /// The problems every idempotent route documents: status, the codes its
@@ -221,7 +221,7 @@ async fn the_document_is_openapi_3_1_and_documents_the_idempotent_routes() {
     }
 
     let operations = operations(&document);
-    for (path, method, retention, lease) in IDEMPOTENT {
+    for (path, method, retention, tombstone, lease) in IDEMPOTENT {
         let operation = &document["paths"][path][method];
         let key = key_parameter(operation)
             .unwrap_or_else(|| panic!("{method} {path} documents the key: {operation}"));
@@ -257,6 +257,9 @@ async fn the_document_is_openapi_3_1_and_documents_the_idempotent_routes() {
         assert_eq!(policy["required"], true, "{policy}");
         assert_eq!(policy["replayHeader"], "Idempotent-Replayed", "{policy}");
         assert_eq!(policy["lease"].as_str(), lease, "{policy}");
+        assert_eq!(policy["tombstone"].as_str(), tombstone, "{policy}");
+        let expired = codes(&responses["409"]).contains(&"idempotency_key_expired");
+        assert_eq!(expired, tombstone.is_some(), "{path}: {}", responses["409"]);
         let description = operation["description"].as_str().unwrap();
         assert!(description.contains("**Idempotent.**"), "{description}");
         assert!(description.contains("24 hours"), "{description}");

@@ -24,8 +24,8 @@ use axum::body::Body;
 use axum::extract::{OriginalUri, Request};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
-use http::request::Parts;
 use http::header;
+use http::request::Parts;
 use http_body_util::BodyExt;
 use tracing::Span;
 

@@ -25,6 +25,7 @@ macro_rules! phased {
                     kills::killed_servers_are_finished_by_the_completer,
                     suite::stalled_attempts_are_fenced_once_a_retry_took_over,
                     suite::leased_keys_are_409_and_finished_ones_replay,
+                    suite::tombstones_refuse_late_retries,
                     suite::provider_failures_are_not_stored,
                     suite::failures_before_any_external_step_release_the_key,
                     uncertain::spent_attempts_make_the_key_uncertain,

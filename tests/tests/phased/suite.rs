@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use futures::future::join_all;
 use idem_tests::phased::{
-    Boundaries, Boundary, FAIL_LOCAL, LEASE, LONG_LEASE, LONG_PATH, PATH, PhasedDb,
+    Boundaries, Boundary, FAIL_LOCAL, LEASE, LONG_LEASE, LONG_PATH, PATH, PhasedDb, TOMBSTONE_PATH,
 };
 use idem_tests::service::unique;
 use reqwest::StatusCode;
@@ -71,6 +71,48 @@ async fn stalled_at<DB: PhasedDb>(at: Boundary) {
     let replay = send(fixture.post(server.addr, &key)).await;
     assert!(replay.replayed(), "{context}: {replay:?}");
     assert_eq!(replay.body, answer.body, "{context}");
+    drop(server);
+    fixture.discard().await;
+}
+
+/// A phased handler with `ttl = "2s", tombstone = "4s"`: replayed within
+/// its ttl; then the same request gets `idempotency_key_expired` with the
+/// first status and `Location`, another 422, and neither calls the
+/// provider; after the tombstone the key pays anew.
+pub async fn tombstones_refuse_late_retries<DB: PhasedDb>() {
+    let fixture = Fixture::<DB>::new(Duration::ZERO, 0).await;
+    let server = fixture.serve(Boundaries::none()).await;
+    let key = unique("tombstoned");
+    let post = |body| fixture.post_to(server.addr, TOMBSTONE_PATH, &key, body);
+    let first = send(post(BODY)).await;
+    fixture.assert_one_payment(&first, "first attempt").await;
+    let location = first.header("location").expect("a Location").to_owned();
+    assert!(send(post(BODY)).await.replayed());
+    let calls = fixture.provider.stats().await;
+
+    // The passage of time is what is under test here: past the 2 s ttl.
+    tokio::time::sleep(Duration::from_millis(2100)).await;
+    let late = send(post(BODY)).await;
+    assert_eq!(late.status, StatusCode::CONFLICT, "{late:?}");
+    assert_eq!(late.problem_code(), "idempotency_key_expired");
+    assert_eq!(late.json()["original_status"], 201, "{late:?}");
+    assert_eq!(late.json()["location"], location.as_str(), "{late:?}");
+    assert_eq!(late.operation_state(), ("completed".into(), false));
+    let reused = send(post(OTHER_BODY)).await;
+    assert_eq!(
+        reused.status,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "{reused:?}"
+    );
+    assert_eq!(fixture.provider.stats().await, calls, "nothing ran");
+    fixture.assert_one_payment(&first, "after the ttl").await;
+
+    // Past the 4 s tombstone, which counts from the response.
+    tokio::time::sleep(Duration::from_millis(2000)).await;
+    let again = send(post(BODY)).await;
+    assert_eq!(again.status, StatusCode::CREATED, "{again:?}");
+    assert!(!again.replayed(), "{again:?}");
+    assert_eq!(fixture.payments().await.len(), 2);
     drop(server);
     fixture.discard().await;
 }

@@ -41,6 +41,13 @@ async fn ttl_h(account: Account, mut tx: Tx<Postgres>) -> StatusCode {
     StatusCode::CREATED
 }
 
+/// A tombstone, here the longest.
+#[idempotent(scope = "account", ttl = "24h", tombstone = "3650d")]
+async fn tombstone(account: Account, mut tx: Tx<Postgres>) -> StatusCode {
+    let _ = (account, &mut tx);
+    StatusCode::CREATED
+}
+
 /// The longest `ttl`.
 #[idempotent(scope = "account", ttl = "365d")]
 async fn ttl_max(account: Account, mut tx: Tx<Postgres>) -> StatusCode {
@@ -122,6 +129,7 @@ fn main() {
     let _: Router<AppState> = Router::new()
         .route("/defaults", post(defaults))
         .route("/ttl-ms", post(ttl_ms))
+        .route("/tombstone", post(tombstone))
         .route("/ttl-s", post(ttl_s))
         .route("/ttl-m", post(ttl_m))
         .route("/ttl-h", post(ttl_h))
