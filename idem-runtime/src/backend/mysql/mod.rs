@@ -173,26 +173,22 @@ impl super::claim::ClaimAttempt<MySql> for MySqlClaim<'_> {
         let rows = sqlx::raw_sql(AssertSqlSafe(read))
             .fetch_all(&mut **conn)
             .await;
-        let found = match rows {
-            Ok(rows) => rows.first().map(read_row).transpose(),
-            Err(error) => Err(StoreError::Database(error)),
-        };
-        match found {
-            Ok(Some(Some(finished))) => {
+        let rows = match rows {
+            // The read's batch ended the transaction: whatever the row
+            // says (an uncertain key, a tombstone), the connection is done.
+            Ok(rows) => {
                 conn.release();
-                Ok(finished)
+                rows
             }
+            Err(error) => return Err(Failure::Fatal(StoreError::Database(error))),
+        };
+        match rows.first().map(read_row).transpose() {
+            Ok(Some(Some(finished))) => Ok(finished),
             // Unfinished, under our lock and not ours: stranded by an
             // attempt that committed and then failed (see [`claim_sql`]).
-            Ok(Some(None)) => {
-                conn.release();
-                Err(Failure::InUse)
-            }
+            Ok(Some(None)) => Err(Failure::InUse),
             // Gone (swept) meanwhile: the claim starts over.
-            Ok(None) => {
-                conn.release();
-                Err(Failure::Retry(StoreError::Vanished))
-            }
+            Ok(None) => Err(Failure::Retry(StoreError::Vanished)),
             Err(error) => Err(Failure::Fatal(error)),
         }
     }

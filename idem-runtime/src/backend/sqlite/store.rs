@@ -197,8 +197,8 @@ impl Store for Sqlite {
         if let (Some(claim), Some(response)) = (claim, response) {
             // A slow request's expiry counts from its response (see
             // `OpenTx::outlived`).
-            let expires_at = conn
-                .outlived(claim.ttl)
+            // (A tombstone's times always count from its response.)
+            let expires_at = (response.tombstone.is_none() && conn.outlived(claim.ttl))
                 .then(|| now_ms().saturating_add(ttl_ms(claim)));
             let statement = Sql::finish(table, expires_at.is_some(), response);
             let mut query = sqlx::query(AssertSqlSafe(statement))
