@@ -254,6 +254,47 @@ pub mod metrics {
 
 #[cfg(test)]
 mod tests {
+    /// An unreadable value is counted at every request that meets it, by
+    /// column and reason, and logged once per key.
+    #[test]
+    fn unreadable_values_are_counted_each_time_and_logged_once() {
+        use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        let scope = format!("scope-{:?}", std::time::SystemTime::now());
+        ::metrics::with_local_recorder(&recorder, || {
+            for _ in 0..3 {
+                unreadable("keys", &scope, "k", "body", "unknown_key");
+            }
+        });
+        let counted: Vec<_> = snapshotter
+            .snapshot()
+            .into_vec()
+            .into_iter()
+            .filter(|(key, ..)| key.key().name() == UNREADABLE_TOTAL)
+            .map(|(key, _, _, value)| {
+                let labels: Vec<_> = key
+                    .key()
+                    .labels()
+                    .map(|label| format!("{}={}", label.key(), label.value()))
+                    .collect();
+                (labels, value)
+            })
+            .collect();
+        assert_eq!(
+            counted,
+            [(
+                vec!["column=body".to_owned(), "reason=unknown_key".to_owned()],
+                DebugValue::Counter(3)
+            )]
+        );
+        assert!(
+            !first_report(redact(&["keys", &scope, "k"])),
+            "the key was logged already"
+        );
+        assert!(first_report(redact(&["keys", &scope, "other"])));
+    }
+
     use super::*;
 
     #[test]

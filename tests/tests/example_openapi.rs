@@ -18,9 +18,18 @@ use idem_tests::examples::{self, free_port};
 use serde_json::Value;
 use tokio::process::{Child, Command};
 
+/// An idempotent route: its path, method, retention, tombstone and lease.
+type Route = (
+    &'static str,
+    &'static str,
+    &'static str,
+    Option<&'static str>,
+    Option<&'static str>,
+);
+
 /// The routes `#[idempotent]` handlers serve, with their retention, their
 /// tombstone (the charges') and, for the phased one, its lease.
-const IDEMPOTENT: [(&str, &str, &str, Option<&str>, Option<&str>); 2] = [
+const IDEMPOTENT: [Route; 2] = [
     ("/v1/charges", "post", "PT24H", Some("PT720H"), None),
     ("/v1/payments", "post", "PT24H", None, Some("PT5S")),
 ];
