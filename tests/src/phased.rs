@@ -361,6 +361,25 @@ macro_rules! phased_queries {
     };
 }
 
+/// One annotated handler of `phased_app!`: the attribute's arguments
+/// vary, the body is `pay`'s (`once`: its provider call is
+/// `external_once`).
+#[macro_export]
+macro_rules! phased_handler {
+    ($db:ty, $name:ident, $once:literal, $($arg:tt)*) => {
+        #[idempotent($($arg)*)]
+        pub async fn $name(
+            account: Account,
+            headers: HeaderMap,
+            State(state): State<PhasedState<$db>>,
+            phases: Phases<$db>,
+            Json(new): Json<NewPayment>,
+        ) -> Result<Response, PayError> {
+            pay(account, headers, state, phases, new, $once).await
+        }
+    };
+}
+
 /// Stamps out, as `phased_handlers`, the phased handler (at [`PATH`] and
 /// [`LONG_PATH`], their leases apart) and router for one engine.
 #[macro_export]
@@ -436,49 +455,18 @@ macro_rules! phased_app {
                 }))
             }
 
-            #[idempotent(scope = "account", lease = "2s")]
-            pub async fn create(
-                account: Account,
-                headers: HeaderMap,
-                State(state): State<PhasedState<$db>>,
-                phases: Phases<$db>,
-                Json(new): Json<NewPayment>,
-            ) -> Result<Response, PayError> {
-                pay(account, headers, state, phases, new, false).await
-            }
-
-            #[idempotent(scope = "account", lease = "2s")]
-            pub async fn create_once(
-                account: Account,
-                headers: HeaderMap,
-                State(state): State<PhasedState<$db>>,
-                phases: Phases<$db>,
-                Json(new): Json<NewPayment>,
-            ) -> Result<Response, PayError> {
-                pay(account, headers, state, phases, new, true).await
-            }
-
-            #[idempotent(scope = "account", lease = "2s", ttl = "2s", tombstone = "4s")]
-            pub async fn create_tombstoned(
-                account: Account,
-                headers: HeaderMap,
-                State(state): State<PhasedState<$db>>,
-                phases: Phases<$db>,
-                Json(new): Json<NewPayment>,
-            ) -> Result<Response, PayError> {
-                pay(account, headers, state, phases, new, false).await
-            }
-
-            #[idempotent(scope = "account", lease = "30s")]
-            pub async fn create_long(
-                account: Account,
-                headers: HeaderMap,
-                State(state): State<PhasedState<$db>>,
-                phases: Phases<$db>,
-                Json(new): Json<NewPayment>,
-            ) -> Result<Response, PayError> {
-                pay(account, headers, state, phases, new, false).await
-            }
+            $crate::phased_handler!($db, create, false, scope = "account", lease = "2s");
+            $crate::phased_handler!($db, create_once, true, scope = "account", lease = "2s");
+            $crate::phased_handler!(
+                $db,
+                create_tombstoned,
+                false,
+                scope = "account",
+                lease = "2s",
+                ttl = "2s",
+                tombstone = "4s"
+            );
+            $crate::phased_handler!($db, create_long, false, scope = "account", lease = "30s");
 
             pub fn router(state: PhasedState<$db>) -> axum::Router {
                 use axum::routing::post;
