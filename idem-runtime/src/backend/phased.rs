@@ -341,11 +341,6 @@ pub(crate) fn count_uncertain_sql(table: &str) -> String {
     )
 }
 
-/// Whole milliseconds, as the engines bind them.
-pub(crate) fn ms(duration: Duration) -> i64 {
-    i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
-}
-
 /// Commits after a guarded write that `written` says matched (engines that
 /// send the two apart); `false` commits nothing.
 async fn commit_if<DB: Backend>(

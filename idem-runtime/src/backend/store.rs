@@ -369,7 +369,12 @@ pub(crate) fn tombstone_assignments(
         .map_or_else(|| "NULL".to_owned(), literal);
     format!(
         ", location = {location}, replay_until = {}, expires_at = {}",
-        after_ms(super::phased::ms(tombstone.replay)),
-        after_ms(super::phased::ms(tombstone.keep))
+        after_ms(ms(tombstone.replay)),
+        after_ms(ms(tombstone.keep))
     )
+}
+
+/// Whole milliseconds, as the engines bind them.
+pub(crate) fn ms(duration: Duration) -> i64 {
+    i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
 }

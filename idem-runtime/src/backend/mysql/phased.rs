@@ -14,10 +14,10 @@ use super::MAX_SCOPE_BYTES;
 use super::sql::tombstone_set;
 use crate::backend::phased::{
     Abandoned, Holder, LeaseClaim, LeaseOutcome, Phased, PhasedStore, Release, abandoned_sql,
-    count_uncertain_sql, ms,
+    count_uncertain_sql,
 };
 use crate::backend::rows::{abandoned, tombstone_columns, unclaimed};
-use crate::backend::store::{Store, UNCERTAIN};
+use crate::backend::store::{Store, UNCERTAIN, ms};
 use crate::backend::{Acquire, FinishError, StoreError, abandon};
 use crate::response::EncodedResponse;
 

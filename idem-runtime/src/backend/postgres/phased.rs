@@ -11,15 +11,15 @@ use sqlx::postgres::PgTransactionManager;
 use sqlx::{AssertSqlSafe, PgConnection, Pool, Postgres, Row};
 
 use super::simple;
-use super::sql::Arg;
+use super::sql::{Arg, bytea, tombstone_set};
 use sqlx_core::transaction::TransactionManager;
 
 use crate::backend::phased::{
     Abandoned, Holder, LeaseClaim, LeaseOutcome, Phased, PhasedStore, Release, abandoned_sql,
-    count_uncertain_sql, ms,
+    count_uncertain_sql,
 };
 use crate::backend::rows::{abandoned, tombstone_columns, unclaimed};
-use crate::backend::store::{UNCERTAIN, tombstone_assignments};
+use crate::backend::store::{UNCERTAIN, ms};
 use crate::backend::{Acquire, FinishError, OpenTx, StoreError, in_autocommit};
 use crate::response::EncodedResponse;
 
@@ -304,17 +304,4 @@ async fn guarded_commit(conn: &mut OpenTx<Postgres>, text: &str) -> Result<bool,
         Err(error) if super::has_code(&error, &[FENCED]) => Ok(false),
         Err(error) => Err(super::finish_error(error)),
     }
-}
-
-/// [`tombstone_assignments`] in PostgreSQL's spelling.
-pub(super) fn tombstone_set(response: &EncodedResponse) -> String {
-    tombstone_assignments(response, bytea, |ms| {
-        format!("clock_timestamp() + {ms} * interval '1 millisecond'")
-    })
-}
-
-pub(super) fn bytea(bytes: &[u8]) -> String {
-    let mut out = String::with_capacity(bytes.len() * 2 + 6);
-    super::sql::push_bytea(&mut out, bytes);
-    out
 }

@@ -10,6 +10,7 @@ use std::fmt::Write as _;
 
 use crate::backend::Claim;
 use crate::backend::sql::push_hex;
+use crate::backend::store::tombstone_assignments;
 use crate::response::EncodedResponse;
 
 /// One of `idem`'s statements on the key table, written once with `$n`
@@ -466,7 +467,7 @@ impl<'c> ClaimRow<'c> {
             // as its assignments differ from the finish's.
             let text = self.statements.text(&FINISH).replacen(
                 " WHERE",
-                &format!("{} WHERE", super::phased::tombstone_set(response)),
+                &format!("{} WHERE", tombstone_set(response)),
                 1,
             );
             out.push_str(&inline(&text, &args[..5]));
@@ -497,6 +498,20 @@ pub(super) fn lock_id(table: &str, scope: &str, key: &str) -> i64 {
     }
     let digest = hasher.finalize();
     i64::from_be_bytes(digest[..8].try_into().expect("8 bytes"))
+}
+
+/// [`tombstone_assignments`] in PostgreSQL's spelling.
+pub(super) fn tombstone_set(response: &EncodedResponse) -> String {
+    tombstone_assignments(response, bytea, |ms| {
+        format!("clock_timestamp() + {ms} * interval '1 millisecond'")
+    })
+}
+
+/// `bytes` as a `bytea` literal ([`push_bytea`]).
+pub(super) fn bytea(bytes: &[u8]) -> String {
+    let mut out = String::with_capacity(bytes.len() * 2 + 6);
+    push_bytea(&mut out, bytes);
+    out
 }
 
 /// Appends a `bytea` value as an SQL literal in hex input form. An escape

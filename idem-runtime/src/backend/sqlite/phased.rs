@@ -9,10 +9,10 @@ use sqlx::{AssertSqlSafe, Pool, Row, Sqlite, SqliteConnection};
 use super::{now_ms, ttl_ms};
 use crate::backend::phased::{
     Abandoned, Holder, LeaseClaim, LeaseOutcome, Phased, PhasedStore, Release, abandoned_sql,
-    count_uncertain_sql, ms,
+    count_uncertain_sql,
 };
 use crate::backend::rows::{abandoned, tombstone_columns, unclaimed};
-use crate::backend::store::UNCERTAIN;
+use crate::backend::store::{UNCERTAIN, ms};
 use crate::backend::{Acquire, StoreError, in_autocommit};
 use crate::response::EncodedResponse;
 
