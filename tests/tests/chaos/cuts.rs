@@ -2,7 +2,7 @@
 //! engine's proxy, between the service's pool (one connection) and the
 //! server, drops the connection at the message that carries the finish's
 //! `COMMIT` (on PostgreSQL `EXECUTE <finish>; COMMIT; BEGIN`, on MySQL the
-//! batch `...; UPDATE <the key's row>; ...; COMMIT; START TRANSACTION`):
+//! batch `...; UPDATE <the key's row>; ...; COMMIT AND CHAIN`):
 //!
 //! - before forwarding it: the server never sees the commit and rolls the
 //!   transaction back when the connection drops. The client is told 503,

@@ -222,7 +222,9 @@ impl Store for MySql {
         // no session idles. If the check fails, nothing in its statement is
         // assigned, and the caller's rollback restores the timeout.
         sql.push_str(RESTORE_IDLE_ASSIGNMENTS);
-        sql.push_str("; COMMIT; START TRANSACTION");
+        // `AND CHAIN` opens the empty transaction sqlx still counts in the
+        // commit's own statement (sqlx's rollback of it rides on the pool).
+        sql.push_str("; COMMIT AND CHAIN");
         let error = match sqlx::raw_sql(AssertSqlSafe(sql))
             .execute(&mut ***conn)
             .await
