@@ -77,11 +77,16 @@ done
 url="postgres://postgres@127.0.0.1:$port/postgres"
 IDEM_BENCH_ROLE=setup IDEM_BENCH_DATABASE_URL=$url "$bench"
 
-# Instructions of the newest PostgreSQL backend among files not in $1.
-backend_ir() {
+# The profile of the busiest PostgreSQL backend among files not in $1 (the
+# server's), as "instructions file".
+backend_profile() {
   comm -13 <(echo "$1") <(ls "$work/cg" | grep '^pg\.' | sort) |
-    while read -r file; do awk '/^summary:/{print $2}' "$work/cg/$file"; done | sort -n | tail -1
+    while read -r file; do echo "$(awk '/^summary:/{print $2}' "$work/cg/$file") $file"; done |
+    sort -n | tail -1
 }
+
+# Its instructions.
+backend_ir() { backend_profile "$1" | cut -d' ' -f1; }
 
 # One server run of $2 requests of scenario $1: "server_ir backend_ir".
 run() {
@@ -141,8 +146,7 @@ run() {
   if [ -n "${IDEM_IR_KEEP:-}" ]; then
     mkdir -p "$IDEM_IR_KEEP"
     cp "$work"/cg/server.* "$IDEM_IR_KEEP/server.$scenario.$n"
-    cp "$work/cg/$(comm -13 <(echo "$before") <(ls "$work/cg" | grep '^pg\.' | sort) | tail -1)" \
-      "$IDEM_IR_KEEP/postgres.$scenario.$n"
+    cp "$work/cg/$(backend_profile "$before" | cut -d' ' -f2)" "$IDEM_IR_KEEP/postgres.$scenario.$n"
   fi
   echo "$(awk '/^summary:/{print $2}' "$work"/cg/server.*) $backend"
 }
