@@ -795,7 +795,7 @@ fn test_binary(name: &str) -> std::path::PathBuf {
 
 /// The PostgreSQL instantiations of the conformance, phased and outbox
 /// suites and the storage contracts (keys' operations, leases, outbox,
-/// encryption at rest) again, through PgBouncer in transaction mode. Left out, as about a
+/// encryption at rest, hashed keys) again, through PgBouncer in transaction mode. Left out, as about a
 /// session itself: a session-level isolation set by startup option (which
 /// PgBouncer refuses: only a pooler in session mode can keep one), a
 /// server session ended by its pid under the pool's feet, and a handler
@@ -826,9 +826,9 @@ fn the_suites_pass_behind_pgbouncer() {
             "lost_transactions_are_not_successes",
             "postgres_handlers_that_lose_their_connection_are_503",
         ],
-        38,
+        39,
     );
-    passed += run_suite_behind(&url, "phased", &["postgres"], &[], 11);
+    passed += run_suite_behind(&url, "phased", &["postgres"], &[], 12);
     passed += run_suite_behind(&url, "outbox", &["postgres"], &[], 8);
     passed += run_suite_behind(
         &url,
@@ -836,9 +836,10 @@ fn the_suites_pass_behind_pgbouncer() {
         &[
             "backend::postgres::tests::the_",
             "sealing_contract::the_encryption_contract_holds_on_postgres",
+            "hashing_contract::the_hashing_contract_holds_on_postgres",
         ],
         &["the_longest_table_name", "the_sweeper_spares"],
-        4,
+        5,
     );
     println!("{passed} tests passed behind PgBouncer");
 }
