@@ -46,7 +46,9 @@ fn upstream() -> String {
 
 async fn direct_pool() -> PgPool {
     let pool = idem_tests::engines::postgres::pool(4).await;
-    sqlx::raw_sql(EFFECTS_DDL).execute(&pool).await.unwrap();
+    // The tests of this binary run at once: their `CREATE TABLE IF NOT
+    // EXISTS` can collide in the catalog, which `prepare` retries.
+    idem_tests::service::prepare(&pool, EFFECTS_DDL).await;
     pool
 }
 
