@@ -567,16 +567,22 @@ impl<DB: Backend> Idem<DB> {
         DB::migrate(&self.inner.pool, &self.inner.table).await
     }
 
-    /// Deletes up to `batch` expired keys; returns how many were deleted.
+    /// Deletes up to `batch` expired keys, then turns up to the rest of
+    /// `batch` keys past their replay into tombstones (a handler's
+    /// `tombstone`: their stored body and headers dropped, their
+    /// fingerprint, status and `Location` kept); returns how many keys it
+    /// deleted or turned.
     ///
-    /// Expired keys already count as absent, so sweeping only reclaims
-    /// space. Small batches keep each delete short.
+    /// Expired keys already count as absent, and a key past its replay
+    /// already answers as a tombstone, so sweeping only reclaims space.
+    /// Small batches keep each statement short.
     pub async fn sweep_expired(&self, batch: u32) -> Result<u64, Error> {
         Ok(DB::sweep(&self.inner.pool, &self.inner.table, batch).await?)
     }
 
-    /// Spawns a task that sweeps expired keys every `every`, in batches of
-    /// 1,000 until none are left, and logs a warning for a sweep that
+    /// Spawns a task that sweeps expired keys every `every`
+    /// ([`sweep_expired`](Self::sweep_expired)), in batches of 1,000 until
+    /// none are left, and logs a warning for a sweep that
     /// fails (it tries again at the next tick). Abort the returned handle
     /// to stop it.
     ///
