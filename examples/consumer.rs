@@ -297,9 +297,15 @@ async fn from_nats<DB: Ledger>(mut ledger: Applier<DB>) -> Result<(), Box<dyn st
             },
         )
         .await?;
+    // Each pull lasts 5 s and the server beats every second while it
+    // waits: a pull the server lost (its node killed, the consumer's
+    // leader moved) is noticed within seconds and asked again, rather
+    // than when it would have expired (30 s by default).
     let mut messages = consumer
         .stream()
         .max_messages_per_batch(1)
+        .expires(Duration::from_secs(5))
+        .heartbeat(Duration::from_secs(1))
         .messages()
         .await?;
     tracing::info!(
