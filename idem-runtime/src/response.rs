@@ -186,14 +186,7 @@ impl StoredResponse {
     /// Encodes the headers for storage: per header, a big-endian u16 name
     /// length, the name, a u32 value length, the value.
     pub fn encode_headers(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(encoded_len(&self.headers));
-        for (name, value) in &self.headers {
-            out.extend_from_slice(&(name.as_str().len() as u16).to_be_bytes());
-            out.extend_from_slice(name.as_str().as_bytes());
-            out.extend_from_slice(&(value.len() as u32).to_be_bytes());
-            out.extend_from_slice(value.as_bytes());
-        }
-        out
+        encode_headers(&self.headers)
     }
 
     /// The response as `scope`'s `key` keeps it in `sealer`'s table: its
@@ -263,6 +256,19 @@ impl EncodedResponse {
             body,
         })
     }
+}
+
+/// `headers` as the headers column keeps them (see
+/// [`StoredResponse::encode_headers`]): a tombstone's `Location` too.
+pub(crate) fn encode_headers(headers: &[(HeaderName, HeaderValue)]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(encoded_len(headers));
+    for (name, value) in headers {
+        out.extend_from_slice(&(name.as_str().len() as u16).to_be_bytes());
+        out.extend_from_slice(name.as_str().as_bytes());
+        out.extend_from_slice(&(value.len() as u32).to_be_bytes());
+        out.extend_from_slice(value.as_bytes());
+    }
+    out
 }
 
 /// Inverse of [`StoredResponse::encode_headers`]; `None` if the bytes are

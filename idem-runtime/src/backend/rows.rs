@@ -182,7 +182,7 @@ pub(crate) fn failing_row(row: &impl Columns) -> Result<FailingRow, sqlx::Error>
 
 /// A key's row as a claim or a replay reads it: its fingerprint and stored
 /// response once `status` is set (`headers` and `body` with it, and
-/// [`TOMBSTONE_COLUMNS`]); `None` while unfinished.
+/// [`tombstone_columns`]); `None` while unfinished.
 pub(crate) fn finished_row(
     row: &impl Columns,
 ) -> Result<Option<(Fingerprint, EncodedResponse)>, StoreError> {

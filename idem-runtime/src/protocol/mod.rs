@@ -38,7 +38,7 @@ use crate::observe::{self, Outcome};
 use crate::problem::{OperationState, Problem};
 use crate::request::StoredRequest;
 use crate::response::{
-    EncodedResponse, StoredResponse, TombstoneWrite, decode_headers, is_storable,
+    EncodedResponse, TombstoneWrite, decode_headers, encode_headers, is_storable,
 };
 use crate::scope::MAX_SCOPE_LEN;
 use crate::seal::Column;
@@ -438,12 +438,7 @@ pub(crate) fn tombstone_write<DB: Backend>(
 ) -> Option<Box<TombstoneWrite>> {
     let keep = keep?;
     let location = parts.headers.get(header::LOCATION).map(|location| {
-        let encoded = StoredResponse {
-            status: parts.status,
-            headers: vec![(header::LOCATION, location.clone())],
-            body: Bytes::new(),
-        }
-        .encode_headers();
+        let encoded = encode_headers(&[(header::LOCATION, location.clone())]);
         idem.sealer()
             .seal(scope, key, Column::Location, &encoded)
             .into_owned()
