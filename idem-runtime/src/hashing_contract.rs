@@ -331,32 +331,8 @@ pub(crate) async fn hashing_contract<DB: Phased + Admin>(pool: &Pool<DB>, table:
     );
 }
 
-/// The contract on PostgreSQL.
-#[cfg(feature = "postgres")]
-#[tokio::test]
-async fn the_hashing_contract_holds_on_postgres() {
-    use crate::backend::postgres::tests::{drop_table, table, test_pool};
-    let pool = test_pool(4, |options| options).await;
-    let table = table(&pool, "hashed").await;
-    hashing_contract(&pool, &table).await;
-    drop_table(&pool, &table).await;
-}
-
-/// The contract on MySQL/MariaDB.
-#[cfg(feature = "mysql")]
-#[tokio::test]
-async fn the_hashing_contract_holds_on_mysql() {
-    use crate::backend::mysql::tests::{drop_table, key_table, test_pool};
-    let pool = test_pool(4).await;
-    let table = key_table(&pool, "hashed").await;
-    hashing_contract(&pool, &table).await;
-    drop_table(&pool, &table).await;
-}
-
-/// The contract on SQLite.
-#[cfg(feature = "sqlite")]
-#[tokio::test]
-async fn the_hashing_contract_holds_on_sqlite() {
-    let pool = crate::backend::sqlite::tests::key_table().await;
-    hashing_contract(&pool, "keys").await;
-}
+crate::backend::test_support::contract_on_every_engine!(hashing_contract, "hashed":
+    the_hashing_contract_holds_on_postgres,
+    the_hashing_contract_holds_on_mysql,
+    the_hashing_contract_holds_on_sqlite
+);

@@ -353,32 +353,8 @@ pub(crate) async fn encryption_contract<DB: Phased + Admin>(pool: &Pool<DB>, tab
     );
 }
 
-/// The contract on PostgreSQL.
-#[cfg(feature = "postgres")]
-#[tokio::test]
-async fn the_encryption_contract_holds_on_postgres() {
-    use crate::backend::postgres::tests::{drop_table, table, test_pool};
-    let pool = test_pool(4, |options| options).await;
-    let table = table(&pool, "sealed").await;
-    encryption_contract(&pool, &table).await;
-    drop_table(&pool, &table).await;
-}
-
-/// The contract on MySQL/MariaDB.
-#[cfg(feature = "mysql")]
-#[tokio::test]
-async fn the_encryption_contract_holds_on_mysql() {
-    use crate::backend::mysql::tests::{drop_table, key_table, test_pool};
-    let pool = test_pool(4).await;
-    let table = key_table(&pool, "sealed").await;
-    encryption_contract(&pool, &table).await;
-    drop_table(&pool, &table).await;
-}
-
-/// The contract on SQLite.
-#[cfg(feature = "sqlite")]
-#[tokio::test]
-async fn the_encryption_contract_holds_on_sqlite() {
-    let pool = crate::backend::sqlite::tests::key_table().await;
-    encryption_contract(&pool, "keys").await;
-}
+crate::backend::test_support::contract_on_every_engine!(encryption_contract, "sealed":
+    the_encryption_contract_holds_on_postgres,
+    the_encryption_contract_holds_on_mysql,
+    the_encryption_contract_holds_on_sqlite
+);

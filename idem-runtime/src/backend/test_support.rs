@@ -765,3 +765,41 @@ pub(crate) async fn outbox_contract<DB: Backend>(pool: &Pool<DB>, outbox: &str, 
         "the concurrent delivery is a duplicate"
     );
 }
+
+/// A contract that drives the protocol (encryption at rest, hashed keys)
+/// as one test per engine whose feature is on, named as given: each in a
+/// key table of its own (`label`), which the test drops after.
+macro_rules! contract_on_every_engine {
+    ($contract:ident, $label:literal: $postgres:ident, $mysql:ident, $sqlite:ident) => {
+        /// The contract on PostgreSQL.
+        #[cfg(feature = "postgres")]
+        #[tokio::test]
+        async fn $postgres() {
+            use crate::backend::postgres::tests::{drop_table, table, test_pool};
+            let pool = test_pool(4, |options| options).await;
+            let table = table(&pool, $label).await;
+            $contract(&pool, &table).await;
+            drop_table(&pool, &table).await;
+        }
+
+        /// The contract on MySQL/MariaDB.
+        #[cfg(feature = "mysql")]
+        #[tokio::test]
+        async fn $mysql() {
+            use crate::backend::mysql::tests::{drop_table, key_table, test_pool};
+            let pool = test_pool(4).await;
+            let table = key_table(&pool, $label).await;
+            $contract(&pool, &table).await;
+            drop_table(&pool, &table).await;
+        }
+
+        /// The contract on SQLite.
+        #[cfg(feature = "sqlite")]
+        #[tokio::test]
+        async fn $sqlite() {
+            let pool = crate::backend::sqlite::tests::key_table().await;
+            $contract(&pool, "keys").await;
+        }
+    };
+}
+pub(crate) use contract_on_every_engine;
