@@ -244,18 +244,67 @@ fn listens(port: u16) -> bool {
     TcpStream::connect_timeout(&address, Duration::from_secs(1)).is_ok()
 }
 
+/// How long `cargo test` may run, building included, before it counts
+/// as hung: the suite takes about a quarter of it on this project's
+/// machine. `IDEM_TEST_DEADLINE_MINUTES` changes it.
+const DEADLINE_MINUTES: u64 = 60;
+
+/// Runs the tests; past the deadline they are killed and the run fails,
+/// naming the cause, instead of outwaiting CI. Without a terminal (CI) the
+/// tests run in a process group of their own, so the kill reaches the test
+/// binary and the servers it started too; at a terminal they stay in its
+/// group, where Ctrl-C reaches them.
 fn cargo_test(args: &[String]) -> ExitCode {
+    use std::io::IsTerminal as _;
+    use std::os::unix::process::CommandExt as _;
+
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let status = Command::new(cargo)
+    let minutes = std::env::var("IDEM_TEST_DEADLINE_MINUTES")
+        .ok()
+        .and_then(|minutes| minutes.parse().ok())
+        .unwrap_or(DEADLINE_MINUTES);
+    let grouped = !std::io::stdin().is_terminal();
+    let mut command = Command::new(cargo);
+    command
         .args(["test", "--workspace", "--all-features"])
-        .args(args)
-        .status();
-    match status {
-        Ok(status) if status.success() => ExitCode::SUCCESS,
-        Ok(status) => ExitCode::from(u8::try_from(status.code().unwrap_or(1)).unwrap_or(1)),
+        .args(args);
+    if grouped {
+        command.process_group(0);
+    }
+    let child = command.spawn();
+    let mut child = match child {
+        Ok(child) => child,
         Err(error) => {
             eprintln!("xtask: cargo test: {error}");
-            ExitCode::FAILURE
+            return ExitCode::FAILURE;
+        }
+    };
+    let deadline = Instant::now() + Duration::from_secs(minutes * 60);
+    loop {
+        match child.try_wait() {
+            Ok(Some(status)) if status.success() => return ExitCode::SUCCESS,
+            Ok(Some(status)) => {
+                return ExitCode::from(u8::try_from(status.code().unwrap_or(1)).unwrap_or(1));
+            }
+            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_secs(1)),
+            Ok(None) => {
+                eprintln!(
+                    "xtask: cargo test still ran after {minutes} min: a test hangs (the last \
+                     \"has been running for over 60 seconds\" above names it); killed"
+                );
+                if grouped {
+                    let group = format!("-{}", child.id());
+                    let _ = Command::new("kill").args(["-KILL", "--", &group]).status();
+                } else {
+                    let _ = child.kill();
+                }
+                let _ = child.wait();
+                return ExitCode::FAILURE;
+            }
+            Err(error) => {
+                eprintln!("xtask: cargo test: {error}");
+                return ExitCode::FAILURE;
+            }
         }
     }
 }

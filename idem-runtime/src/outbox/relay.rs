@@ -350,40 +350,63 @@ impl<DB: Backend, S: Sink> Relay<DB, S> {
     /// (the database unreachable) is logged and tried again after `every`.
     /// Delivered messages are swept once a minute.
     ///
+    /// Aborting the handle stops the relay between passes: a pass in
+    /// flight runs to its end in a task of its own, so no statement is cut
+    /// half-way (a connection dropped mid-statement could go back to the
+    /// pool out of step with its server, or still holding a lease's lock).
+    ///
     /// # Panics
     ///
     /// As [`run_once`](Self::run_once), here rather than in the task.
     pub fn spawn(self) -> tokio::task::JoinHandle<()> {
         self.check_lease();
         let mut woken = self.idem.inner().messages.wake.subscribe();
+        let relay = Arc::new(self);
         tokio::spawn(async move {
-            let busy = self.busy_every.min(self.every);
+            let busy = relay.busy_every.min(relay.every);
             let mut swept = Instant::now();
-            let mut wait = self.every;
+            let mut wait = relay.every;
             loop {
                 // Commits up to here are this pass's to find; one during
                 // the pass (perhaps after its lease) wakes the next.
                 woken.borrow_and_update();
-                match self.run_once().await {
-                    Ok(run) if run.failed == 0 && run.delivered + run.deferred >= self.batch => {
+                let sweep = swept.elapsed() >= Duration::from_secs(60);
+                if sweep {
+                    swept = Instant::now();
+                }
+                let pass = tokio::spawn({
+                    let relay = Arc::clone(&relay);
+                    async move {
+                        let run = relay.run_once().await;
+                        if sweep {
+                            while let Ok(1000) = relay.sweep(1000).await {}
+                        }
+                        run
+                    }
+                });
+                let run = match pass.await {
+                    Ok(run) => run,
+                    // As if the pass had panicked in this task.
+                    Err(error) if error.is_panic() => std::panic::resume_unwind(error.into_panic()),
+                    // The runtime is shutting down.
+                    Err(_) => return,
+                };
+                match run {
+                    Ok(run) if run.failed == 0 && run.delivered + run.deferred >= relay.batch => {
                         // A full batch: more may be waiting.
                         wait = Duration::ZERO;
                     }
                     Ok(run) if run.delivered > 0 => wait = busy,
                     // Nothing, or only failures (the sink may be down):
                     // back off towards the idle period.
-                    Ok(_) => wait = wait.saturating_mul(2).clamp(busy, self.every),
+                    Ok(_) => wait = wait.saturating_mul(2).clamp(busy, relay.every),
                     Err(error) => {
                         let cause = std::error::Error::source(&error)
                             .map(ToString::to_string)
                             .unwrap_or_default();
                         tracing::warn!(error = %error, cause, "an outbox relay pass failed");
-                        wait = self.every;
+                        wait = relay.every;
                     }
-                }
-                if swept.elapsed() >= Duration::from_secs(60) {
-                    swept = Instant::now();
-                    while let Ok(1000) = self.sweep(1000).await {}
                 }
                 if wait.is_zero() {
                     continue;

@@ -25,6 +25,7 @@ macro_rules! outbox {
                     a_failing_delivery_holds_its_scope_and_is_retried,
                     consumers_apply_each_message_once,
                     a_commit_wakes_the_relay_at_once,
+                    an_aborted_relay_finishes_its_pass,
                     a_pass_delivers_scopes_at_once_each_in_order,
                     the_status_shows_each_failing_scope_with_its_error,
                 );

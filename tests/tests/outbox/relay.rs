@@ -324,3 +324,55 @@ pub async fn a_pass_delivers_scopes_at_once_each_in_order<DB: OutboxDb>() {
     );
     fixture.finish().await;
 }
+
+/// Aborting a spawned relay stops it between passes: the pass in flight
+/// (here, waiting on its sink) still ends, marking what it delivered,
+/// rather than leaving it leased and its connections cut half-way.
+pub async fn an_aborted_relay_finishes_its_pass<DB: OutboxDb>() {
+    let fixture = Fixture::<DB>::new().await;
+    let addr = fixture.serve().await;
+    let (id, _) = send_timed(
+        &fixture,
+        addr,
+        "/emails",
+        "k0",
+        json!({ "to": "x@example.com" }),
+    )
+    .await;
+    let (started, mut on_start) = watch::channel(false);
+    let (go, on_go) = watch::channel(false);
+    let taken = Arc::new(Mutex::new(Vec::new()));
+    let sink = {
+        let (started, on_go, taken) = (Arc::new(started), on_go, Arc::clone(&taken));
+        sink_fn(move |message: Message| {
+            let (started, mut on_go, taken) =
+                (Arc::clone(&started), on_go.clone(), Arc::clone(&taken));
+            async move {
+                started.send_replace(true);
+                on_go
+                    .wait_for(|go| *go)
+                    .await
+                    .expect("the test holds the gate");
+                taken.lock().unwrap().push(message.id);
+                Ok(())
+            }
+        })
+    };
+    let relay = fixture.idem.relay(sink).every(POLL).spawn();
+    tokio::time::timeout(DEADLINE, on_start.wait_for(|started| *started))
+        .await
+        .expect("the relay began a delivery")
+        .unwrap();
+    relay.abort();
+    assert!(relay.await.unwrap_err().is_cancelled());
+    go.send_replace(true);
+    tokio::time::timeout(DEADLINE, async {
+        while fixture.idem.pending_messages().await.unwrap() > 0 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("the aborted relay's pass marked its delivery");
+    assert_eq!(*taken.lock().unwrap(), [id], "delivered once");
+    fixture.finish().await;
+}

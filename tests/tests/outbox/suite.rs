@@ -23,6 +23,7 @@ use crate::handlers::OutboxDb;
 // their own.
 pub use crate::relay::{
     a_commit_wakes_the_relay_at_once, a_pass_delivers_scopes_at_once_each_in_order,
+    an_aborted_relay_finishes_its_pass,
 };
 pub use crate::status::the_status_shows_each_failing_scope_with_its_error;
 
@@ -103,7 +104,10 @@ impl<DB: OutboxDb> Fixture<DB> {
         key: &str,
         body: Value,
     ) -> reqwest::Response {
-        self.post(addr, account, key, body).send().await.unwrap()
+        tokio::time::timeout(DEADLINE, self.post(addr, account, key, body).send())
+            .await
+            .unwrap_or_else(|_| panic!("no answer to {account}'s {key} within {DEADLINE:?}"))
+            .unwrap()
     }
 
     /// Runs `relay` until nothing is pending.
@@ -117,7 +121,18 @@ impl<DB: OutboxDb> Fixture<DB> {
         .expect("the outbox drained");
     }
 
+    /// Drops the test's tables and closes its pool, within [`DEADLINE`]: a
+    /// session left in a transaction would hold a table's lock, and a
+    /// connection out of step with its server would never come back.
     pub(crate) async fn finish(self) {
+        let database = self.database.clone();
+        tokio::time::timeout(DEADLINE, self.drop_tables())
+            .await
+            .expect("the test's tables dropped and its pool closed");
+        DB::remove_database(&database);
+    }
+
+    async fn drop_tables(self) {
         for table in [
             self.keys.clone(),
             self.idem.outbox_table_name().to_owned(),
@@ -127,7 +142,6 @@ impl<DB: OutboxDb> Fixture<DB> {
             let _ = DB::run(&self.pool, format!("DROP TABLE IF EXISTS {table}")).await;
         }
         self.pool.close().await;
-        DB::remove_database(&self.database);
     }
 }
 

@@ -9,16 +9,21 @@ use sqlx::{AssertSqlSafe, Connection, MySql, Pool};
 
 use super::MAX_SCOPE_BYTES;
 use crate::backend::MAX_MESSAGE_ID_LEN;
-use crate::backend::fnv1a;
 use crate::backend::outbox_store::{
     FailingRow, Failure, MESSAGE_COLUMNS, MessageRow, NewMessage, OutboxStore, failing_sql, millis,
     seq_list,
 };
 use crate::backend::rows::{failing_row, message_row};
+use crate::backend::{OpenTx, fnv1a};
 use crate::error::Error;
 
 /// How long a relay waits for another's lease before leasing nothing.
 const LEASE_LOCK_WAIT_SECONDS: i64 = 5;
+
+/// The named lock relays of `outbox` lease under.
+pub(super) fn lease_lock(outbox: &str) -> String {
+    format!("idem_outbox_{:016x}", fnv1a(outbox.bytes()))
+}
 
 /// `table`'s index `suffix`, within MySQL's 64 characters.
 fn index_name(table: &str, suffix: &str) -> String {
@@ -111,15 +116,19 @@ impl OutboxStore for MySql {
         lease: Duration,
         batch: u32,
     ) -> Result<Vec<MessageRow>, sqlx::Error> {
-        let lock = format!("idem_outbox_{:016x}", fnv1a(outbox.bytes()));
-        let mut conn = pool.acquire().await?;
+        let lock = lease_lock(outbox);
+        // Closed unless released: a lease cut half-way (its future dropped)
+        // must not pool a session that may hold the lock, an open
+        // transaction, or a reply not yet read.
+        let mut conn = OpenTx::acquire(pool).await?;
         let locked: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK(?, ?)")
             .bind(&lock)
             .bind(LEASE_LOCK_WAIT_SECONDS)
-            .fetch_one(&mut *conn)
+            .fetch_one(&mut **conn)
             .await?;
         if locked != Some(1) {
             // Another relay is leasing, for longer than a lease takes.
+            conn.release();
             return Ok(Vec::new());
         }
         // See the PostgreSQL lease: under the lock a scope's share is a
@@ -164,21 +173,15 @@ impl OutboxStore for MySql {
             rows.iter().map(message_row).collect::<Result<Vec<_>, _>>()
         }
         .await;
-        match leased {
-            Ok(messages) => {
-                sqlx::query("DO RELEASE_LOCK(?)")
-                    .bind(&lock)
-                    .execute(&mut *conn)
-                    .await?;
-                Ok(messages)
-            }
-            Err(error) => {
-                // The session may still hold the lock: end it, and the lock
-                // with it, rather than pool it.
-                let _ = conn.detach().close().await;
-                Err(error)
-            }
-        }
+        // After an error the session may still hold the lock: dropped, it
+        // is closed, and the lock ends with it.
+        let messages = leased?;
+        sqlx::query("DO RELEASE_LOCK(?)")
+            .bind(&lock)
+            .execute(&mut **conn)
+            .await?;
+        conn.release();
+        Ok(messages)
     }
 
     async fn mark_delivered(

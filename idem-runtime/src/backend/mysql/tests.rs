@@ -8,6 +8,7 @@ use sqlx::{MySqlConnection, Pool, Row};
 use super::sql::delete_statements;
 use super::*;
 use crate::backend::admin::AdminStore;
+use crate::backend::outbox_store::OutboxStore;
 use crate::backend::store::Store;
 use crate::backend::test_support::{claim_of, claimed, created};
 use crate::backend::{Acquire, FinishError, Forgotten, KeyState};
@@ -527,6 +528,89 @@ async fn the_outbox_contract_holds() {
         .unwrap();
     crate::backend::test_support::outbox_contract(&pool, &outbox, &consumed).await;
     run(&mut pool.acquire().await.unwrap(), &drop)
+        .await
+        .unwrap();
+}
+
+/// A lease whose future is dropped while it waits for the relays' named
+/// lock closes its session instead of pooling it: the lock it is then
+/// granted ends with the session, and the next relay leases.
+#[tokio::test]
+async fn a_lease_cut_half_way_leaves_no_lock_behind() {
+    let pool = test_pool(2).await;
+    let (outbox, consumed) = (
+        format!("idem_cut_outbox_{}", std::process::id()),
+        format!("idem_cut_consumed_{}", std::process::id()),
+    );
+    let drop_tables = format!("DROP TABLE IF EXISTS {outbox}, {consumed}");
+    run(&mut pool.acquire().await.unwrap(), &drop_tables)
+        .await
+        .unwrap();
+    MySql::migrate_outbox(&pool, &outbox, &consumed)
+        .await
+        .unwrap();
+    let lock = super::outbox_store::lease_lock(&outbox);
+    let holder_pool = test_pool(1).await;
+    let mut holder = holder_pool.acquire().await.unwrap();
+    let held: i64 = sqlx::query_scalar("SELECT GET_LOCK(?, 0)")
+        .bind(&lock)
+        .fetch_one(&mut *holder)
+        .await
+        .unwrap();
+    assert_eq!(held, 1);
+    let lease = tokio::spawn({
+        let (pool, outbox) = (pool.clone(), outbox.clone());
+        async move { MySql::lease_messages(&pool, &outbox, 1, Duration::from_secs(10), 5).await }
+    });
+    // Cut once the lease waits for the lock.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM information_schema.PROCESSLIST              WHERE STATE = 'User lock' AND INFO LIKE 'SELECT GET_LOCK(%'",
+        )
+        .fetch_one(&mut *holder)
+        .await
+        .unwrap();
+        if waiting > 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the lease never waited");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    lease.abort();
+    assert!(lease.await.unwrap_err().is_cancelled());
+    // The lock goes to the cut lease's session, which must then end.
+    sqlx::query("DO RELEASE_LOCK(?)")
+        .bind(&lock)
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let user: Option<i64> = sqlx::query_scalar("SELECT IS_USED_LOCK(?)")
+            .bind(&lock)
+            .fetch_one(&mut *holder)
+            .await
+            .unwrap();
+        if user.is_none() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "session {user:?} still holds the relays' lock"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let leased = tokio::time::timeout(
+        Duration::from_secs(2),
+        MySql::lease_messages(&pool, &outbox, 2, Duration::from_secs(10), 5),
+    )
+    .await
+    .expect("the next lease does not wait for the lock")
+    .unwrap();
+    assert!(leased.is_empty());
+    drop(holder);
+    run(&mut pool.acquire().await.unwrap(), &drop_tables)
         .await
         .unwrap();
 }
