@@ -169,7 +169,9 @@ impl<DB: Phased> Completer<DB> {
     }
 
     /// Spawns the completer: a pass every [`every`](Self::every), a warning
-    /// logged for a pass that fails. Abort the handle to stop it.
+    /// logged for a pass that fails. Abort the handle to stop it between
+    /// passes: a pass in flight still ends, so none of its statements is
+    /// cut half-way.
     ///
     /// # Panics
     ///
@@ -181,10 +183,21 @@ impl<DB: Phased> Completer<DB> {
         );
         let mut ticks = tokio::time::interval(self.every);
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let completer = std::sync::Arc::new(self);
         tokio::spawn(async move {
             loop {
                 ticks.tick().await;
-                if let Err(error) = self.run_once().await {
+                // In a task of its own: an abort waits for the pass's end.
+                let pass = tokio::spawn({
+                    let completer = std::sync::Arc::clone(&completer);
+                    async move { completer.run_once().await }
+                });
+                let run = match pass.await {
+                    Ok(run) => run,
+                    Err(error) if error.is_panic() => std::panic::resume_unwind(error.into_panic()),
+                    Err(_) => return,
+                };
+                if let Err(error) = run {
                     let cause = std::error::Error::source(&error)
                         .map(ToString::to_string)
                         .unwrap_or_default();
