@@ -103,6 +103,9 @@ pub struct OpenTx<DB: Database> {
     /// rather than as prepared statements (PostgreSQL behind a pooler that
     /// does not keep them); the finish must do the same.
     pub(crate) inlined: bool,
+    /// The server is MariaDB, whose finish is a shorter batch than
+    /// MySQL's (see the MySQL engine's `Flavour`).
+    pub(crate) mariadb: bool,
 }
 
 impl<DB: Database> OpenTx<DB> {
@@ -113,6 +116,7 @@ impl<DB: Database> OpenTx<DB> {
             guard: None,
             opened: std::time::Instant::now(),
             inlined: false,
+            mariadb: false,
         }
     }
 

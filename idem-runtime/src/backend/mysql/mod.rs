@@ -1,13 +1,14 @@
 //! MySQL and MariaDB (InnoDB): the primary key is the claim.
 //!
 //! The claim is one multi-statement round trip, run as sqlx's own `BEGIN`
-//! so that sqlx counts the transaction: set the lock wait, `START
-//! TRANSACTION`, `INSERT ... ON DUPLICATE KEY UPDATE` (which records in
-//! `LAST_INSERT_ID()` whether it took the key), then restore the lock wait
-//! in a `SET` that fails if it did not (another attempt holds or finished
-//! the key), since sqlx hands back no results of a `BEGIN`. Values are
-//! inlined as hex literals (`X'..'`) or integers we formatted, as on
-//! PostgreSQL.
+//! so that sqlx counts the transaction: set the orphan bound, `START
+//! TRANSACTION`, `INSERT ... ON DUPLICATE KEY UPDATE` under the claim's
+//! lock wait, which fails if it did not take the key (another attempt
+//! holds or finished it), since sqlx hands back no results of a `BEGIN`.
+//! MariaDB bounds the insert's lock wait with `SET STATEMENT`; MySQL sets
+//! it before and restores it after, one statement more ([`is_mariadb`]).
+//! Values are inlined as hex literals (`X'..'`) or integers we formatted,
+//! as on PostgreSQL.
 //!
 //! InnoDB facts this relies on (checked on MariaDB 10.11):
 //!
@@ -48,7 +49,8 @@
 //! exceed twice `Idem::max_response_bytes` (16 MiB on MariaDB and 64 MiB on
 //! MySQL 8 by default, against the 1 MiB default cap).
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, LazyLock, Mutex, PoisonError};
 
 use sqlx::mysql::{MySqlRow, MySqlTransactionManager};
 use sqlx::{AssertSqlSafe, MySql, SqlSafeStr};
@@ -73,6 +75,9 @@ const ER_LOCK_WAIT_TIMEOUT: u16 = 1205;
 const ER_LOCK_DEADLOCK: u16 = 1213;
 /// A savepoint that does not exist: the finish's, outside a transaction.
 const ER_SP_DOES_NOT_EXIST: u16 = 1305;
+/// A regular expression that does not compile: how [`open_check`] stops
+/// the finish outside a transaction (MariaDB).
+const ER_REGEXP_ERROR: u16 = 1139;
 /// MariaDB: `max_statement_time` interrupted the statement.
 const ER_STATEMENT_TIMEOUT: u16 = 1969;
 
@@ -119,12 +124,103 @@ fn fail_if(condition: &str) -> String {
     format!("~0 + ({condition})")
 }
 
+/// Whether the server behind `pool` is MariaDB, whose claim and finish
+/// are shorter batches than MySQL's: `SET STATEMENT` bounds the claim's
+/// lock wait for its insert alone (MySQL sets and restores the session's),
+/// and `@@in_transaction` lets the finish's `UPDATE` check that the
+/// request's transaction is still open (MySQL needs a savepoint and its
+/// release). `None` until [`ask`] has asked it.
+fn is_mariadb(server: &str) -> Option<bool> {
+    SERVERS
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .get(server)
+        .copied()
+}
+
+/// Asks `server`'s kind (`SELECT VERSION()`) on `conn`, once per database
+/// and process: on the first claim's own connection, which then runs its
+/// batch (so a claim never needs a second connection).
+async fn ask(conn: &mut sqlx::MySqlConnection, server: &str) -> Result<bool, sqlx::Error> {
+    let version: String = sqlx::query_scalar("SELECT VERSION()")
+        .fetch_one(conn)
+        .await?;
+    let mariadb = version.contains("MariaDB");
+    SERVERS
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .insert(server.to_owned(), mariadb);
+    Ok(mariadb)
+}
+
+/// What [`ask`] found, by [`server_of`].
+static SERVERS: LazyLock<Mutex<HashMap<String, bool>>> = LazyLock::new(Default::default);
+
+/// The server and database `pool` connects to.
+fn server_of(pool: &sqlx::Pool<MySql>) -> String {
+    let options = pool.connect_options();
+    format!(
+        "{}:{}:{:?}/{:?}",
+        options.get_host(),
+        options.get_port(),
+        options.get_socket(),
+        options.get_database()
+    )
+}
+
+/// Makes `pool`'s claims and finishes MySQL's, as if its server were
+/// MySQL: MySQL's batches run on MariaDB too.
+#[cfg(test)]
+fn assume_mysql(pool: &sqlx::Pool<MySql>) {
+    SERVERS
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .insert(server_of(pool), false);
+}
+
+/// MariaDB: an expression, 0 inside a transaction, that outside one fails
+/// its statement (before it reads a row) with [`ER_REGEXP_ERROR`]: an
+/// error no other statement of the finish raises, so the finish tells a
+/// transaction that ended from an `UPDATE` that missed ([`fail_if`]'s).
+fn open_check() -> &'static str {
+    "('' REGEXP IF(@@in_transaction = 0, '(', '')) - 1"
+}
+
 /// A claim on MySQL/MariaDB: its one multi-statement batch (shared by its
 /// attempts, not copied), and what the read of a taken key's row needs.
 struct MySqlClaim<'c> {
     batch: Arc<String>,
     table: &'c str,
     claim: &'c Claim<'c>,
+    /// The claim's wait (zero once [`skip_wait`](super::claim::ClaimAttempt::skip_wait)).
+    wait: std::time::Duration,
+    /// [`server_of`] the pool.
+    server: String,
+    /// [`is_mariadb`]; the batch is MySQL's until it is known.
+    mariadb: Option<bool>,
+}
+
+impl<'c> MySqlClaim<'c> {
+    fn new(pool: &sqlx::Pool<MySql>, table: &'c str, claim: &'c Claim<'c>) -> Self {
+        let server = server_of(pool);
+        let mariadb = is_mariadb(&server);
+        Self {
+            batch: Arc::new(claim_sql(table, claim, mariadb == Some(true))),
+            table,
+            claim,
+            wait: claim.wait,
+            server,
+            mariadb,
+        }
+    }
+
+    fn rebuild(&mut self) {
+        let claim = Claim {
+            wait: self.wait,
+            ..*self.claim
+        };
+        self.batch = Arc::new(claim_sql(self.table, &claim, self.mariadb == Some(true)));
+    }
 }
 
 impl super::claim::ClaimAttempt<MySql> for MySqlClaim<'_> {
@@ -143,13 +239,30 @@ impl super::claim::ClaimAttempt<MySql> for MySqlClaim<'_> {
         mut conn: OpenTx<MySql>,
         _: usize,
     ) -> Result<ClaimOutcome<MySql>, Failure> {
+        if self.mariadb.is_none() {
+            let asked = ask(&mut conn, &self.server).await;
+            match asked {
+                Ok(mariadb) => {
+                    self.mariadb = Some(mariadb);
+                    self.rebuild();
+                }
+                // Not in a transaction: a connection that answered goes back.
+                Err(_) => {
+                    conn.release_unless_gone(&asked);
+                    return Err(failure(asked.expect_err("matched")));
+                }
+            }
+        }
         let begun = MySqlTransactionManager::begin(
             &mut conn,
             Some(AssertSqlSafe(Arc::clone(&self.batch)).into_sql_str()),
         )
         .await;
         let error = match begun {
-            Ok(()) => return Ok(ClaimOutcome::Claimed(conn)),
+            Ok(()) => {
+                conn.mariadb = self.mariadb == Some(true);
+                return Ok(ClaimOutcome::Claimed(conn));
+            }
             Err(error) => error,
         };
         if number(&error) != Some(ER_DATA_OUT_OF_RANGE) {
@@ -194,11 +307,8 @@ impl super::claim::ClaimAttempt<MySql> for MySqlClaim<'_> {
     }
 
     fn skip_wait(&mut self) {
-        let now = Claim {
-            wait: std::time::Duration::ZERO,
-            ..*self.claim
-        };
-        self.batch = Arc::new(claim_sql(self.table, &now));
+        self.wait = std::time::Duration::ZERO;
+        self.rebuild();
     }
 
     fn orphan_bound(&self) -> std::time::Duration {

@@ -46,71 +46,101 @@ pub(super) fn delete_statements(
 /// MySQL applies the assignments left to right, so `expires_at` goes last
 /// and every condition before it still sees the old expiry.
 ///
-/// Whether the key is this claim's is what the upsert did, kept in the
-/// session's `LAST_INSERT_ID()`: set to 1 before it, left so by an insert
-/// (the table has no `AUTO_INCREMENT` column), and set by the update
-/// clause's first assignment to whether the row it found had expired. The
-/// update clause runs on the latest committed row, under its lock, so no
-/// read of the row follows. A live row the upsert left alone is another
+/// The upsert fails, with [`ER_DATA_OUT_OF_RANGE`](super::ER_DATA_OUT_OF_RANGE),
+/// on a live row: its update clause's first assignment evaluates
+/// [`fail_if`] on it. The update clause runs on the latest committed row,
+/// under its lock, which the failed statement keeps. A live row is another
 /// attempt's: finished, or unfinished because an earlier attempt committed
 /// it (its handler's own `COMMIT`, or a statement that commits implicitly)
 /// and then failed, with its effects in and no response. That key is in
 /// use until it expires, as on every engine: running the handler again
-/// could do its effects twice. (The row count cannot tell: sqlx's
-/// connections count a row found unchanged as one, like a row inserted.)
-pub(super) fn claim_sql(table: &str, claim: &Claim<'_>) -> String {
+/// could do its effects twice.
+///
+/// The lock wait is the claim's for the insert alone: on MariaDB by `SET
+/// STATEMENT ... FOR` (three statements: the idle bound's `SET`, `START
+/// TRANSACTION`, the upsert); on MySQL set before it and restored after it
+/// (four).
+pub(super) fn claim_sql(table: &str, claim: &Claim<'_>, mariadb: bool) -> String {
     let now = "UTC_TIMESTAMP(6)";
     let expires = format!("{now} + INTERVAL {} MICROSECOND", claim.ttl.as_micros());
     let expired = format!("expires_at <= {now}");
     let fingerprint = hex(claim.fingerprint.as_bytes());
     let wait = claim.wait;
     let lock_wait_secs = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
-    let bounded = if wait.subsec_nanos() > 0 {
+    // A fraction of a second bounds the insert's time too (MariaDB only).
+    let max_time = if wait.subsec_nanos() > 0 {
         format!(
-            "/*M!100300 SET STATEMENT max_statement_time = {}.{:06} FOR */ ",
+            "max_statement_time = {}.{:06}",
             wait.as_secs(),
             wait.subsec_micros()
         )
     } else {
         String::new()
     };
+    let (bound, restore) = if mariadb {
+        let max_time = if max_time.is_empty() {
+            max_time
+        } else {
+            format!(", {max_time}")
+        };
+        (
+            format!("SET STATEMENT innodb_lock_wait_timeout = {lock_wait_secs}{max_time} FOR "),
+            String::new(),
+        )
+    } else {
+        let max_time = if max_time.is_empty() {
+            max_time
+        } else {
+            format!("/*M!100300 SET STATEMENT {max_time} FOR */ ")
+        };
+        (
+            max_time,
+            format!("; SET SESSION innodb_lock_wait_timeout = {SAVED_LOCK_WAIT}"),
+        )
+    };
+    let set_lock_wait = if mariadb {
+        String::new()
+    } else {
+        format!(", SESSION innodb_lock_wait_timeout = {lock_wait_secs}")
+    };
     // MariaDB ends a session left idle in a transaction (its client gone,
     // the socket half-open) after `idle_transaction_timeout`, releasing the
     // key; MySQL skips the executable comment and relies on `wait_timeout`.
-    let bound = claim.orphan_bound();
-    let orphan_secs = bound.as_secs() + u64::from(bound.subsec_nanos() > 0);
+    // The session's lock wait is saved on both, for a failed claim's reset.
+    let orphan = claim.orphan_bound();
+    let orphan_secs = orphan.as_secs() + u64::from(orphan.subsec_nanos() > 0);
     format!(
-        "SET {SAVED_LOCK_WAIT} = @@SESSION.innodb_lock_wait_timeout, \
-             @idem_claim = LAST_INSERT_ID(1), SESSION innodb_lock_wait_timeout = {lock_wait_secs} \
+        "SET {SAVED_LOCK_WAIT} = @@SESSION.innodb_lock_wait_timeout{set_lock_wait} \
              /*M!100300 , {SAVED_IDLE} = @@SESSION.idle_transaction_timeout, \
              SESSION idle_transaction_timeout = {orphan_secs} */; \
          START TRANSACTION; \
-         {bounded}INSERT INTO {table} (scope, `key`, fingerprint, created_at, expires_at) \
+         {bound}INSERT INTO {table} (scope, `key`, fingerprint, created_at, expires_at) \
              VALUES (X'{scope}', X'{key}', X'{fingerprint}', {now}, {expires}) \
              ON DUPLICATE KEY UPDATE \
-             fingerprint = IF(LAST_INSERT_ID({expired}), X'{fingerprint}', fingerprint), \
+             fingerprint = IF({live} > 0, X'{fingerprint}', fingerprint), \
              status = IF({expired}, NULL, status), \
              headers = IF({expired}, NULL, headers), \
              body = IF({expired}, NULL, body), \
              location = IF({expired}, NULL, location), \
              replay_until = IF({expired}, NULL, replay_until), \
              created_at = IF({expired}, {now}, created_at), \
-             expires_at = IF({expired}, {expires}, expires_at); \
-         SET SESSION innodb_lock_wait_timeout = {SAVED_LOCK_WAIT}, @idem_taken = {taken}",
+             expires_at = IF({expired}, {expires}, expires_at){restore}",
         scope = hex(claim.scope.as_bytes()),
         key = hex(claim.key.as_bytes()),
-        taken = fail_if("LAST_INSERT_ID() = 0"),
+        live = fail_if(&format!("NOT ({expired})")),
     )
 }
 
 /// The finish's `UPDATE` of the claim's row, which spares a finished row
 /// (a concurrent retry's, claimed after this transaction was rolled back).
-/// `late`: the expiry counts from now (see `OpenTx::outlived`).
+/// `late`: the expiry counts from now (see `OpenTx::outlived`); `check`,
+/// an expression that is 0 or fails, is added to the status.
 pub(super) fn store(
     table: &str,
     claim: &Claim<'_>,
     response: &EncodedResponse,
     late: bool,
+    check: &str,
 ) -> String {
     let expiry = if response.tombstone.is_some() {
         tombstone_set(response)
@@ -123,9 +153,14 @@ pub(super) fn store(
         String::new()
     };
     format!(
-        "UPDATE {table} SET status = {}, headers = X'{}', body = X'{}'{expiry} \
+        "UPDATE {table} SET status = {}{}, headers = X'{}', body = X'{}'{expiry} \
          WHERE {} AND status IS NULL",
         response.status.as_u16(),
+        if check.is_empty() {
+            String::new()
+        } else {
+            format!(" + {check}")
+        },
         hex(&response.headers),
         hex(&response.body),
         matches(claim),

@@ -1,17 +1,15 @@
 //! MySQL and MariaDB's atomic mode ([`Store`]): migration, the claim's
 //! one round trip, the replay's read, the finish and the sweep.
 
-use std::sync::Arc;
-
 use sqlx::mysql::MySqlTransactionManager;
 use sqlx::pool::PoolConnection;
 use sqlx::{AssertSqlSafe, MySql, Pool, Row};
 use sqlx_core::transaction::TransactionManager;
 
-use super::sql::{claim_sql, delete_statements, hex, matches, store};
+use super::sql::{delete_statements, hex, matches, store};
 use super::{
-    ER_DATA_OUT_OF_RANGE, ER_SP_DOES_NOT_EXIST, MAX_SCOPE_BYTES, MySqlClaim, RESTORE_IDLE,
-    RESTORE_IDLE_ASSIGNMENTS, fail_if, number, read_row,
+    ER_DATA_OUT_OF_RANGE, ER_REGEXP_ERROR, ER_SP_DOES_NOT_EXIST, MAX_SCOPE_BYTES, MySqlClaim,
+    RESTORE_IDLE, RESTORE_IDLE_ASSIGNMENTS, fail_if, number, open_check, read_row,
 };
 use crate::backend::store::Store;
 use crate::backend::{Acquire, Backend, Claim, ClaimOutcome, FinishError, OpenTx, StoreError};
@@ -125,15 +123,10 @@ impl Store for MySql {
             });
         }
         let (flight, claim) = crate::backend::claim::wait_in_process(pool, table, claim).await;
-        let batch = Arc::new(claim_sql(table, &claim));
         let outcome = crate::backend::claim::claim_with_retries(
             pool,
             acquire,
-            MySqlClaim {
-                batch,
-                table,
-                claim: &claim,
-            },
+            MySqlClaim::new(pool, table, &claim),
         )
         .await;
         crate::backend::claim::held(outcome, flight)
@@ -194,13 +187,22 @@ impl Store for MySql {
         // and answered 2xx would have its client told of writes that were
         // undone (as sqlx's own `commit()` would), and the `UPDATE` could
         // write onto a row a concurrent retry has claimed since. So the
-        // finish first checks, in the same round trip, that a transaction
-        // is still open: outside one, a savepoint ends with its own
-        // statement and releasing it fails, which stops the batch there.
-        let mut sql = String::from("SAVEPOINT idem_open; RELEASE SAVEPOINT idem_open; ");
-        let store = claim
-            .zip(response)
-            .map(|(claim, response)| store(table, claim, response, conn.outlived(claim.ttl)));
+        // finish checks, in the same round trip, that a transaction is
+        // still open. MySQL: outside one, a savepoint ends with its own
+        // statement and releasing it fails (`ER_SP_DOES_NOT_EXIST`), which
+        // stops the batch there. MariaDB: the `UPDATE` (or the `SET`
+        // without one) evaluates [`open_check`], which fails on
+        // `@@in_transaction = 0` with a regular expression's error, two
+        // statements fewer.
+        let mariadb = conn.mariadb;
+        let mut sql = String::new();
+        if !mariadb {
+            sql.push_str("SAVEPOINT idem_open; RELEASE SAVEPOINT idem_open; ");
+        }
+        let store = claim.zip(response).map(|(claim, response)| {
+            let check = if mariadb { open_check() } else { "" };
+            store(table, claim, response, conn.outlived(claim.ttl), check)
+        });
         if let Some(store) = &store {
             // The `UPDATE` must match the claim's row (sqlx sets
             // `CLIENT_FOUND_ROWS`: rows matched, not changed). It cannot
@@ -214,6 +216,8 @@ impl Store for MySql {
                 "; SET @idem_stored = {}, ",
                 fail_if("ROW_COUNT() <> 1")
             ));
+        } else if mariadb {
+            sql.push_str(&format!("SET @idem_open = {}, ", open_check()));
         } else {
             sql.push_str("SET ");
         }
@@ -233,7 +237,11 @@ impl Store for MySql {
                 MySqlTransactionManager::start_rollback(conn);
                 return Ok(());
             }
-            Err(error) if number(&error) == Some(ER_SP_DOES_NOT_EXIST) => error,
+            Err(error)
+                if matches!(number(&error), Some(ER_SP_DOES_NOT_EXIST | ER_REGEXP_ERROR)) =>
+            {
+                error
+            }
             // The `UPDATE` missed the claim's row: the transaction open now
             // is not the request's. Rolled back by the caller.
             Err(error) if number(&error) == Some(ER_DATA_OUT_OF_RANGE) => {
@@ -250,7 +258,9 @@ impl Store for MySql {
         // the transaction back, and there is nothing to store. (The batch
         // stopped before it restored the idle timeout; the `SET` after the
         // `UPDATE` does, and counts no rows.)
-        if let (Some(store), Some(claim)) = (&store, claim) {
+        if let (Some(claim), Some(response)) = (claim, response) {
+            // Without the check, which fails here.
+            let store = super::sql::store(table, claim, response, conn.outlived(claim.ttl), "");
             let stored = sqlx::raw_sql(AssertSqlSafe(format!(
                 "{store} AND fingerprint = X'{}'; {RESTORE_IDLE}",
                 hex(claim.fingerprint.as_bytes()),

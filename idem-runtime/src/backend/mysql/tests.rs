@@ -2,7 +2,7 @@
 
 use std::time::{Duration, Instant};
 
-use sqlx::mysql::MySqlPoolOptions;
+use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
 use sqlx::{MySqlConnection, Pool, Row};
 
 use super::sql::delete_statements;
@@ -1032,22 +1032,9 @@ async fn a_claim_that_waited_keeps_its_connection() {
     drop_table(&pool, &table).await;
 }
 
-/// The statements a new key costs the server, as docs/engines.md counts
-/// them: the claim's batch 4 (set the session's timeouts, `START
-/// TRANSACTION`, the upsert, the check that restores them), the finish's 5
-/// (a savepoint and its release, the response's `UPDATE`, its check,
-/// `COMMIT AND CHAIN`, which opens the empty transaction sqlx counts) and
-/// sqlx's `ROLLBACK` of that transaction. Counted by the session's
-/// `Questions`, on a pool of one connection that is not pinged.
-#[tokio::test]
-async fn a_new_key_costs_ten_statements() {
-    let table = key_table(&test_pool(1).await, "statements").await;
-    let pool = connect(
-        MySqlPoolOptions::new()
-            .max_connections(1)
-            .test_before_acquire(false),
-    )
-    .await;
+/// The statements a new key costs the server on `pool` (one connection,
+/// not pinged), counted by the session's `Questions`.
+async fn new_key_statements(pool: &Pool<MySql>, table: &str) -> u64 {
     async fn questions(pool: &Pool<MySql>) -> u64 {
         // A text-protocol statement: one question, no statement prepared.
         let row = sqlx::raw_sql("SHOW SESSION STATUS LIKE 'Questions'")
@@ -1056,18 +1043,125 @@ async fn a_new_key_costs_ten_statements() {
             .unwrap();
         row.get::<String, _>(1).parse().unwrap()
     }
+    // The server's kind is asked once per process, outside the count.
+    let server = server_of(pool);
+    if is_mariadb(&server).is_none() {
+        ask(&mut pool.acquire().await.unwrap(), &server)
+            .await
+            .unwrap();
+    }
     let claim = claim_of("acct", "k", 8, Duration::ZERO);
-    let before = questions(&pool).await;
-    let mut held = claimed(&pool, &table, &claim, "the claim").await;
-    MySql::finish(&mut held, &table, Some(&claim), Some(&created("{}")))
+    let before = questions(pool).await;
+    let mut held = claimed(pool, table, &claim, "the claim").await;
+    MySql::finish(&mut held, table, Some(&claim), Some(&created("{}")))
         .await
         .unwrap();
     held.release();
     // The second `SHOW` counts itself.
-    let statements = questions(&pool).await - before - 1;
+    questions(pool).await - before - 1
+}
+
+/// A pool of one connection, not pinged.
+async fn unpinged(options: MySqlConnectOptions) -> Pool<MySql> {
+    MySqlPoolOptions::new()
+        .max_connections(1)
+        .test_before_acquire(false)
+        .connect_with(options)
+        .await
+        .unwrap()
+}
+
+async fn pool_of(options: MySqlConnectOptions) -> Pool<MySql> {
+    MySqlPoolOptions::new()
+        .max_connections(4)
+        .connect_with(options)
+        .await
+        .unwrap()
+}
+
+fn test_options() -> MySqlConnectOptions {
+    std::env::var("IDEM_TEST_MYSQL_URL")
+        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_owned())
+        .parse()
+        .unwrap()
+}
+
+/// The statements a new key costs the server, as docs/engines.md counts
+/// them. On MariaDB 7: the claim's batch 3 (set the session's idle bound,
+/// `START TRANSACTION`, the upsert under `SET STATEMENT`'s lock wait), the
+/// finish's 3 (the response's `UPDATE`, which checks the transaction is
+/// open, its row count's check, which restores the idle bound, and `COMMIT
+/// AND CHAIN`, which opens the empty transaction sqlx counts) and sqlx's
+/// `ROLLBACK` of that transaction. On MySQL 10: the claim also restores its
+/// lock wait, and the finish checks the transaction with a savepoint and
+/// its release.
+#[tokio::test]
+async fn a_new_key_costs_seven_statements_on_mariadb() {
+    let table = key_table(&test_pool(1).await, "statements").await;
+    let pool = unpinged(test_options()).await;
+    let statements = new_key_statements(&pool, &table).await;
+    let mariadb = is_mariadb(&server_of(&pool)).unwrap();
     assert_eq!(
-        statements, 10,
+        statements,
+        if mariadb { 7 } else { 10 },
         "statements of a claim, its finish and sqlx's rollback"
     );
+    drop_table(&pool, &table).await;
+}
+
+/// MySQL's batches, run on this server (MariaDB runs them too) through a
+/// database of their own, taken for MySQL: ten statements a new key, a
+/// held key in use and then taken over, and a finish after an implicit
+/// commit found by its savepoint.
+#[tokio::test]
+async fn mysqls_batches_hold_as_well() {
+    let database = "idem_mysql_batches";
+    run(
+        &mut pool_of(test_options()).await.acquire().await.unwrap(),
+        &format!("CREATE DATABASE IF NOT EXISTS {database}"),
+    )
+    .await
+    .unwrap();
+    let options = test_options().database(database);
+    let pool = pool_of(options.clone()).await;
+    assume_mysql(&pool);
+    let table = key_table(&pool, "mysql_batches").await;
+
+    let counted = unpinged(options).await;
+    assume_mysql(&counted);
+    assert_eq!(new_key_statements(&counted, &table).await, 10);
+    counted.close().await;
+
+    let claim = claim_of("acct", "held", 3, Duration::ZERO);
+    let held = claimed(&pool, &table, &claim, "the first claim").await;
+    match MySql::claim(&pool, Acquire::default(), &table, &claim)
+        .await
+        .unwrap()
+    {
+        ClaimOutcome::InUse { .. } => {}
+        other => panic!("a held key is in use: {other:?}"),
+    }
+    crate::backend::abandon(held).await;
+    let mut held = claimed(&pool, &table, &claim, "the claim after a rollback").await;
+    run(
+        &mut held,
+        "CREATE TABLE IF NOT EXISTS idem_mysql_batches_commit (id INT) ENGINE = InnoDB",
+    )
+    .await
+    .unwrap();
+    let response = created("{\"id\":2}");
+    MySql::finish(&mut held, &table, Some(&claim), Some(&response))
+        .await
+        .expect("the response is stored on the committed claim");
+    held.release();
+    match MySql::claim(&pool, Acquire::default(), &table, &claim)
+        .await
+        .unwrap()
+    {
+        ClaimOutcome::Finished {
+            response: stored, ..
+        } => assert_eq!(stored, response),
+        other => panic!("the key must replay: {other:?}"),
+    }
     drop_table(&pool, &table).await;
 }
