@@ -187,15 +187,11 @@ impl<DB: Phased> Completer<DB> {
         tokio::spawn(async move {
             loop {
                 ticks.tick().await;
-                // In a task of its own: an abort waits for the pass's end.
-                let pass = tokio::spawn({
-                    let completer = std::sync::Arc::clone(&completer);
-                    async move { completer.run_once().await }
-                });
-                let run = match pass.await {
-                    Ok(run) => run,
-                    Err(error) if error.is_panic() => std::panic::resume_unwind(error.into_panic()),
-                    Err(_) => return,
+                let completer = std::sync::Arc::clone(&completer);
+                let Some(run) =
+                    crate::passes::uncut(async move { completer.run_once().await }).await
+                else {
+                    return;
                 };
                 if let Err(error) = run {
                     let cause = std::error::Error::source(&error)

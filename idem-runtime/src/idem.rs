@@ -584,7 +584,7 @@ impl<DB: Backend> Idem<DB> {
     /// ([`sweep_expired`](Self::sweep_expired)), in batches of 1,000 until
     /// none are left, and logs a warning for a sweep that
     /// fails (it tries again at the next tick). Abort the returned handle
-    /// to stop it.
+    /// to stop it between batches (a batch in flight still ends).
     ///
     /// The sweeper keeps this `Idem`'s configuration: spawn it once the
     /// builder calls ([`table`](Self::table) and the rest) are done, as a
@@ -619,9 +619,16 @@ impl<DB: Backend> Idem<DB> {
             loop {
                 ticks.tick().await;
                 loop {
-                    let swept = match what {
-                        Swept::Keys => idem.sweep_expired(1000).await,
-                        Swept::Consumed => idem.sweep_consumed(1000).await,
+                    let batch = idem.clone();
+                    let Some(swept) = crate::passes::uncut(async move {
+                        match what {
+                            Swept::Keys => batch.sweep_expired(1000).await,
+                            Swept::Consumed => batch.sweep_consumed(1000).await,
+                        }
+                    })
+                    .await
+                    else {
+                        return;
                     };
                     match swept {
                         Ok(1000) => continue,

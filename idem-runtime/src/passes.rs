@@ -1,5 +1,6 @@
 //! What the background tasks' passes (the completer's, the relays') did,
-//! and the last of each, as an operator's page shows them.
+//! and the last of each, as an operator's page shows them; and how every
+//! background task runs a pass ([`uncut`]).
 
 use std::sync::Mutex;
 use std::time::{Duration, SystemTime};
@@ -44,6 +45,22 @@ impl<R> LastPass<R> {
 }
 
 /// Keeps `pass` as the last one in `slot`.
+/// Runs `pass` in a task of its own and waits for its end. A background
+/// task aborted meanwhile stops here, between passes, and leaves the pass
+/// to finish: a future dropped mid-statement could hand a connection back
+/// to the pool out of step with its server, or still holding a lock or a
+/// transaction. A panic in the pass is resumed here; `None` when the
+/// runtime is shutting down.
+pub(crate) async fn uncut<T: Send + 'static>(
+    pass: impl Future<Output = T> + Send + 'static,
+) -> Option<T> {
+    match tokio::spawn(pass).await {
+        Ok(done) => Some(done),
+        Err(error) if error.is_panic() => std::panic::resume_unwind(error.into_panic()),
+        Err(_) => None,
+    }
+}
+
 pub(crate) fn keep<R>(slot: &Mutex<Option<LastPass<R>>>, pass: LastPass<R>) {
     *slot
         .lock()

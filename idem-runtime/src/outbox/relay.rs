@@ -351,9 +351,7 @@ impl<DB: Backend, S: Sink> Relay<DB, S> {
     /// Delivered messages are swept once a minute.
     ///
     /// Aborting the handle stops the relay between passes: a pass in
-    /// flight runs to its end in a task of its own, so no statement is cut
-    /// half-way (a connection dropped mid-statement could go back to the
-    /// pool out of step with its server, or still holding a lease's lock).
+    /// flight runs to its end, so none of its statements is cut half-way.
     ///
     /// # Panics
     ///
@@ -374,22 +372,17 @@ impl<DB: Backend, S: Sink> Relay<DB, S> {
                 if sweep {
                     swept = Instant::now();
                 }
-                let pass = tokio::spawn({
-                    let relay = Arc::clone(&relay);
-                    async move {
-                        let run = relay.run_once().await;
-                        if sweep {
-                            while let Ok(1000) = relay.sweep(1000).await {}
-                        }
-                        run
+                let this = Arc::clone(&relay);
+                let Some(run) = passes::uncut(async move {
+                    let run = this.run_once().await;
+                    if sweep {
+                        while let Ok(1000) = this.sweep(1000).await {}
                     }
-                });
-                let run = match pass.await {
-                    Ok(run) => run,
-                    // As if the pass had panicked in this task.
-                    Err(error) if error.is_panic() => std::panic::resume_unwind(error.into_panic()),
-                    // The runtime is shutting down.
-                    Err(_) => return,
+                    run
+                })
+                .await
+                else {
+                    return;
                 };
                 match run {
                     Ok(run) if run.failed == 0 && run.delivered + run.deferred >= relay.batch => {
