@@ -103,6 +103,28 @@ pub(crate) async fn in_use_then_taken_over<DB: Backend>(
     finished(pool, table, &claim, &created("{}")).await;
 }
 
+/// Panics unless `claim`'s key replays `response` (with its fingerprint).
+pub(crate) async fn replays<DB: Backend>(
+    pool: &Pool<DB>,
+    table: &str,
+    claim: &Claim<'_>,
+    response: &EncodedResponse,
+) {
+    match DB::claim(pool, Acquire::default(), table, claim)
+        .await
+        .unwrap()
+    {
+        ClaimOutcome::Finished {
+            fingerprint,
+            response: stored,
+        } => {
+            assert_eq!(fingerprint, claim.fingerprint);
+            assert_eq!(&stored, response);
+        }
+        other => panic!("the key must replay: {other:?}"),
+    }
+}
+
 /// The phased mode's storage contract on `table`, as every engine keeps
 /// it: a lease claim, the fence, a takeover that carries the recovery
 /// point, the completer's reservation, the release, the stored response

@@ -10,7 +10,7 @@ use super::*;
 use crate::backend::admin::AdminStore;
 use crate::backend::outbox_store::OutboxStore;
 use crate::backend::store::Store;
-use crate::backend::test_support::{claim_of, claimed, created};
+use crate::backend::test_support::{claim_of, claimed, created, replays};
 use crate::backend::{Acquire, FinishError, Forgotten, KeyState};
 use crate::response::EncodedResponse;
 
@@ -518,18 +518,26 @@ async fn a_claim_in_another_session_is_not_forgotten() {
 #[tokio::test]
 async fn the_outbox_contract_holds() {
     let pool = test_pool(4).await;
-    let (outbox, consumed) = (
-        format!("idem_outbox_{}", std::process::id()),
-        format!("idem_consumed_{}", std::process::id()),
-    );
-    let drop = format!("DROP TABLE IF EXISTS {outbox}, {consumed}");
-    run(&mut pool.acquire().await.unwrap(), &drop)
-        .await
-        .unwrap();
+    let (outbox, consumed) = outbox_tables(&pool, "").await;
     crate::backend::test_support::outbox_contract(&pool, &outbox, &consumed).await;
-    run(&mut pool.acquire().await.unwrap(), &drop)
-        .await
-        .unwrap();
+    drop_tables(&pool, &[&outbox, &consumed]).await;
+}
+
+/// Outbox and consumed tables' names of this test process, after `name`,
+/// neither there (a run killed before its cleanup, with the same process
+/// id, left them).
+async fn outbox_tables(pool: &Pool<MySql>, name: &str) -> (String, String) {
+    let (outbox, consumed) = (
+        format!("idem_{name}outbox_{}", std::process::id()),
+        format!("idem_{name}consumed_{}", std::process::id()),
+    );
+    drop_tables(pool, &[&outbox, &consumed]).await;
+    (outbox, consumed)
+}
+
+async fn drop_tables(pool: &Pool<MySql>, tables: &[&str]) {
+    let sql = format!("DROP TABLE IF EXISTS {}", tables.join(", "));
+    run(&mut pool.acquire().await.unwrap(), &sql).await.unwrap();
 }
 
 /// A lease whose future is dropped while it waits for the relays' named
@@ -538,14 +546,7 @@ async fn the_outbox_contract_holds() {
 #[tokio::test]
 async fn a_lease_cut_half_way_leaves_no_lock_behind() {
     let pool = test_pool(2).await;
-    let (outbox, consumed) = (
-        format!("idem_cut_outbox_{}", std::process::id()),
-        format!("idem_cut_consumed_{}", std::process::id()),
-    );
-    let drop_tables = format!("DROP TABLE IF EXISTS {outbox}, {consumed}");
-    run(&mut pool.acquire().await.unwrap(), &drop_tables)
-        .await
-        .unwrap();
+    let (outbox, consumed) = outbox_tables(&pool, "cut_").await;
     MySql::migrate_outbox(&pool, &outbox, &consumed)
         .await
         .unwrap();
@@ -610,9 +611,7 @@ async fn a_lease_cut_half_way_leaves_no_lock_behind() {
     .unwrap();
     assert!(leased.is_empty());
     drop(holder);
-    run(&mut pool.acquire().await.unwrap(), &drop_tables)
-        .await
-        .unwrap();
+    drop_tables(&pool, &[&outbox, &consumed]).await;
 }
 
 /// The lock wait the session pools' sessions are configured with.
@@ -807,19 +806,7 @@ async fn an_implicit_commit_still_stores_the_response() {
         "{warnings:?}"
     );
 
-    match MySql::claim(&pool, Acquire::default(), &table, &claim)
-        .await
-        .unwrap()
-    {
-        ClaimOutcome::Finished {
-            fingerprint,
-            response: stored,
-        } => {
-            assert_eq!(fingerprint, claim.fingerprint);
-            assert_eq!(stored, response);
-        }
-        other => panic!("the key must replay: {other:?}"),
-    }
+    replays(&pool, &table, &claim, &response).await;
     drop_table(&pool, &table).await;
 }
 
@@ -1154,14 +1141,6 @@ async fn mysqls_batches_hold_as_well() {
         .await
         .expect("the response is stored on the committed claim");
     held.release();
-    match MySql::claim(&pool, Acquire::default(), &table, &claim)
-        .await
-        .unwrap()
-    {
-        ClaimOutcome::Finished {
-            response: stored, ..
-        } => assert_eq!(stored, response),
-        other => panic!("the key must replay: {other:?}"),
-    }
+    replays(&pool, &table, &claim, &response).await;
     drop_table(&pool, &table).await;
 }

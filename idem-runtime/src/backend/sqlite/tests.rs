@@ -287,15 +287,7 @@ async fn a_handlers_own_commit_still_stores_the_response() {
         held.push(pooled);
     }
     drop(held);
-    match Sqlite::claim(pool, Acquire::default(), "idem_keys", &claim)
-        .await
-        .unwrap()
-    {
-        ClaimOutcome::Finished {
-            response: stored, ..
-        } => assert_eq!(stored, response),
-        other => panic!("the key must replay: {other:?}"),
-    }
+    crate::backend::test_support::replays(pool, "idem_keys", &claim, &response).await;
 }
 
 /// Two private in-memory databases (`SqliteConnectOptions::new()`, both
