@@ -44,7 +44,6 @@ impl<R> LastPass<R> {
     }
 }
 
-/// Keeps `pass` as the last one in `slot`.
 /// Runs `pass` in a task of its own and waits for its end. A background
 /// task aborted meanwhile stops here, between passes, and leaves the pass
 /// to finish: a future dropped mid-statement could hand a connection back
@@ -61,6 +60,7 @@ pub(crate) async fn uncut<T: Send + 'static>(
     }
 }
 
+/// Keeps `pass` as the last one in `slot`.
 pub(crate) fn keep<R>(slot: &Mutex<Option<LastPass<R>>>, pass: LastPass<R>) {
     *slot
         .lock()

@@ -104,7 +104,7 @@ pub struct OpenTx<DB: Database> {
     /// does not keep them); the finish must do the same.
     pub(crate) inlined: bool,
     /// The server is MariaDB, whose finish is a shorter batch than
-    /// MySQL's (see the MySQL engine's `Flavour`).
+    /// MySQL's (see the MySQL engine's `is_mariadb`).
     pub(crate) mariadb: bool,
 }
 

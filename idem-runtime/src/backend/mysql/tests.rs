@@ -767,6 +767,22 @@ impl tracing::Subscriber for Warnings {
     fn exit(&self, _: &tracing::span::Id) {}
 }
 
+/// Ends `held`'s transaction as a handler's DDL would, by committing it
+/// implicitly (creating `table`).
+async fn commit_implicitly(held: &mut OpenTx<MySql>, table: &str) {
+    run(
+        held,
+        &format!("CREATE TABLE IF NOT EXISTS {table} (id INT) ENGINE = InnoDB"),
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        in_transaction(held).await,
+        0,
+        "the DDL committed the transaction"
+    );
+}
+
 /// A statement of the handler's that commits implicitly (DDL) ends the
 /// request's transaction by committing it, claim row and all: the finish
 /// then stores the response on that committed row, so the key replays
@@ -782,17 +798,7 @@ async fn an_implicit_commit_still_stores_the_response() {
     let table = key_table(&pool, "implicit").await;
     let claim = claim_of("acct", "k", 9, Duration::ZERO);
     let mut held = claimed(&pool, &table, &claim, "the claim").await;
-    run(
-        &mut held,
-        "CREATE TABLE IF NOT EXISTS idem_implicit_commit (id INT) ENGINE = InnoDB",
-    )
-    .await
-    .unwrap();
-    assert_eq!(
-        in_transaction(&mut held).await,
-        0,
-        "the DDL committed the transaction"
-    );
+    commit_implicitly(&mut held, "idem_implicit_commit").await;
     let response = created("{\"id\":1}");
     assert_eq!(log.lines(), Vec::<String>::new());
     MySql::finish(&mut held, &table, Some(&claim), Some(&response))
@@ -1130,12 +1136,7 @@ async fn mysqls_batches_hold_as_well() {
     }
     crate::backend::abandon(held).await;
     let mut held = claimed(&pool, &table, &claim, "the claim after a rollback").await;
-    run(
-        &mut held,
-        "CREATE TABLE IF NOT EXISTS idem_mysql_batches_commit (id INT) ENGINE = InnoDB",
-    )
-    .await
-    .unwrap();
+    commit_implicitly(&mut held, "idem_mysql_batches_commit").await;
     let response = created("{\"id\":2}");
     MySql::finish(&mut held, &table, Some(&claim), Some(&response))
         .await
