@@ -1,5 +1,6 @@
-//! Charts of the throughput benchmark's report: requests per second against
-//! the database's round-trip time, one line per scenario, as SVG.
+//! Charts of the throughput benchmark's report: requests per second, and
+//! the database's CPU per request, against the database's round-trip
+//! time, one line per scenario, as SVG.
 //!
 //! The SVG keeps its labels as `<text>`, set in the viewer's sans-serif:
 //! plotters only estimates their width to lay the chart out, so no font is
@@ -12,14 +13,43 @@ use std::path::Path;
 use plotters::prelude::*;
 use serde_json::Value;
 
-/// One line of a chart: a scenario's requests per second (y) at each
-/// database round-trip time in milliseconds (x).
+/// One line of a chart: a scenario's [`Measure`] (y) at each database
+/// round-trip time in milliseconds (x).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Series {
     /// The name the legend shows.
     pub name: String,
-    /// `(rtt_ms, requests_per_second)`, sorted by round-trip time.
+    /// `(rtt_ms, measure)`, sorted by round-trip time.
     pub points: Vec<(f64, f64)>,
+}
+
+/// What a network chart plots against the round-trip time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Measure {
+    /// Requests per second: a point's `rps`.
+    Throughput,
+    /// The database's CPU per request in microseconds: a point's
+    /// `db_cpu_us`, what the database's processes spent over the requests
+    /// answered.
+    DatabaseCpu,
+}
+
+impl Measure {
+    /// The point's field that holds it, by scenario.
+    fn field(self) -> &'static str {
+        match self {
+            Self::Throughput => "rps",
+            Self::DatabaseCpu => "db_cpu_us",
+        }
+    }
+
+    /// The y axis' description.
+    pub fn axis(self) -> &'static str {
+        match self {
+            Self::Throughput => "requests per second",
+            Self::DatabaseCpu => "database CPU per request (µs)",
+        }
+    }
 }
 
 /// The report's scenarios, in the order charted, with the names shown.
@@ -42,13 +72,14 @@ const COLOURS: [RGBColor; 5] = [
 ];
 
 /// The series of the report's `network` points for one engine, statement
-/// count and concurrency: one per scenario that has a point, in a fixed
-/// order (plain, idempotent, replay, two-phase recipe, peer).
+/// count and concurrency: `measure` of each scenario that has a point, in
+/// a fixed order (plain, idempotent, replay, two-phase recipe, peer).
 pub fn network_series(
     report: &Value,
     engine: &str,
     statements: u32,
     concurrency: usize,
+    measure: Measure,
 ) -> Vec<Series> {
     let points: Vec<&Value> = report["network"]
         .as_array()
@@ -66,9 +97,10 @@ pub fn network_series(
             let mut line: Vec<(f64, f64)> = points
                 .iter()
                 .filter_map(|point| {
-                    Some((point["rtt_ms"].as_f64()?, point["rps"][scenario].as_f64()?))
+                    let value = point[measure.field()][scenario].as_f64()?;
+                    Some((point["rtt_ms"].as_f64()?, value))
                 })
-                .filter(|(rtt, rps)| rtt.is_finite() && rps.is_finite())
+                .filter(|(rtt, value)| rtt.is_finite() && value.is_finite())
                 .collect();
             line.sort_by(|a, b| a.0.total_cmp(&b.0));
             (!line.is_empty()).then(|| Series {
@@ -80,12 +112,17 @@ pub fn network_series(
 }
 
 /// Draws `series` as lines with point markers to an SVG file at `path`,
-/// 720x420: round-trip time on x, requests per second on y from 0, and a
-/// legend of the series' names.
-pub fn write_svg(path: &Path, title: &str, series: &[Series]) -> Result<(), Box<dyn Error>> {
+/// 720x420: round-trip time on x, `measure` on y from 0, and a legend of
+/// the series' names.
+pub fn write_svg(
+    path: &Path,
+    title: &str,
+    measure: Measure,
+    series: &[Series],
+) -> Result<(), Box<dyn Error>> {
     let axes = Axes {
         x: "database round-trip time (ms)",
-        y: "requests per second",
+        y: measure.axis(),
     };
     write_svg_with(path, title, &axes, series)
 }

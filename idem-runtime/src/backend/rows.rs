@@ -186,6 +186,21 @@ pub(crate) fn failing_row(row: &impl Columns) -> Result<FailingRow, sqlx::Error>
 pub(crate) fn finished_row(
     row: &impl Columns,
 ) -> Result<Option<(Fingerprint, EncodedResponse)>, StoreError> {
+    stored_row(row, || tombstone(row))
+}
+
+/// A row read only while its response replays (its replay's end is in the
+/// read's condition): [`finished_row`] without [`tombstone_columns`].
+pub(crate) fn replayable_row(
+    row: &impl Columns,
+) -> Result<Option<(Fingerprint, EncodedResponse)>, StoreError> {
+    stored_row(row, || Ok(None))
+}
+
+fn stored_row(
+    row: &impl Columns,
+    tombstone: impl FnOnce() -> Result<Option<Option<Vec<u8>>>, sqlx::Error>,
+) -> Result<Option<(Fingerprint, EncodedResponse)>, StoreError> {
     let Some(status) = row.status_or_null("status").map_err(StoreError::Database)? else {
         return Ok(None);
     };
@@ -194,10 +209,10 @@ pub(crate) fn finished_row(
             row.bytes("fingerprint")?,
             row.bytes_or_null("headers")?,
             row.bytes_or_null("body")?,
+            tombstone()?,
         ))
     };
-    let (fingerprint, headers, body) = read().map_err(StoreError::Database)?;
-    let tombstone = tombstone(row).map_err(StoreError::Database)?;
+    let (fingerprint, headers, body, tombstone) = read().map_err(StoreError::Database)?;
     decode_finished(status.into(), &fingerprint, headers, body, tombstone).map(Some)
 }
 

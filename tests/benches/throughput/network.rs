@@ -8,14 +8,15 @@
 //! used. At 0, the server connects directly, as on loopback.
 //!
 //! Each run's figures also land in the JSON's `network` array, which
-//! [`idem_tests::chart`] draws as requests per second against round-trip
-//! time.
+//! [`idem_tests::chart`] draws against round-trip time twice: as requests
+//! per second, and as the database's CPU per request.
 
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use idem_tests::{chart, delay::Delay};
+use idem_tests::chart::{self, Measure};
+use idem_tests::delay::Delay;
 use serde_json::{Value, json};
 use sqlx::Connection;
 
@@ -151,8 +152,8 @@ impl Drop for Network {
     }
 }
 
-/// One run's point for the chart and the network table: its req/s,
-/// median latencies and ratios, from a run's JSON (`report::run_json` with
+/// One run's point for the charts and the network table: its req/s, the
+/// database's CPU per request, median latencies and ratios, from a run's JSON (`report::run_json` with
 /// the network fields).
 pub fn point(run: &Value) -> Value {
     let rps = |scenario: &str| {
@@ -160,6 +161,12 @@ pub fn point(run: &Value) -> Value {
             .as_f64()
             .or_else(|| run[format!("diagnostic_{scenario}_rps")].as_f64())
             .filter(|rps| *rps > 0.0)
+    };
+    let db_cpu_us = |scenario: &str| {
+        run[format!("{scenario}_cpu")]["database_us"]
+            .as_f64()
+            .or_else(|| run[format!("diagnostic_{scenario}_cpu")]["database_us"].as_f64())
+            .filter(|_| rps(scenario).is_some())
     };
     // The diagnostics (the peer) keep no latency of their own in a run.
     let p50 = |scenario: &str| {
@@ -180,6 +187,13 @@ pub fn point(run: &Value) -> Value {
             "replay": rps("replay"),
             "two_phase": rps("two_phase"),
             "peer": rps("peer"),
+        },
+        "db_cpu_us": {
+            "baseline": db_cpu_us("baseline"),
+            "idempotent": db_cpu_us("idempotent"),
+            "replay": db_cpu_us("replay"),
+            "two_phase": db_cpu_us("two_phase"),
+            "peer": db_cpu_us("peer"),
         },
         "p50_ms": {
             "baseline": p50("baseline"),
@@ -250,9 +264,11 @@ pub fn targets(points: &[Value]) {
     }
 }
 
-/// One chart per engine, statement count and concurrency that ran at more
-/// than one round-trip time, written beside `json` as
-/// `network-<engine>-<statements>stmt-<clients>c.svg`; the paths written.
+/// Two charts per engine, statement count and concurrency that ran at more
+/// than one round-trip time, written beside `json`: requests per second as
+/// `network-<engine>-<statements>stmt-<clients>c.svg`, the database's CPU
+/// per request as `network-<engine>-<statements>stmt-<clients>c-db-cpu.svg`;
+/// the paths written.
 pub fn charts(report: &Value, json: &Path) -> Vec<PathBuf> {
     let points = report["network"].as_array().cloned().unwrap_or_default();
     let mut shapes: Vec<(String, u32, usize)> = points
@@ -269,22 +285,31 @@ pub fn charts(report: &Value, json: &Path) -> Vec<PathBuf> {
     shapes.dedup();
     let mut written = Vec::new();
     for (engine, statements, concurrency) in shapes {
-        let series = chart::network_series(report, &engine, statements, concurrency);
-        if series.iter().all(|line| line.points.len() < 2) {
-            continue;
-        }
-        let path = json.with_file_name(format!(
-            "network-{engine}-{statements}stmt-{concurrency}c.svg"
-        ));
         let name = match engine.as_str() {
             "postgres" => "PostgreSQL",
             "mysql" => "MariaDB",
             other => other,
         };
-        let title = format!("{name}, {statements} statement(s) per handler, {concurrency} clients");
-        match chart::write_svg(&path, &title, &series) {
-            Ok(()) => written.push(path),
-            Err(error) => eprintln!("chart {}: {error}", path.display()),
+        let shape = format!("{statements} statement(s) per handler, {concurrency} clients");
+        for (measure, suffix, title) in [
+            (Measure::Throughput, "", format!("{name}, {shape}")),
+            (
+                Measure::DatabaseCpu,
+                "-db-cpu",
+                format!("{name}'s CPU per request, {shape}"),
+            ),
+        ] {
+            let series = chart::network_series(report, &engine, statements, concurrency, measure);
+            if series.iter().all(|line| line.points.len() < 2) {
+                continue;
+            }
+            let path = json.with_file_name(format!(
+                "network-{engine}-{statements}stmt-{concurrency}c{suffix}.svg"
+            ));
+            match chart::write_svg(&path, &title, measure, &series) {
+                Ok(()) => written.push(path),
+                Err(error) => eprintln!("chart {}: {error}", path.display()),
+            }
         }
     }
     written

@@ -9,9 +9,10 @@ use sqlx_core::transaction::TransactionManager;
 
 use super::sql::{Arg, ClaimRow, PEEK};
 use super::{
-    COMMIT_UNLESS_FAILED, Found, PgClaim, UNDEFINED_STATEMENT, advisory, finish_error, has_code,
-    index_name, qualified, read_row, regclasses_exist, run_ddl, simple,
+    COMMIT_UNLESS_FAILED, PgClaim, UNDEFINED_STATEMENT, advisory, finish_error, has_code,
+    index_name, qualified, regclasses_exist, run_ddl, simple,
 };
+use crate::backend::rows::replayable_row;
 use crate::backend::store::Store;
 use crate::backend::{Acquire, Backend, Claim, ClaimOutcome, FinishError, OpenTx, StoreError};
 use crate::error::Error;
@@ -151,13 +152,13 @@ impl Store for Postgres {
         })
         .await
         .map_err(StoreError::Database)?;
-        Ok(match row.as_ref().map(read_row).transpose()? {
-            Some(Found::Finished(fingerprint, response)) => Some(ClaimOutcome::Finished {
+        let finished = row.as_ref().map(replayable_row).transpose()?.flatten();
+        Ok(
+            finished.map(|(fingerprint, response)| ClaimOutcome::Finished {
                 fingerprint,
                 response,
             }),
-            _ => None,
-        })
+        )
     }
 
     async fn begin(pool: &Pool<Self>, acquire: Acquire) -> Result<OpenTx<Self>, sqlx::Error> {
