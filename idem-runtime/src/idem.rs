@@ -326,8 +326,10 @@ impl<DB: Backend> Idem<DB> {
     /// [`Pooler::Session`]). Behind a transaction-mode pooler such as
     /// PgBouncer's `pool_mode = transaction`, set [`Pooler::Transaction`]:
     /// the claim, the finish and the replay's read then keep nothing in the
-    /// session (PostgreSQL parses them per request instead of running
-    /// statements prepared once per connection). Every other statement of
+    /// session: on PostgreSQL they call functions that
+    /// [`migrate`](Self::migrate) makes for the key table, whose plans each
+    /// server session keeps, instead of statements prepared once per
+    /// connection (the call is parsed per request). Every other statement of
     /// `idem`'s holds nothing in the session on any setting. The application's own
     /// queries need `.persistent(false)` there: sqlx names every statement
     /// it prepares otherwise.
@@ -563,8 +565,17 @@ impl<DB: Backend> Idem<DB> {
 
     /// Creates the key table and its expiry index if they are missing.
     /// Safe to run on every start, from several instances at once.
+    ///
+    /// Behind a declared transaction-mode pooler
+    /// ([`pooler`](Self::pooler)), it also makes what the claims there use
+    /// (on PostgreSQL, three functions named after the table, whose plans
+    /// the server keeps where it cannot keep prepared statements).
     pub async fn migrate(&self) -> Result<(), Error> {
-        DB::migrate(&self.inner.pool, &self.inner.table).await
+        DB::migrate(&self.inner.pool, &self.inner.table).await?;
+        if self.pooled() {
+            DB::migrate_pooled(&self.inner.pool, &self.inner.table).await?;
+        }
+        Ok(())
     }
 
     /// Deletes up to `batch` expired keys, then turns up to the rest of

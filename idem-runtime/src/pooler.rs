@@ -24,6 +24,8 @@ pub enum Pooler {
     /// statement of `idem`'s is sent whole, its values inlined, with the
     /// simple query protocol: parsed per request, which costs PostgreSQL
     /// more work than a prepared statement (docs/engines.md), and works
-    /// on any session.
+    /// on any session. On PostgreSQL the claim, the finish and the
+    /// replay's read call functions `Idem::migrate` makes, which keep
+    /// their plans in each server session.
     Transaction,
 }

@@ -106,6 +106,9 @@ pub struct OpenTx<DB: Database> {
     /// The server is MariaDB, whose finish is a shorter batch than
     /// MySQL's (see the MySQL engine's `is_mariadb`).
     pub(crate) mariadb: bool,
+    /// The claim called the key table's server-side functions (PostgreSQL
+    /// behind a declared pooler); the finish calls them too.
+    pub(crate) functions: bool,
 }
 
 impl<DB: Database> OpenTx<DB> {
@@ -117,6 +120,7 @@ impl<DB: Database> OpenTx<DB> {
             opened: std::time::Instant::now(),
             inlined: false,
             mariadb: false,
+            functions: false,
         }
     }
 

@@ -212,6 +212,15 @@ pub trait Store: Database {
     /// Creates the key table and its expiry index if they do not exist.
     fn migrate(pool: &Pool<Self>, table: &str) -> impl Future<Output = Result<(), Error>> + Send;
 
+    /// Makes what claims behind a declared transaction-mode pooler use
+    /// beside the key table, where the engine has any (PostgreSQL: the
+    /// table's server-side functions). Run by `Idem::migrate` when a
+    /// pooler is declared, after [`migrate`](Store::migrate).
+    fn migrate_pooled(
+        pool: &Pool<Self>,
+        table: &str,
+    ) -> impl Future<Output = Result<(), Error>> + Send;
+
     /// Opens a transaction and claims the key as its first write.
     fn claim(
         pool: &Pool<Self>,

@@ -85,9 +85,24 @@ pub fn env_number<T: std::str::FromStr>(name: &str, default: T) -> T {
     }
 }
 
+/// `IDEM_BENCH_POOLER=transaction`: statements that keep nothing in the
+/// session, as behind PgBouncer.
+pub fn pooler() -> idem::Pooler {
+    match std::env::var("IDEM_BENCH_POOLER").as_deref() {
+        Ok("transaction") => idem::Pooler::Transaction,
+        _ => idem::Pooler::Session,
+    }
+}
+
 /// Creates the tables (and empties them: every run starts alike).
 pub async fn setup(pool: &PgPool) -> Result<(), Box<dyn std::error::Error>> {
-    Idem::new(pool.clone()).table(KEYS_TABLE)?.migrate().await?;
+    // As the server's `Idem`: behind a declared pooler, with what the
+    // claims there use.
+    Idem::new(pool.clone())
+        .table(KEYS_TABLE)?
+        .pooler(pooler())
+        .migrate()
+        .await?;
     // The diagnostic `optimistic`'s keys, in a table just like the wrapper's.
     Idem::new(pool.clone())
         .table(crate::optimistic::TABLE)?

@@ -128,17 +128,11 @@ macro_rules! service {
             pub fn router(pool: Pool<$db>, provider: Provider) -> axum::Router {
                 // `IDEM_BENCH_ADVISORY_LOCKS=0`: the portable claim, for an A/B.
                 let advisory = std::env::var("IDEM_BENCH_ADVISORY_LOCKS").as_deref() != Ok("0");
-                // `IDEM_BENCH_POOLER=transaction`: statements that keep
-                // nothing in the session, as behind PgBouncer.
-                let pooler = match std::env::var("IDEM_BENCH_POOLER").as_deref() {
-                    Ok("transaction") => idem::Pooler::Transaction,
-                    _ => idem::Pooler::Session,
-                };
                 let idem = Idem::new(pool.clone())
                     .table(KEYS_TABLE)
                     .expect("table name")
                     .advisory_locks(advisory)
-                    .pooler(pooler);
+                    .pooler(crate::app::pooler());
                 // `IDEM_BENCH_ENCRYPTION=1`: stored data sealed at rest.
                 let idem = match std::env::var("IDEM_BENCH_ENCRYPTION").as_deref() {
                     Ok("1") => {

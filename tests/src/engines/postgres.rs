@@ -220,3 +220,23 @@ impl PhasedDb for Postgres {
 
     crate::phased_queries!();
 }
+
+/// Drops the functions a pooled `Idem::migrate` made for the key table
+/// `table` (named `<table>_idem_*`), which dropping the table leaves.
+pub async fn drop_functions(pool: &PgPool, table: &str) {
+    let pattern = format!("{}\\_idem\\_%", table.replace('_', "\\_"));
+    let drops: Vec<String> = sqlx::query_scalar(
+        "SELECT format('DROP FUNCTION IF EXISTS %s', oid::regprocedure) \
+         FROM pg_proc WHERE proname LIKE $1",
+    )
+    .bind(pattern)
+    .fetch_all(pool)
+    .await
+    .expect("list the key table's functions");
+    for drop in drops {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(drop))
+            .execute(pool)
+            .await
+            .expect("drop a key table's function");
+    }
+}

@@ -3,7 +3,7 @@
 //! them), the claim's fallback for a refused read, and the lock timeout
 //! the handler runs under.
 
-use idem::Idem;
+use idem::{Idem, Pooler};
 use idem_tests::engines::postgres as engine;
 use idem_tests::round_trip_service::{Service, Wired, drop_table, settle, unique};
 
@@ -14,7 +14,8 @@ type Proxied = Wired<Postgres>;
 
 /// The statements of each simple query (idem's values are hex, so a `;`
 /// only ever separates statements), each as its first three words, an
-/// `EXECUTE` as the suffix of its statement's name.
+/// `EXECUTE` as the suffix of its statement's name, a call of one of the
+/// key table's functions as `CALL` and the function's suffix.
 fn verbs(queries: &[String]) -> Vec<Vec<String>> {
     queries
         .iter()
@@ -24,6 +25,14 @@ fn verbs(queries: &[String]) -> Vec<Vec<String>> {
                 .map(str::trim)
                 .filter(|statement| !statement.is_empty())
                 .map(|statement| {
+                    let call = statement
+                        .split_whitespace()
+                        .find(|word| word.contains("_idem_") && word.contains('('));
+                    if let Some(call) = call {
+                        let function = call.split('(').next().unwrap_or(call);
+                        let suffix = function.rsplit("_idem_").next().unwrap_or(function);
+                        return format!("CALL {suffix}");
+                    }
                     let words: Vec<&str> = statement.split_whitespace().take(3).collect();
                     match words.as_slice() {
                         ["EXECUTE", name, ..] => {
@@ -68,11 +77,14 @@ async fn warm_up(service: &Service) {
 /// by `configure`, as the fixture's), which never saw the key finish, then
 /// replays it through the same claim, which fails on the taken key: one
 /// more round trip ends the transaction and reads the row.
+/// `finish` and `read` are how the stored response and the read of the
+/// taken key are sent.
 async fn first_attempt_and_replay_elsewhere(
     fixture: &Proxied,
     claim: &[&str],
+    [finish, read]: [&str; 2],
     configure: impl FnOnce(Idem<Postgres>) -> Idem<Postgres>,
-) {
+) -> String {
     let Proxied { pool, service, .. } = fixture;
     let key = unique("k");
     let (response, first) = sent(fixture, service, "/idempotent", &key).await;
@@ -81,7 +93,7 @@ async fn first_attempt_and_replay_elsewhere(
         first,
         [
             claim.to_vec(),
-            vec!["EXECUTE finish", "COMMIT", "BEGIN"],
+            vec![finish, "COMMIT", "BEGIN"],
             vec!["ROLLBACK"],
         ]
     );
@@ -91,10 +103,8 @@ async fn first_attempt_and_replay_elsewhere(
     other.account.clone_from(&service.account);
     let (replay, replayed) = sent(fixture, &other, "/idempotent", &key).await;
     assert_eq!(replay.headers()["idempotent-replayed"], "true");
-    assert_eq!(
-        replayed,
-        [claim.to_vec(), vec!["ROLLBACK", "EXECUTE select"]]
-    );
+    assert_eq!(replayed, [claim.to_vec(), vec!["ROLLBACK", read]]);
+    key
 }
 
 /// What the server parses for a first attempt, beyond the baseline's
@@ -121,7 +131,8 @@ async fn a_first_attempt_adds_seven_statements_and_a_replay_through_the_claim_tw
         "EXECUTE claim",
         "SET LOCAL lock_timeout",
     ];
-    first_attempt_and_replay_elsewhere(&fixture, &claim, |idem| idem).await;
+    let prepared = ["EXECUTE finish", "EXECUTE select"];
+    first_attempt_and_replay_elsewhere(&fixture, &claim, prepared, |idem| idem).await;
     fixture.stop().await;
 }
 
@@ -141,8 +152,33 @@ async fn the_advisory_claim_is_one_round_trip_with_no_lock_timeout() {
         "SET LOCAL idle_in_transaction_session_timeout",
         "EXECUTE try",
     ];
-    first_attempt_and_replay_elsewhere(&fixture, &claim, advisory).await;
+    let prepared = ["EXECUTE finish", "EXECUTE select"];
+    first_attempt_and_replay_elsewhere(&fixture, &claim, prepared, advisory).await;
     fixture.stop().await;
+}
+
+/// Behind a declared pooler, the advisory claim is one call of the key
+/// table's claim function and the stored response one call of the
+/// finish's, in the same round trips as the prepared statements; the read
+/// of a taken key is inlined; a retry this process saw finish is one call
+/// of the read's function.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn behind_a_pooler_the_claim_finish_and_read_call_the_tables_functions() {
+    let pooled = |idem: Idem<Postgres>| idem.advisory_locks(true).pooler(Pooler::Transaction);
+    let fixture = Proxied::start_configured("pooled", pooled).await;
+    // The once-per-server probe and the functions' lookup made, too.
+    warm_up(&fixture.service).await;
+
+    let calls = ["CALL finish_v1", "SELECT status, fingerprint,"];
+    let claim = ["BEGIN", "CALL claim_v1"];
+    let key = first_attempt_and_replay_elsewhere(&fixture, &claim, calls, pooled).await;
+    let (replay, read) = sent(&fixture, &fixture.service, "/idempotent", &key).await;
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    assert_eq!(read, [["CALL peek_v1"]]);
+    assert!(idem_statements(&fixture.pool).await.is_empty());
+    let (admin, keys) = (fixture.admin.clone(), fixture.keys.clone());
+    fixture.stop().await;
+    engine::drop_functions(&admin, &keys).await;
 }
 
 /// The read that answers a retry this process saw finish is only a hint's

@@ -9,20 +9,33 @@ use sqlx::{Connection, Pool, Postgres, Row};
 
 use super::sql::Arg;
 
-/// A server and database, and whether it offers advisory locks.
-struct Answer {
+/// A server and database, as a pool's options name them.
+pub(super) struct Server {
     host: String,
     port: u16,
     database: Option<String>,
-    offered: bool,
 }
 
-impl Answer {
-    fn of(&self, options: &PgConnectOptions) -> bool {
+impl Server {
+    pub(super) fn of(options: &PgConnectOptions) -> Self {
+        Self {
+            host: options.get_host().to_owned(),
+            port: options.get_port(),
+            database: options.get_database().map(str::to_owned),
+        }
+    }
+
+    pub(super) fn is(&self, options: &PgConnectOptions) -> bool {
         self.port == options.get_port()
             && self.host == options.get_host()
             && self.database.as_deref() == options.get_database()
     }
+}
+
+/// A server and database, and whether it offers advisory locks.
+struct Answer {
+    server: Server,
+    offered: bool,
 }
 
 /// The answers so far: a handful at most, looked up on every claim
@@ -35,7 +48,7 @@ pub(super) fn known(pool: &Pool<Postgres>) -> Option<bool> {
     let options = pool.connect_options();
     answers()
         .iter()
-        .find(|answer| answer.of(&options))
+        .find(|answer| answer.server.is(&options))
         .map(|answer| answer.offered)
 }
 
@@ -70,11 +83,9 @@ pub(super) async fn probe(pool: &Pool<Postgres>) -> bool {
         Err(_) => return false,
     };
     let mut answers = answers();
-    if !answers.iter().any(|answer| answer.of(&options)) {
+    if !answers.iter().any(|answer| answer.server.is(&options)) {
         answers.push(Answer {
-            host: options.get_host().to_owned(),
-            port: options.get_port(),
-            database: options.get_database().map(str::to_owned),
+            server: Server::of(&options),
             offered,
         });
     }

@@ -29,6 +29,7 @@ use crate::response::EncodedResponse;
 
 mod admin;
 mod advisory;
+mod functions;
 mod outbox_store;
 mod phased;
 mod sql;
@@ -95,6 +96,7 @@ const COMMIT_UNLESS_FAILED: &str = "SELECT 1; COMMIT; BEGIN";
 /// (they remember whether the server keeps prepared statements).
 struct PgClaim<'c> {
     row: ClaimRow<'c>,
+    pool: &'c Pool<Postgres>,
 }
 
 impl super::claim::ClaimAttempt<Postgres> for PgClaim<'_> {
@@ -124,7 +126,13 @@ impl super::claim::ClaimAttempt<Postgres> for PgClaim<'_> {
             super::connection::abandon(conn).await;
         }
         Err(
-            if self.row.tries_lock() && store_has_code(&error, &[KEY_HELD]) {
+            if self.row.calls() && store_has_code(&error, &[functions::UNDEFINED_FUNCTION]) {
+                // The table's functions went missing since they were found:
+                // this claim runs the statements, and the next asks again.
+                functions::forget(self.pool, self.row.table());
+                self.row.functions = false;
+                Failure::Retry(error)
+            } else if self.row.tries_lock() && store_has_code(&error, &[KEY_HELD]) {
                 // The key's advisory lock is held: by an attempt in flight (or,
                 // rarely, one whose key's hash is the same).
                 Failure::InUse
@@ -170,6 +178,7 @@ async fn claim_on(
 ) -> Result<Settled, StoreError> {
     let settled = claim_with_fallback(conn, row).await;
     conn.inlined = !row.prepared;
+    conn.functions = row.calls();
     settled
 }
 

@@ -105,6 +105,118 @@ const FINISH_LATE: Statement = Statement {
            WHERE scope = $1 AND key = $2 AND status IS NULL",
 };
 
+/// The key table's server-side functions, for claims behind a declared
+/// transaction-mode pooler (see `functions.rs`). Their names carry a
+/// revision, bumped whenever a body changes: an instance of the previous
+/// release keeps calling its own during a rolling deploy.
+///
+/// The claim's: the orphan bound for the transaction (as the `SET LOCAL`
+/// of [`ClaimRow::push_claim`]), the key's advisory lock tried (`22P02`
+/// when held, as [`CLAIM_TRY`]), then the row's insert, the transaction's
+/// first write, whose unique violation tells a taken key.
+const CLAIM_FUNCTION: &str = "idem_claim_v1";
+/// The finish's: [`FINISH`], answering the rows it updated.
+const FINISH_FUNCTION: &str = "idem_finish_v1";
+/// The replay's read: [`PEEK`].
+const PEEK_FUNCTION: &str = "idem_peek_v1";
+
+/// The schema-qualified names of a key table's functions.
+pub(super) struct FunctionNames {
+    pub(super) claim: String,
+    pub(super) finish: String,
+    pub(super) peek: String,
+}
+
+impl FunctionNames {
+    pub(super) fn of(table: &str) -> Self {
+        Self {
+            claim: function_name(table, CLAIM_FUNCTION),
+            finish: function_name(table, FINISH_FUNCTION),
+            peek: function_name(table, PEEK_FUNCTION),
+        }
+    }
+}
+
+/// `table`'s function `function`, in the table's schema (named as its
+/// indexes are, within 63 bytes).
+fn function_name(table: &str, function: &str) -> String {
+    super::qualified(table, &super::index_name(table, function))
+}
+
+/// Creates (or replaces) `table`'s functions, named `names`, in one
+/// transaction under an advisory lock of their own: instances migrating at
+/// once make them one after the other (concurrent `CREATE OR REPLACE
+/// FUNCTION`s of one name can fail each other).
+pub(super) fn functions_ddl(table: &str, names: &FunctionNames) -> String {
+    let FunctionNames {
+        claim,
+        finish,
+        peek,
+    } = names;
+    let lock = lock_id(table, "idem", "functions");
+    format!(
+        "SELECT pg_advisory_xact_lock({lock});
+        CREATE OR REPLACE FUNCTION {claim}(p_scope bytea, p_key bytea, p_fingerprint bytea,
+            p_ttl_ms bigint, p_lock bigint, p_orphan_ms bigint) RETURNS void
+        LANGUAGE plpgsql AS $idem$
+        BEGIN
+            PERFORM set_config('idle_in_transaction_session_timeout', p_orphan_ms::text, true);
+            IF NOT pg_try_advisory_xact_lock(p_lock) THEN
+                RAISE EXCEPTION 'idem: key held by another attempt' USING ERRCODE = '22P02';
+            END IF;
+            INSERT INTO {table} (scope, key, fingerprint, expires_at)
+                VALUES (p_scope, p_key, p_fingerprint, now() + p_ttl_ms * interval '1 millisecond');
+        END
+        $idem$;
+        CREATE OR REPLACE FUNCTION {finish}(p_scope bytea, p_key bytea, p_status smallint,
+            p_headers bytea, p_body bytea) RETURNS integer
+        LANGUAGE plpgsql AS $idem$
+        DECLARE
+            stored integer;
+        BEGIN
+            UPDATE {table} SET status = p_status, headers = p_headers, body = p_body
+                WHERE scope = p_scope AND key = p_key AND status IS NULL;
+            GET DIAGNOSTICS stored = ROW_COUNT;
+            RETURN stored;
+        END
+        $idem$;
+        CREATE OR REPLACE FUNCTION {peek}(p_scope bytea, p_key bytea)
+            RETURNS TABLE (status smallint, fingerprint bytea, headers bytea, body bytea)
+        LANGUAGE plpgsql STABLE AS $idem$
+        BEGIN
+            RETURN QUERY SELECT k.status, k.fingerprint, k.headers, k.body FROM {table} k
+                WHERE k.scope = p_scope AND k.key = p_key AND k.status IS NOT NULL
+                AND coalesce(k.replay_until, k.expires_at) > now();
+        END
+        $idem$;"
+    )
+}
+
+/// The replay's read through [`PEEK_FUNCTION`], its values inlined.
+pub(super) fn peek_call(table: &str, scope: &[u8], key: &[u8]) -> String {
+    let mut out = String::with_capacity(64 + 2 * (scope.len() + key.len()));
+    out.push_str("SELECT * FROM ");
+    push_call(
+        &mut out,
+        &function_name(table, PEEK_FUNCTION),
+        &[Arg::Bytes(scope), Arg::Bytes(key)],
+    );
+    out
+}
+
+/// Appends `function(args)`, the arguments as literals.
+fn push_call(out: &mut String, function: &str, args: &[Arg<'_>]) {
+    out.push_str(function);
+    out.push('(');
+    for (index, arg) in args.iter().enumerate() {
+        if index > 0 {
+            out.push_str(", ");
+        }
+        arg.push(out);
+    }
+    out.push(')');
+}
+
 /// Changes whenever a statement's text or answer changes (2: the claim
 /// answers with its row count, not the row; 3: the claim fails on a taken
 /// key, and an expired row is deleted rather than taken over in place; 4:
@@ -120,6 +232,9 @@ pub(super) enum Arg<'a> {
     Text(&'a str),
     Int(u128),
     Signed(i64),
+    /// A `smallint`, typed as one (a function's parameter resolves only
+    /// from its own type).
+    Small(i16),
     Null,
 }
 
@@ -134,6 +249,7 @@ impl Arg<'_> {
             }
             Arg::Int(int) => write!(out, "{int}").expect("writing to a String"),
             Arg::Signed(int) => write!(out, "{int}").expect("writing to a String"),
+            Arg::Small(int) => write!(out, "{int}::smallint").expect("writing to a String"),
             Arg::Null => out.push_str("NULL"),
         }
     }
@@ -271,6 +387,9 @@ pub(super) struct ClaimRow<'c> {
     pub(super) statements: Statements<'c>,
     /// Through prepared statements (`EXECUTE`), or inlined.
     pub(super) prepared: bool,
+    /// Inlined, a claim without a wait and the finish call the table's
+    /// functions ([`FunctionNames`]), which the server found.
+    pub(super) functions: bool,
     claim: Claim<'c>,
 }
 
@@ -282,8 +401,14 @@ impl<'c> ClaimRow<'c> {
         Self {
             statements: Statements::new(table),
             prepared: !claim.pooled,
+            functions: false,
             claim: *claim,
         }
+    }
+
+    /// The key table.
+    pub(super) fn table(&self) -> &'c str {
+        self.statements.table
     }
 
     /// The names of the statements this claim's connection prepares.
@@ -373,6 +498,25 @@ impl<'c> ClaimRow<'c> {
         let orphan = self.claim.orphan_bound().as_millis();
         out.push_str("BEGIN; ");
         let tries = self.tries_lock();
+        if let Some(lock) = self.lock().filter(|_| tries && !expired && self.calls()) {
+            let [scope, key, fingerprint, ttl] = self.row_args();
+            let args = [
+                scope,
+                key,
+                fingerprint,
+                ttl,
+                Arg::Signed(lock),
+                Arg::Int(orphan),
+            ];
+            out.push_str("SELECT ");
+            push_call(
+                out,
+                &function_name(self.statements.table, CLAIM_FUNCTION),
+                &args,
+            );
+            out.push(';');
+            return;
+        }
         let timed = !tries || expired;
         if timed {
             // `lock_timeout = 0` means "wait forever" in PostgreSQL, so
@@ -452,6 +596,18 @@ impl<'c> ClaimRow<'c> {
         ]
     }
 
+    /// Whether this claim's statements are calls of the table's functions.
+    pub(super) fn calls(&self) -> bool {
+        self.functions && !self.prepared
+    }
+
+    /// Whether [`finish_and_commit`](Self::finish_and_commit) calls the
+    /// finish's function, which answers with a row (`stored`: the rows it
+    /// updated) rather than a row count.
+    pub(super) fn finish_calls(&self, response: &EncodedResponse, late: bool) -> bool {
+        self.calls() && response.tombstone.is_none() && !late
+    }
+
     /// Stores `response` on the row and commits, in one round trip; `late`,
     /// the expiry counts from now (see `OpenTx::outlived`).
     pub(super) fn finish_and_commit(&self, response: &EncodedResponse, late: bool) -> String {
@@ -477,6 +633,16 @@ impl<'c> ClaimRow<'c> {
         } else if late {
             self.statements
                 .push_run(&mut out, &FINISH_LATE, false, &args);
+        } else if self.finish_calls(response, late) {
+            // An HTTP status is at most 999.
+            let status = i16::try_from(response.status.as_u16()).unwrap_or(i16::MAX);
+            out.push_str("SELECT ");
+            push_call(
+                &mut out,
+                &function_name(self.statements.table, FINISH_FUNCTION),
+                &[args[0], args[1], Arg::Small(status), args[3], args[4]],
+            );
+            out.push_str(" AS stored");
         } else {
             self.statements
                 .push_run(&mut out, &FINISH, self.prepared, &args[..5]);

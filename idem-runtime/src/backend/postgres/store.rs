@@ -4,13 +4,13 @@
 
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::PgTransactionManager;
-use sqlx::{AssertSqlSafe, Pool, Postgres};
+use sqlx::{AssertSqlSafe, Pool, Postgres, Row};
 use sqlx_core::transaction::TransactionManager;
 
-use super::sql::{Arg, ClaimRow, PEEK};
+use super::sql::{Arg, ClaimRow, PEEK, peek_call};
 use super::{
-    COMMIT_UNLESS_FAILED, PgClaim, UNDEFINED_STATEMENT, advisory, finish_error, has_code,
-    index_name, qualified, regclasses_exist, run_ddl, simple,
+    COMMIT_UNLESS_FAILED, PgClaim, UNDEFINED_STATEMENT, advisory, finish_error, functions,
+    has_code, index_name, qualified, regclasses_exist, run_ddl, simple,
 };
 use crate::backend::rows::replayable_row;
 use crate::backend::store::Store;
@@ -102,6 +102,27 @@ impl Store for Postgres {
         run_ddl(pool, &ddl).await
     }
 
+    /// The table's functions (see `functions.rs`), on a server that
+    /// offers advisory locks (the claim's function takes one). A server
+    /// that cannot make them (no PL/pgSQL, a role without the right) is
+    /// warned of, and its claims inline their statements.
+    async fn migrate_pooled(pool: &Pool<Self>, table: &str) -> Result<(), Error> {
+        let offered = match advisory::known(pool) {
+            Some(offered) => offered,
+            None => advisory::probe(pool).await,
+        };
+        if !offered {
+            return Ok(());
+        }
+        match functions::create(pool, table).await {
+            Err(Error::Database(sqlx::Error::Database(error))) => {
+                tracing::warn!(%error, "idem's functions not made; claims behind the pooler inline their statements");
+                Ok(())
+            }
+            done => done,
+        }
+    }
+
     async fn claim(
         pool: &Pool<Self>,
         acquire: Acquire,
@@ -117,9 +138,16 @@ impl Store for Postgres {
                 None => Box::pin(advisory::probe(pool)).await,
             };
         }
-        let row = ClaimRow::new(table, &claim);
-        let outcome =
-            crate::backend::claim::claim_with_retries(pool, acquire, PgClaim { row }).await;
+        let mut row = ClaimRow::new(table, &claim);
+        if claim.pooled && claim.advisory {
+            // Boxed, as the probe above.
+            row.functions = match functions::known(pool, table) {
+                Some(found) => found,
+                None => Box::pin(functions::probe(pool, table)).await,
+            };
+        }
+        let claim = PgClaim { row, pool };
+        let outcome = crate::backend::claim::claim_with_retries(pool, acquire, claim).await;
         crate::backend::claim::held(outcome, flight)
     }
 
@@ -132,7 +160,12 @@ impl Store for Postgres {
         // Without a pooler, an ordinary sqlx query, prepared and cached
         // by sqlx per connection; behind one, its values inlined.
         let row = crate::backend::connection::on_connection(pool, acquire, |mut conn| async move {
-            let row = if claim.pooled {
+            let row = if claim.pooled && functions::known(pool, table) == Some(true) {
+                let call = peek_call(table, claim.scope.as_bytes(), claim.key.as_bytes());
+                sqlx::raw_sql(AssertSqlSafe(call))
+                    .fetch_optional(&mut **conn)
+                    .await
+            } else if claim.pooled {
                 let args = [
                     Arg::Bytes(claim.scope.as_bytes()),
                     Arg::Bytes(claim.key.as_bytes()),
@@ -175,20 +208,31 @@ impl Store for Postgres {
         claim: Option<&Claim<'_>>,
         response: Option<&EncodedResponse>,
     ) -> Result<(), FinishError> {
-        let (text, keyed) = match (claim, response) {
+        let (text, keyed, called) = match (claim, response) {
             (Some(claim), Some(response)) => {
                 let mut row = ClaimRow::new(table, claim);
                 row.prepared = !conn.inlined;
+                row.functions = conn.functions;
+                let late = conn.outlived(claim.ttl);
                 (
-                    row.finish_and_commit(response, conn.outlived(claim.ttl)),
+                    row.finish_and_commit(response, late),
                     true,
+                    row.finish_calls(response, late),
                 )
             }
-            _ => (COMMIT_UNLESS_FAILED.to_owned(), false),
+            _ => (COMMIT_UNLESS_FAILED.to_owned(), false, false),
         };
-        let result = sqlx::raw_sql(AssertSqlSafe(text))
-            .execute(&mut ***conn)
-            .await;
+        let query = sqlx::raw_sql(AssertSqlSafe(text));
+        let result = if called {
+            // The function's answer is a row (`stored`), not a row count.
+            query.fetch_all(&mut ***conn).await.and_then(|rows| {
+                let stored = rows.first().map(|row| row.try_get::<i32, _>("stored"));
+                Ok(u64::try_from(stored.transpose()?.unwrap_or(0)).unwrap_or(0))
+            })
+        } else {
+            let done = query.execute(&mut ***conn).await;
+            done.map(|done| done.rows_affected())
+        };
         if let Err(error) = &result
             && has_code(error, &[UNDEFINED_STATEMENT])
         {
@@ -197,7 +241,7 @@ impl Store for Postgres {
             conn.close_on_drop();
         }
         let done = result.map_err(finish_error)?;
-        if keyed && done.rows_affected() != 1 {
+        if keyed && done != 1 {
             // The claim's row was not there to store the response on: the
             // handler ended the transaction itself (a raw `ROLLBACK`), and
             // its later statements committed on their own. The `COMMIT`

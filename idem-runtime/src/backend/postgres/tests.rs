@@ -836,3 +836,102 @@ async fn a_held_advisory_lock_costs_a_409_never_an_effect() {
     assert_eq!(rows, 1);
     drop_table(&pool, &table).await;
 }
+
+/// Behind a declared pooler the claim, the finish and the replay's read
+/// call the key table's functions, which instances migrating at once all
+/// make without failing each other: a held key fails a second claim by
+/// its advisory lock, a finished one is read back, nothing is prepared in
+/// the session. With the functions gone, a claim runs the inlined
+/// statements instead and asks again.
+#[tokio::test]
+async fn pooled_claims_call_the_tables_functions() {
+    let pool = test_pool(4, |options| options).await;
+    let table = table(&pool, "functions").await;
+    let names = sql::FunctionNames::of(&table);
+    let drop_functions = format!(
+        "DROP FUNCTION IF EXISTS {}, {}, {}",
+        names.claim, names.finish, names.peek
+    );
+    sqlx::raw_sql(AssertSqlSafe(drop_functions.clone()))
+        .execute(&pool)
+        .await
+        .unwrap();
+    let migrations = (0..4).map(|_| Postgres::migrate_pooled(&pool, &table));
+    for migrated in futures_util::future::join_all(migrations).await {
+        migrated.expect("migrations at once");
+    }
+    assert_eq!(functions::known(&pool, &table), Some(true));
+
+    let mut claim = crate::backend::test_support::claim_of("acct", "f-1", 1, Duration::ZERO);
+    claim.pooled = true;
+    let conn = match Postgres::claim(&pool, Acquire::default(), &table, &claim).await {
+        Ok(ClaimOutcome::Claimed(conn)) => conn,
+        other => panic!("claimed, not {other:?}"),
+    };
+    assert!(conn.functions && conn.inlined);
+    // Another session's claim of the held key fails on its lock, in the
+    // function, before its insert could wait.
+    let mut row = ClaimRow::new(&table, &claim);
+    row.functions = true;
+    let mut other = OpenTx::new(pool.acquire().await.unwrap());
+    match settle(&mut other, &row, "").await {
+        Err(error) => assert!(store_has_code(&error, &[KEY_HELD]), "{error:?}"),
+        Ok(_) => panic!("a held key was claimed again"),
+    }
+    drop(other);
+    store(conn, &table, &claim, StatusCode::CREATED, b"{\"id\":1}").await;
+
+    let finished = |outcome: Result<Option<ClaimOutcome<Postgres>>, StoreError>| match outcome {
+        Ok(Some(ClaimOutcome::Finished { response, .. })) => {
+            assert_eq!(
+                (response.status, &response.body[..]),
+                (StatusCode::CREATED, &b"{\"id\":1}"[..])
+            );
+        }
+        other => panic!("finished, not {other:?}"),
+    };
+    finished(
+        Postgres::claim(&pool, Acquire::default(), &table, &claim)
+            .await
+            .map(Some),
+    );
+    finished(Postgres::peek(&pool, Acquire::default(), &table, &claim).await);
+    let prepared: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_prepared_statements WHERE name LIKE 'idem\\_%'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(prepared, 0, "nothing prepared behind a pooler");
+
+    // The functions dropped under a running process: the next claim meets
+    // their absence, claims with the statements, and asks again.
+    sqlx::raw_sql(AssertSqlSafe(drop_functions.clone()))
+        .execute(&pool)
+        .await
+        .unwrap();
+    let claim = crate::backend::test_support::claim_of("acct", "f-2", 2, Duration::ZERO);
+    let claim = Claim {
+        pooled: true,
+        ..claim
+    };
+    let conn = match Postgres::claim(&pool, Acquire::default(), &table, &claim).await {
+        Ok(ClaimOutcome::Claimed(conn)) => conn,
+        other => panic!("claimed without the functions, not {other:?}"),
+    };
+    assert!(!conn.functions && conn.inlined);
+    assert_eq!(functions::known(&pool, &table), None, "forgotten");
+    store(conn, &table, &claim, StatusCode::CREATED, b"{\"id\":1}").await;
+    finished(Postgres::peek(&pool, Acquire::default(), &table, &claim).await);
+    let claim = Claim {
+        key: "f-3",
+        ..claim
+    };
+    match Postgres::claim(&pool, Acquire::default(), &table, &claim).await {
+        Ok(ClaimOutcome::Claimed(conn)) => assert!(!conn.functions),
+        other => panic!("claimed without the functions, not {other:?}"),
+    }
+    assert_eq!(functions::known(&pool, &table), Some(false), "asked again");
+
+    drop_table(&pool, &table).await;
+}

@@ -109,6 +109,11 @@ impl Store for Sqlite {
         Ok(())
     }
 
+    /// Nothing: every statement is the same behind a pooler.
+    async fn migrate_pooled(_pool: &Pool<Self>, _table: &str) -> Result<(), Error> {
+        Ok(())
+    }
+
     async fn claim(
         pool: &Pool<Self>,
         acquire: Acquire,

@@ -1,0 +1,122 @@
+//! The key table's server-side functions, for claims behind a declared
+//! transaction-mode pooler.
+//!
+//! There the statements cannot be prepared in the session, so each one
+//! would be parsed and planned on every request, which costs PostgreSQL
+//! more than the rest of the request. PL/pgSQL keeps the plans of the
+//! statements inside a function for the session's life, and a function is
+//! a schema object, not session state: any server session a pooler hands
+//! out may call it. `Idem::migrate` makes them when a pooler is declared;
+//! a claim uses them once they are found (asked once per server, database
+//! and table), and the inlined statements otherwise. (On a direct
+//! connection the prepared statements cost less than the calls, which wrap
+//! their statement in a second executor: docs/benchmarks.md.)
+//!
+//! Their names carry a revision, bumped whenever a body changes: an
+//! instance of the previous release keeps calling its own during a
+//! rolling deploy.
+
+use std::sync::{Mutex, PoisonError};
+
+use sqlx::{AssertSqlSafe, Pool, Postgres, Row};
+
+use super::advisory::Server;
+use super::simple;
+use super::sql::{Arg, FunctionNames as Names, functions_ddl};
+use crate::error::Error;
+
+/// `undefined_function`: a call of a function that is not there.
+pub(super) const UNDEFINED_FUNCTION: &str = "42883";
+
+/// Makes `table`'s functions unless all three exist. The `CREATE`s run in
+/// one transaction under an advisory lock of their own, so instances
+/// migrating at once make them one after the other (concurrent `CREATE OR
+/// REPLACE FUNCTION`s of one name can fail each other).
+pub(super) async fn create(pool: &Pool<Postgres>, table: &str) -> Result<(), Error> {
+    let names = Names::of(table);
+    if exist(pool, &names).await? {
+        record(pool, table, true);
+        return Ok(());
+    }
+    let ddl = functions_ddl(table, &names);
+    sqlx::raw_sql(AssertSqlSafe(ddl)).execute(pool).await?;
+    record(pool, table, true);
+    Ok(())
+}
+
+/// Whether all of `names`' functions exist.
+async fn exist(pool: &Pool<Postgres>, names: &Names) -> Result<bool, sqlx::Error> {
+    let row = simple(
+        "SELECT to_regproc($1) IS NOT NULL AND to_regproc($2) IS NOT NULL \
+         AND to_regproc($3) IS NOT NULL AS found",
+        &[
+            Arg::Text(&names.claim),
+            Arg::Text(&names.finish),
+            Arg::Text(&names.peek),
+        ],
+    )
+    .fetch_one(pool)
+    .await?;
+    row.try_get("found")
+}
+
+/// A server, database and table, and whether the table's functions exist.
+struct Answer {
+    server: Server,
+    table: String,
+    found: bool,
+}
+
+/// The answers so far: a handful at most.
+static ANSWERS: Mutex<Vec<Answer>> = Mutex::new(Vec::new());
+
+fn answers() -> std::sync::MutexGuard<'static, Vec<Answer>> {
+    ANSWERS.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Whether `table`'s functions exist on `pool`'s server, if known.
+pub(super) fn known(pool: &Pool<Postgres>, table: &str) -> Option<bool> {
+    let options = pool.connect_options();
+    answers()
+        .iter()
+        .find(|answer| answer.table == table && answer.server.is(&options))
+        .map(|answer| answer.found)
+}
+
+/// Asks whether `table`'s functions exist, and records the answer. A
+/// question that fails answers `false` for this claim only.
+pub(super) async fn probe(pool: &Pool<Postgres>, table: &str) -> bool {
+    match exist(pool, &Names::of(table)).await {
+        Ok(found) => {
+            record(pool, table, found);
+            found
+        }
+        Err(error) => {
+            tracing::debug!(%error, "idem's functions not looked up; inlining its statements");
+            false
+        }
+    }
+}
+
+/// Forgets what was known of `table`'s functions (a call found one
+/// missing): the next claim asks again.
+pub(super) fn forget(pool: &Pool<Postgres>, table: &str) {
+    let options = pool.connect_options();
+    answers().retain(|answer| !(answer.table == table && answer.server.is(&options)));
+}
+
+fn record(pool: &Pool<Postgres>, table: &str, found: bool) {
+    let options = pool.connect_options();
+    let mut answers = answers();
+    match answers
+        .iter_mut()
+        .find(|answer| answer.table == table && answer.server.is(&options))
+    {
+        Some(answer) => answer.found = found,
+        None => answers.push(Answer {
+            server: Server::of(&options),
+            table: table.to_owned(),
+            found,
+        }),
+    }
+}
