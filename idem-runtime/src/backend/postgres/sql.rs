@@ -207,6 +207,11 @@ pub(super) fn peek_call(table: &str, scope: &[u8], key: &[u8]) -> String {
 /// Appends `function(args)`, the arguments as literals.
 fn push_call(out: &mut String, function: &str, args: &[Arg<'_>]) {
     out.push_str(function);
+    push_args(out, args);
+}
+
+/// Appends `(args)`, the arguments as literals.
+fn push_args(out: &mut String, args: &[Arg<'_>]) {
     out.push('(');
     for (index, arg) in args.iter().enumerate() {
         if index > 0 {
@@ -368,14 +373,7 @@ impl<'t> Statements<'t> {
         if prepared {
             out.push_str("EXECUTE ");
             self.push_name(out, statement);
-            out.push('(');
-            for (index, arg) in args.iter().enumerate() {
-                if index > 0 {
-                    out.push_str(", ");
-                }
-                arg.push(out);
-            }
-            out.push(')');
+            push_args(out, args);
             return;
         }
         out.push_str(&inline(&self.text(statement), args));

@@ -44,6 +44,15 @@ pub(crate) async fn drop_table(pool: &Pool<Postgres>, table: &str) {
         .unwrap();
 }
 
+/// How many of `idem`'s statements the session of one of `pool`'s
+/// connections has prepared.
+async fn idem_prepared(pool: &Pool<Postgres>) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM pg_prepared_statements WHERE name LIKE 'idem\\_%'")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
 /// Stores a `status` with `body` as the claimed key's response, commits
 /// and hands the connection back.
 async fn store(
@@ -276,12 +285,7 @@ async fn inlined_statements_claim_finish_replay_and_take_over() {
     assert!(matches!(settled, Settled::Ours));
     conn.inlined = true;
     store(conn, &table, &claim, StatusCode::CREATED, b"{\"id\":1}").await;
-    let prepared: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM pg_prepared_statements WHERE name LIKE 'idem\\_%'",
-    )
-    .fetch_one(&pool)
-    .await
-    .unwrap();
+    let prepared = idem_prepared(&pool).await;
     assert_eq!(prepared, 0, "inlined mode prepares nothing");
 
     let mut conn = OpenTx::new(pool.acquire().await.unwrap());
@@ -896,12 +900,7 @@ async fn pooled_claims_call_the_tables_functions() {
             .map(Some),
     );
     finished(Postgres::peek(&pool, Acquire::default(), &table, &claim).await);
-    let prepared: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM pg_prepared_statements WHERE name LIKE 'idem\\_%'",
-    )
-    .fetch_one(&pool)
-    .await
-    .unwrap();
+    let prepared = idem_prepared(&pool).await;
     assert_eq!(prepared, 0, "nothing prepared behind a pooler");
 
     // The functions dropped under a running process: the next claim meets
