@@ -39,7 +39,7 @@
 //! | `IDEM_BENCH_CONCURRENCY` | `16,64` | concurrent clients |
 //! | `IDEM_BENCH_STATEMENTS` | `1,3` | statements per handler |
 //! | `IDEM_BENCH_SCENARIOS` | the four | a subset, or also the diagnostics `read_floor` (`floor.rs`), `optimistic` (`optimistic.rs`), `two_phase_tx` (`handlers.rs`) and `peer` (the `idempotent` crate with Redis, `idem_tests::peer`), and the provider scenarios `plain_provider`, `atomic_provider`, `two_phase_provider` and `phased` (`provider.rs`); a list with none of the four or the diagnostics runs no statement-count shape |
-//! | `IDEM_BENCH_RTT_MS` | 0 | round-trip times to PostgreSQL (and the peer's Redis), each a pass of PostgreSQL's scenarios: at 0 the server connects directly; above, through delay proxies (`network.rs`); every pass lands in the JSON's `network` array, and with two or more, a chart per shape (`network-*.svg` beside the JSON) |
+//! | `IDEM_BENCH_RTT_MS` | 0 | round-trip times to PostgreSQL (and the peer's Redis), each a pass of PostgreSQL's scenarios: at 0 the server connects directly; above, through delay proxies (`network.rs`); every pass lands in the JSON's `network` array, and with two or more, two charts per shape beside the JSON: req/s (`network-*.svg`) and the database's CPU per request (`network-*-db-cpu.svg`) |
 //! | `IDEM_BENCH_ENGINES` | `postgres,sqlite` | `postgres` alone skips SQLite (PostgreSQL always runs); `mysql` adds MariaDB |
 //! | `IDEM_BENCH_REDIS_URL` | `redis://127.0.0.1:6379` | the `peer` scenario's Redis |
 //! | `IDEM_BENCH_ADVISORY_LOCKS` | 1 | 0: the claim without advisory locks, as on a server without them (diagnostic) |

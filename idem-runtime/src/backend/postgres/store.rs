@@ -158,7 +158,9 @@ impl Store for Postgres {
         claim: &Claim<'_>,
     ) -> Result<Option<ClaimOutcome<Self>>, StoreError> {
         // Without a pooler, an ordinary sqlx query, prepared and cached
-        // by sqlx per connection; behind one, its values inlined.
+        // by sqlx per connection; behind one, a call of the table's read
+        // function where a claim found it, else the read with its values
+        // inlined.
         let row = crate::backend::connection::on_connection(pool, acquire, |mut conn| async move {
             let row = if claim.pooled && functions::known(pool, table) == Some(true) {
                 let call = peek_call(table, claim.scope.as_bytes(), claim.key.as_bytes());
