@@ -326,10 +326,11 @@ impl<DB: Backend> Idem<DB> {
     /// [`Pooler::Session`]). Behind a transaction-mode pooler such as
     /// PgBouncer's `pool_mode = transaction`, set [`Pooler::Transaction`]:
     /// the claim, the finish and the replay's read then keep nothing in the
-    /// session: on PostgreSQL they call functions that
+    /// session: on PostgreSQL (with advisory locks) they call functions that
     /// [`migrate`](Self::migrate) makes for the key table, whose plans each
     /// server session keeps, instead of statements prepared once per
-    /// connection (the call is parsed per request). Every other statement of
+    /// connection (the call is parsed per request); where the functions
+    /// are missing, the statements run with their values inlined. Every other statement of
     /// `idem`'s holds nothing in the session on any setting. The application's own
     /// queries need `.persistent(false)` there: sqlx names every statement
     /// it prepares otherwise.

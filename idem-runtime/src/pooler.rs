@@ -25,7 +25,7 @@ pub enum Pooler {
     /// simple query protocol: parsed per request, which costs PostgreSQL
     /// more work than a prepared statement (docs/engines.md), and works
     /// on any session. On PostgreSQL the claim, the finish and the
-    /// replay's read call functions `Idem::migrate` makes, which keep
-    /// their plans in each server session.
+    /// replay's read call functions `Idem::migrate` makes, where it made
+    /// them, which keep their plans in each server session.
     Transaction,
 }

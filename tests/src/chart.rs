@@ -29,8 +29,8 @@ pub enum Measure {
     /// Requests per second: a point's `rps`.
     Throughput,
     /// The database's CPU per request in microseconds: a point's
-    /// `db_cpu_us`, what the database's processes spent over the requests
-    /// answered.
+    /// `db_cpu_us`, what the SQL database's processes spent over the
+    /// requests answered (not the peer's Redis).
     DatabaseCpu,
 }
 

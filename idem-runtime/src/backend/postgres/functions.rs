@@ -25,8 +25,10 @@ use super::simple;
 use super::sql::{Arg, FunctionNames as Names, functions_ddl};
 use crate::error::Error;
 
-/// `undefined_function`: a call of a function that is not there.
-pub(super) const UNDEFINED_FUNCTION: &str = "42883";
+/// A call that cannot be made: `undefined_function` (the function is not
+/// there, or not with these arguments) or `insufficient_privilege` (this
+/// role may not call it).
+pub(super) const UNCALLABLE: [&str; 2] = ["42883", "42501"];
 
 /// Makes `table`'s functions unless all three exist. The `CREATE`s run in
 /// one transaction under an advisory lock of their own, so instances
@@ -44,19 +46,20 @@ pub(super) async fn create(pool: &Pool<Postgres>, table: &str) -> Result<(), Err
     Ok(())
 }
 
-/// Whether all of `names`' functions exist.
+/// Whether all of `names`' functions exist, with the signatures the calls
+/// name, and this role may call them (a database may revoke `EXECUTE` from
+/// the roles that did not make them).
 async fn exist(pool: &Pool<Postgres>, names: &Names) -> Result<bool, sqlx::Error> {
-    let row = simple(
-        "SELECT to_regproc($1) IS NOT NULL AND to_regproc($2) IS NOT NULL \
-         AND to_regproc($3) IS NOT NULL AS found",
-        &[
-            Arg::Text(&names.claim),
-            Arg::Text(&names.finish),
-            Arg::Text(&names.peek),
-        ],
-    )
-    .fetch_one(pool)
-    .await?;
+    let procedures = names.procedures();
+    let checks: Vec<String> = (1..=procedures.len())
+        .map(|n| {
+            format!("coalesce(has_function_privilege(to_regprocedure(${n}), 'EXECUTE'), false)")
+        })
+        .collect();
+    let args: Vec<Arg<'_>> = procedures.iter().map(|name| Arg::Text(name)).collect();
+    let row = simple(&format!("SELECT {} AS found", checks.join(" AND ")), &args)
+        .fetch_one(pool)
+        .await?;
     row.try_get("found")
 }
 

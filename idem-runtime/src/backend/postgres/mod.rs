@@ -12,7 +12,8 @@
 //! once per connection and run with `EXECUTE`, so the server does not parse
 //! and plan them per request. Where a session cannot keep them (a
 //! transaction-mode pooler), the same statements run with inlined
-//! arguments.
+//! arguments, or, behind a declared pooler, as calls of the key table's
+//! functions, whose plans each session keeps (`functions.rs`).
 
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgRow, PgTransactionManager};
@@ -126,9 +127,10 @@ impl super::claim::ClaimAttempt<Postgres> for PgClaim<'_> {
             super::connection::abandon(conn).await;
         }
         Err(
-            if self.row.calls() && store_has_code(&error, &[functions::UNDEFINED_FUNCTION]) {
-                // The table's functions went missing since they were found:
-                // this claim runs the statements, and the next asks again.
+            if self.row.calls() && store_has_code(&error, &functions::UNCALLABLE) {
+                // The table's functions cannot be called as they were found
+                // (dropped, replaced, `EXECUTE` revoked): this claim runs the
+                // statements, and the next asks again.
                 functions::forget(self.pool, self.row.table());
                 self.row.functions = false;
                 Failure::Retry(error)
@@ -170,8 +172,10 @@ const SHORT_WAIT: std::time::Duration = std::time::Duration::from_millis(50);
 /// Claims on one connection through its prepared statements, preparing
 /// them on the connection's first claim. A connection that cannot keep
 /// them (a transaction-mode pooler hands each transaction another server
-/// session) gets the same statements with their arguments inlined; `row`
-/// remembers that for a retry of the claim, and `conn` for the finish.
+/// session) gets the same statements with their arguments inlined (or
+/// calls of the table's functions, where `row` says a declared pooler's
+/// claim found them); `row` remembers that for a retry of the claim, and
+/// `conn` for the finish.
 async fn claim_on(
     conn: &mut OpenTx<Postgres>,
     row: &mut ClaimRow<'_>,

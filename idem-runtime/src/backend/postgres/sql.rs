@@ -64,13 +64,13 @@ pub(super) const SELECT: Statement = Statement {
 
 /// A finished row whose response still replays, read outside the claim
 /// (`Backend::peek`); run by sqlx, not among the `PREPARE`d statements.
-/// A tombstone's replay ends at `replay_until`, any other row's at
-/// `expires_at`; a row past it is left to the claim. Only what a replay
-/// needs is selected: each output column costs the server its setup on
-/// every execution.
+/// A row replays until it expires and, with a tombstone, until its
+/// `replay_until` (`least` passes over `NULL`); a row past either is left
+/// to the claim. Only what a replay needs is selected: each output column
+/// costs the server its setup on every execution.
 pub(super) const PEEK: &str = "SELECT status, fingerprint, headers, body FROM {table} \
                     WHERE scope = $1 AND key = $2 AND status IS NOT NULL \
-                    AND coalesce(replay_until, expires_at) > now()";
+                    AND least(replay_until, expires_at) > now()";
 
 /// Deletes the key's row if it has expired, in the transaction of the
 /// claim that takes the key anew. Of two attempts doing so at once, the
@@ -135,6 +135,19 @@ impl FunctionNames {
             peek: function_name(table, PEEK_FUNCTION),
         }
     }
+
+    /// Each function with the argument types its calls give it, for
+    /// `to_regprocedure`.
+    pub(super) fn procedures(&self) -> [String; 3] {
+        [
+            format!(
+                "{}(bytea, bytea, bytea, bigint, bigint, bigint)",
+                self.claim
+            ),
+            format!("{}(bytea, bytea, smallint, bytea, bytea)", self.finish),
+            format!("{}(bytea, bytea)", self.peek),
+        ]
+    }
 }
 
 /// `table`'s function `function`, in the table's schema (named as its
@@ -146,7 +159,8 @@ fn function_name(table: &str, function: &str) -> String {
 /// Creates (or replaces) `table`'s functions, named `names`, in one
 /// transaction under an advisory lock of their own: instances migrating at
 /// once make them one after the other (concurrent `CREATE OR REPLACE
-/// FUNCTION`s of one name can fail each other).
+/// FUNCTION`s of one name can fail each other). The lock is of the
+/// two-key kind, a space apart from the keys' one-key locks.
 pub(super) fn functions_ddl(table: &str, names: &FunctionNames) -> String {
     let FunctionNames {
         claim,
@@ -154,8 +168,9 @@ pub(super) fn functions_ddl(table: &str, names: &FunctionNames) -> String {
         peek,
     } = names;
     let lock = lock_id(table, "idem", "functions");
+    let (high, low) = ((lock >> 32) as i32, lock as i32);
     format!(
-        "SELECT pg_advisory_xact_lock({lock});
+        "SELECT pg_advisory_xact_lock({high}, {low});
         CREATE OR REPLACE FUNCTION {claim}(p_scope bytea, p_key bytea, p_fingerprint bytea,
             p_ttl_ms bigint, p_lock bigint, p_orphan_ms bigint) RETURNS void
         LANGUAGE plpgsql AS $idem$
@@ -186,7 +201,7 @@ pub(super) fn functions_ddl(table: &str, names: &FunctionNames) -> String {
         BEGIN
             RETURN QUERY SELECT k.status, k.fingerprint, k.headers, k.body FROM {table} k
                 WHERE k.scope = p_scope AND k.key = p_key AND k.status IS NOT NULL
-                AND coalesce(k.replay_until, k.expires_at) > now();
+                AND least(k.replay_until, k.expires_at) > now();
         END
         $idem$;"
     )
