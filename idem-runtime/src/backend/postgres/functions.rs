@@ -18,11 +18,11 @@
 
 use std::sync::{Mutex, PoisonError};
 
-use sqlx::{AssertSqlSafe, Pool, Postgres, Row};
+use sqlx::{AssertSqlSafe, Pool, Postgres};
 
 use super::advisory::Server;
-use super::simple;
-use super::sql::{Arg, FunctionNames as Names, functions_ddl};
+use super::all_hold;
+use super::sql::{FunctionNames as Names, functions_ddl};
 use crate::error::Error;
 
 /// A call that cannot be made: `undefined_function` (the function is not
@@ -51,16 +51,9 @@ pub(super) async fn create(pool: &Pool<Postgres>, table: &str) -> Result<(), Err
 /// the roles that did not make them).
 async fn exist(pool: &Pool<Postgres>, names: &Names) -> Result<bool, sqlx::Error> {
     let procedures = names.procedures();
-    let checks: Vec<String> = (1..=procedures.len())
-        .map(|n| {
-            format!("coalesce(has_function_privilege(to_regprocedure(${n}), 'EXECUTE'), false)")
-        })
-        .collect();
-    let args: Vec<Arg<'_>> = procedures.iter().map(|name| Arg::Text(name)).collect();
-    let row = simple(&format!("SELECT {} AS found", checks.join(" AND ")), &args)
-        .fetch_one(pool)
-        .await?;
-    row.try_get("found")
+    let procedures: Vec<&str> = procedures.iter().map(String::as_str).collect();
+    let check = "coalesce(has_function_privilege(to_regprocedure($), 'EXECUTE'), false)";
+    all_hold(pool, check, &procedures).await
 }
 
 /// A server, database and table, and whether the table's functions exist.

@@ -350,8 +350,14 @@ fn simple(text: &str, args: &[Arg<'_>]) -> sqlx::RawSql {
 
 /// Whether every relation named in `names` exists (`to_regclass`).
 async fn regclasses_exist(pool: &Pool<Postgres>, names: &[&str]) -> Result<bool, sqlx::Error> {
+    all_hold(pool, "to_regclass($) IS NOT NULL", names).await
+}
+
+/// Whether the catalog `check` holds for every one of `names`, each in
+/// place of the `$` in it, in one read.
+async fn all_hold(pool: &Pool<Postgres>, check: &str, names: &[&str]) -> Result<bool, sqlx::Error> {
     let checks: Vec<String> = (1..=names.len())
-        .map(|n| format!("to_regclass(${n}) IS NOT NULL"))
+        .map(|n| check.replace('$', &format!("${n}")))
         .collect();
     let args: Vec<Arg<'_>> = names.iter().map(|name| Arg::Text(name)).collect();
     let row = simple(&format!("SELECT {} AS found", checks.join(" AND ")), &args)
