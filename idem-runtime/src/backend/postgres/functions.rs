@@ -8,7 +8,8 @@
 //! a schema object, not session state: any server session a pooler hands
 //! out may call it. `Idem::migrate` makes them when a pooler is declared;
 //! a claim uses them once they are found (asked once per server, database
-//! and table), and the inlined statements otherwise. (On a direct
+//! and table; again a minute after they were found missing), and the
+//! inlined statements otherwise. (On a direct
 //! connection the prepared statements cost less than the calls, which wrap
 //! their statement in a second executor: docs/benchmarks.md.)
 //!
@@ -17,6 +18,7 @@
 //! rolling deploy.
 
 use std::sync::{Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use sqlx::{AssertSqlSafe, Pool, Postgres};
 
@@ -61,7 +63,13 @@ struct Answer {
     server: Server,
     table: String,
     found: bool,
+    asked: Instant,
 }
+
+/// How long a claim trusts that the functions are missing before it asks
+/// again: another instance's migration may make them after this process
+/// started.
+const ASK_AGAIN: Duration = Duration::from_secs(60);
 
 /// The answers so far: a handful at most.
 static ANSWERS: Mutex<Vec<Answer>> = Mutex::new(Vec::new());
@@ -70,13 +78,29 @@ fn answers() -> std::sync::MutexGuard<'static, Vec<Answer>> {
     ANSWERS.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// Whether `table`'s functions exist on `pool`'s server, if known.
+/// Whether `table`'s functions exist on `pool`'s server, if known (that
+/// they are missing, for [`ASK_AGAIN`] after it was asked).
 pub(super) fn known(pool: &Pool<Postgres>, table: &str) -> Option<bool> {
     let options = pool.connect_options();
     answers()
         .iter()
         .find(|answer| answer.table == table && answer.server.is(&options))
+        .filter(|answer| answer.found || answer.asked.elapsed() < ASK_AGAIN)
         .map(|answer| answer.found)
+}
+
+/// Makes the answer for `table` as old as [`ASK_AGAIN`].
+#[cfg(test)]
+pub(super) fn age(pool: &Pool<Postgres>, table: &str) {
+    let options = pool.connect_options();
+    for answer in answers()
+        .iter_mut()
+        .filter(|answer| answer.table == table && answer.server.is(&options))
+    {
+        answer.asked = Instant::now()
+            .checked_sub(ASK_AGAIN)
+            .expect("a clock past a minute");
+    }
 }
 
 /// Asks whether `table`'s functions exist, and records the answer. A
@@ -108,11 +132,15 @@ fn record(pool: &Pool<Postgres>, table: &str, found: bool) {
         .iter_mut()
         .find(|answer| answer.table == table && answer.server.is(&options))
     {
-        Some(answer) => answer.found = found,
+        Some(answer) => {
+            answer.found = found;
+            answer.asked = Instant::now();
+        }
         None => answers.push(Answer {
             server: Server::of(&options),
             table: table.to_owned(),
             found,
+            asked: Instant::now(),
         }),
     }
 }

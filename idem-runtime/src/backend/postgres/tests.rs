@@ -943,6 +943,29 @@ async fn pooled_claims_call_the_tables_functions() {
     }
     assert_eq!(functions::known(&pool, &table), Some(false), "asked again");
 
+    // Made again by another instance's migration: a claim asks again once
+    // the answer that they are missing is a minute old, and calls them.
+    sqlx::raw_sql(AssertSqlSafe(sql::functions_ddl(&table, &names)))
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(functions::known(&pool, &table), Some(false));
+    functions::age(&pool, &table);
+    assert_eq!(functions::known(&pool, &table), None);
+    let claim = Claim {
+        key: "f-4",
+        ..claim
+    };
+    match Postgres::claim(&pool, Acquire::default(), &table, &claim).await {
+        Ok(ClaimOutcome::Claimed(conn)) => assert!(conn.functions),
+        other => panic!("claimed with the functions, not {other:?}"),
+    }
+    assert_eq!(functions::known(&pool, &table), Some(true));
+    sqlx::raw_sql(AssertSqlSafe(drop_functions))
+        .execute(&pool)
+        .await
+        .unwrap();
+
     drop_table(&pool, &table).await;
 }
 
