@@ -52,6 +52,16 @@ pub(super) fn known(pool: &Pool<Postgres>) -> Option<bool> {
         .map(|answer| answer.offered)
 }
 
+/// Whether `pool`'s server offers advisory locks: as [`known`], else
+/// asked ([`probe`]). The probe is boxed: asked once per server, it would
+/// otherwise sit in the future of every claim that awaits this.
+pub(super) async fn offered(pool: &Pool<Postgres>) -> bool {
+    match known(pool) {
+        Some(offered) => offered,
+        None => Box::pin(probe(pool)).await,
+    }
+}
+
 /// Asks whether `pool`'s server offers advisory locks, and records the
 /// answer: PostgreSQL proper does; CockroachDB (whose advisory lock
 /// functions do not exclude) and a server whose `pg_try_advisory_xact_lock`

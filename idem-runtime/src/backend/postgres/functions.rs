@@ -9,9 +9,9 @@
 //! out may call it. `Idem::migrate` makes them when a pooler is declared;
 //! a claim uses them once they are found (asked once per server, database
 //! and table; again a minute after they were found missing), and the
-//! inlined statements otherwise. (On a direct
-//! connection the prepared statements cost less than the calls, which wrap
-//! their statement in a second executor: docs/benchmarks.md.)
+//! inlined statements otherwise. (On a direct connection the prepared
+//! statements cost less than the calls, which wrap their statement in a
+//! second executor: docs/benchmarks.md.)
 //!
 //! Their names carry a revision, bumped whenever a body changes: an
 //! instance of the previous release keeps calling its own during a
@@ -20,6 +20,7 @@
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use sqlx::postgres::PgConnectOptions;
 use sqlx::{AssertSqlSafe, Pool, Postgres};
 
 use super::advisory::Server;
@@ -66,6 +67,12 @@ struct Answer {
     asked: Instant,
 }
 
+impl Answer {
+    fn is(&self, options: &PgConnectOptions, table: &str) -> bool {
+        self.table == table && self.server.is(options)
+    }
+}
+
 /// How long a claim trusts that the functions are missing before it asks
 /// again: another instance's migration may make them after this process
 /// started.
@@ -84,7 +91,7 @@ pub(super) fn known(pool: &Pool<Postgres>, table: &str) -> Option<bool> {
     let options = pool.connect_options();
     answers()
         .iter()
-        .find(|answer| answer.table == table && answer.server.is(&options))
+        .find(|answer| answer.is(&options, table))
         .filter(|answer| answer.found || answer.asked.elapsed() < ASK_AGAIN)
         .map(|answer| answer.found)
 }
@@ -95,7 +102,7 @@ pub(super) fn age(pool: &Pool<Postgres>, table: &str) {
     let options = pool.connect_options();
     for answer in answers()
         .iter_mut()
-        .filter(|answer| answer.table == table && answer.server.is(&options))
+        .filter(|answer| answer.is(&options, table))
     {
         answer.asked = Instant::now()
             .checked_sub(ASK_AGAIN)
@@ -103,9 +110,18 @@ pub(super) fn age(pool: &Pool<Postgres>, table: &str) {
     }
 }
 
+/// Whether `table`'s functions exist on `pool`'s server: as [`known`],
+/// else asked ([`probe`], boxed as `advisory::offered`'s probe).
+pub(super) async fn found(pool: &Pool<Postgres>, table: &str) -> bool {
+    match known(pool, table) {
+        Some(found) => found,
+        None => Box::pin(probe(pool, table)).await,
+    }
+}
+
 /// Asks whether `table`'s functions exist, and records the answer. A
 /// question that fails answers `false` for this claim only.
-pub(super) async fn probe(pool: &Pool<Postgres>, table: &str) -> bool {
+async fn probe(pool: &Pool<Postgres>, table: &str) -> bool {
     match exist(pool, &Names::of(table)).await {
         Ok(found) => {
             record(pool, table, found);
@@ -122,16 +138,13 @@ pub(super) async fn probe(pool: &Pool<Postgres>, table: &str) -> bool {
 /// missing): the next claim asks again.
 pub(super) fn forget(pool: &Pool<Postgres>, table: &str) {
     let options = pool.connect_options();
-    answers().retain(|answer| !(answer.table == table && answer.server.is(&options)));
+    answers().retain(|answer| !answer.is(&options, table));
 }
 
 fn record(pool: &Pool<Postgres>, table: &str, found: bool) {
     let options = pool.connect_options();
     let mut answers = answers();
-    match answers
-        .iter_mut()
-        .find(|answer| answer.table == table && answer.server.is(&options))
-    {
+    match answers.iter_mut().find(|answer| answer.is(&options, table)) {
         Some(answer) => {
             answer.found = found;
             answer.asked = Instant::now();

@@ -107,11 +107,7 @@ impl Store for Postgres {
     /// that cannot make them (no PL/pgSQL, a role without the right) is
     /// warned of, and its claims inline their statements.
     async fn migrate_pooled(pool: &Pool<Self>, table: &str) -> Result<(), Error> {
-        let offered = match advisory::known(pool) {
-            Some(offered) => offered,
-            None => advisory::probe(pool).await,
-        };
-        if !offered {
+        if !advisory::offered(pool).await {
             return Ok(());
         }
         match functions::create(pool, table).await {
@@ -131,20 +127,11 @@ impl Store for Postgres {
     ) -> Result<ClaimOutcome<Self>, StoreError> {
         let (flight, mut claim) = crate::backend::claim::wait_in_process(pool, table, claim).await;
         if claim.advisory {
-            // Boxed: asked once per server, the probe would otherwise sit
-            // in every claim's future.
-            claim.advisory = match advisory::known(pool) {
-                Some(offered) => offered,
-                None => Box::pin(advisory::probe(pool)).await,
-            };
+            claim.advisory = advisory::offered(pool).await;
         }
         let mut row = ClaimRow::new(table, &claim);
         if claim.pooled && claim.advisory {
-            // Boxed, as the probe above.
-            row.functions = match functions::known(pool, table) {
-                Some(found) => found,
-                None => Box::pin(functions::probe(pool, table)).await,
-            };
+            row.functions = functions::found(pool, table).await;
         }
         let claim = PgClaim { row, pool };
         let outcome = crate::backend::claim::claim_with_retries(pool, acquire, claim).await;

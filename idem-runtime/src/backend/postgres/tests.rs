@@ -843,12 +843,16 @@ async fn a_held_advisory_lock_costs_a_409_never_an_effect() {
 
 /// Behind a declared pooler the claim, the finish and the replay's read
 /// call the key table's functions, which instances migrating at once all
-/// make without failing each other: a held key fails a second claim by
-/// its advisory lock, a finished one is read back, nothing is prepared in
-/// the session. With the functions gone, a claim runs the inlined
-/// statements instead and asks again.
+/// make without failing each other: the claim's function bounds an
+/// orphaned session for its transaction alone, a held key fails a second
+/// claim by its advisory lock, a finished one is read back. With the
+/// functions gone, a claim runs the inlined statements instead and asks
+/// again; made again, they are called once the answer that they are
+/// missing is a minute old.
 #[tokio::test]
 async fn pooled_claims_call_the_tables_functions() {
+    use crate::backend::test_support::{claim_of, claimed, replays, response};
+
     let pool = test_pool(4, |options| options).await;
     let table = table(&pool, "functions").await;
     let names = sql::FunctionNames::of(&table);
@@ -856,10 +860,8 @@ async fn pooled_claims_call_the_tables_functions() {
         "DROP FUNCTION IF EXISTS {}, {}, {}",
         names.claim, names.finish, names.peek
     );
-    sqlx::raw_sql(AssertSqlSafe(drop_functions.clone()))
-        .execute(&pool)
-        .await
-        .unwrap();
+    let run = |sql: String| sqlx::raw_sql(AssertSqlSafe(sql)).execute(&pool);
+    run(drop_functions.clone()).await.unwrap();
     // `functions::create` itself, which passes every error on (the
     // migration turns a database's refusal into a warning).
     let migrations = (0..4).map(|_| functions::create(&pool, &table));
@@ -868,12 +870,11 @@ async fn pooled_claims_call_the_tables_functions() {
     }
     assert_eq!(functions::known(&pool, &table), Some(true));
 
-    let mut claim = crate::backend::test_support::claim_of("acct", "f-1", 1, Duration::ZERO);
-    claim.pooled = true;
-    let mut conn = match Postgres::claim(&pool, Acquire::default(), &table, &claim).await {
-        Ok(ClaimOutcome::Claimed(conn)) => conn,
-        other => panic!("claimed, not {other:?}"),
+    let claim = Claim {
+        pooled: true,
+        ..claim_of("acct", "f-1", 1, Duration::ZERO)
     };
+    let mut conn = claimed(&pool, &table, &claim, "the claim").await;
     assert!(conn.functions && conn.inlined);
     // The function bounds an orphaned session for the claim's transaction
     // alone, as `SET LOCAL` does.
@@ -889,7 +890,7 @@ async fn pooled_claims_call_the_tables_functions() {
         Ok(_) => panic!("a held key was claimed again"),
     }
     drop(other);
-    let response = crate::backend::test_support::response(StatusCode::CREATED, "{\"id\":1}");
+    let response = response(StatusCode::CREATED, "{\"id\":1}");
     Postgres::finish(&mut conn, &table, Some(&claim), Some(&response))
         .await
         .expect("finish");
@@ -898,57 +899,46 @@ async fn pooled_claims_call_the_tables_functions() {
     assert_ne!(orphan_setting(&mut conn).await, bound);
     conn.release();
 
-    let finished = |outcome: Result<Option<ClaimOutcome<Postgres>>, StoreError>| match outcome {
-        Ok(Some(ClaimOutcome::Finished { response, .. })) => {
-            assert_eq!(
-                (response.status, &response.body[..]),
-                (StatusCode::CREATED, &b"{\"id\":1}"[..])
-            );
-        }
-        other => panic!("finished, not {other:?}"),
+    let peeks = |claim: &Claim<'_>, outcome| match outcome {
+        Ok(Some(ClaimOutcome::Finished {
+            fingerprint,
+            response: stored,
+        })) => assert_eq!((fingerprint, &stored), (claim.fingerprint, &response)),
+        other => panic!("read back, not {other:?}"),
     };
-    finished(
-        Postgres::claim(&pool, Acquire::default(), &table, &claim)
-            .await
-            .map(Some),
+    replays(&pool, &table, &claim, &response).await;
+    peeks(
+        &claim,
+        Postgres::peek(&pool, Acquire::default(), &table, &claim).await,
     );
-    finished(Postgres::peek(&pool, Acquire::default(), &table, &claim).await);
 
     // The functions dropped under a running process: the next claim meets
     // their absence, claims with the statements, and asks again.
-    sqlx::raw_sql(AssertSqlSafe(drop_functions.clone()))
-        .execute(&pool)
-        .await
-        .unwrap();
-    let claim = crate::backend::test_support::claim_of("acct", "f-2", 2, Duration::ZERO);
+    run(drop_functions.clone()).await.unwrap();
     let claim = Claim {
-        pooled: true,
+        key: "f-2",
         ..claim
     };
-    let conn = match Postgres::claim(&pool, Acquire::default(), &table, &claim).await {
-        Ok(ClaimOutcome::Claimed(conn)) => conn,
-        other => panic!("claimed without the functions, not {other:?}"),
-    };
+    let conn = claimed(&pool, &table, &claim, "the claim without the functions").await;
     assert!(!conn.functions && conn.inlined);
     assert_eq!(functions::known(&pool, &table), None, "forgotten");
     store(conn, &table, &claim, StatusCode::CREATED, b"{\"id\":1}").await;
-    finished(Postgres::peek(&pool, Acquire::default(), &table, &claim).await);
+    peeks(
+        &claim,
+        Postgres::peek(&pool, Acquire::default(), &table, &claim).await,
+    );
     let claim = Claim {
         key: "f-3",
         ..claim
     };
-    match Postgres::claim(&pool, Acquire::default(), &table, &claim).await {
-        Ok(ClaimOutcome::Claimed(conn)) => assert!(!conn.functions),
-        other => panic!("claimed without the functions, not {other:?}"),
-    }
+    let conn = claimed(&pool, &table, &claim, "the claim that asks again").await;
+    assert!(!conn.functions);
+    drop(conn);
     assert_eq!(functions::known(&pool, &table), Some(false), "asked again");
 
     // Made again by another instance's migration: a claim asks again once
     // the answer that they are missing is a minute old, and calls them.
-    sqlx::raw_sql(AssertSqlSafe(sql::functions_ddl(&table, &names)))
-        .execute(&pool)
-        .await
-        .unwrap();
+    run(sql::functions_ddl(&table, &names)).await.unwrap();
     assert_eq!(functions::known(&pool, &table), Some(false));
     functions::age(&pool, &table);
     assert_eq!(functions::known(&pool, &table), None);
@@ -956,15 +946,11 @@ async fn pooled_claims_call_the_tables_functions() {
         key: "f-4",
         ..claim
     };
-    match Postgres::claim(&pool, Acquire::default(), &table, &claim).await {
-        Ok(ClaimOutcome::Claimed(conn)) => assert!(conn.functions),
-        other => panic!("claimed with the functions, not {other:?}"),
-    }
+    let conn = claimed(&pool, &table, &claim, "the claim that finds them").await;
+    assert!(conn.functions);
+    drop(conn);
     assert_eq!(functions::known(&pool, &table), Some(true));
-    sqlx::raw_sql(AssertSqlSafe(drop_functions))
-        .execute(&pool)
-        .await
-        .unwrap();
+    run(drop_functions).await.unwrap();
 
     drop_table(&pool, &table).await;
 }
