@@ -170,7 +170,7 @@ pub fn refuses_local(headers: &HeaderMap) -> bool {
 /// the stored request's path, not its headers.
 pub const ONCE_PATH: &str = "/v1/payments/once";
 
-/// The phased handler with `ttl = "2s", tombstone = "4s"` (its lease as
+/// The phased handler with `ttl = "2s", tombstone = "6s"` (its lease as
 /// [`PATH`]'s).
 pub const TOMBSTONE_PATH: &str = "/v1/payments/tombstoned";
 
@@ -464,7 +464,7 @@ macro_rules! phased_app {
                 scope = "account",
                 lease = "2s",
                 ttl = "2s",
-                tombstone = "4s"
+                tombstone = "6s"
             );
             $crate::phased_handler!($db, create_long, false, scope = "account", lease = "30s");
 

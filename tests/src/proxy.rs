@@ -181,6 +181,10 @@ impl Proxy {
                         tokio::time::sleep(Duration::from_millis(10)).await;
                         continue;
                     };
+                    // Subscribed at accept, before the refusal is read: a
+                    // `cut_all` then `set_refuse` landing between the two
+                    // still reaches this link.
+                    let mut cut = generation.subscribe();
                     if wire.refuse.load(Ordering::SeqCst) {
                         // Closed as it arrives.
                         continue;
@@ -188,8 +192,6 @@ impl Proxy {
                     wire.accepted.fetch_add(1, Ordering::SeqCst);
                     wire.open.fetch_add(1, Ordering::SeqCst);
                     let open = Open(Arc::clone(&wire));
-                    // Subscribed at accept: a `cut_all` from now on reaches it.
-                    let mut cut = generation.subscribe();
                     let cutting = {
                         let wire = Arc::clone(&wire);
                         // Counted before the connection is dropped, so

@@ -905,7 +905,7 @@ macro_rules! define_app {
                 create_tombstoned,
                 scope = "caller",
                 ttl = "1s",
-                tombstone = "3s"
+                tombstone = "6s"
             );
             $crate::handler!($db, create_optional, scope = "caller", key = "optional");
             $crate::handler!($db, create_deadline, scope = "caller", timeout = "500ms");

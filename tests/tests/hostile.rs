@@ -214,15 +214,15 @@ async fn ten_megabyte_bodies_are_413_and_nothing_is_kept() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn trickling_bodies_are_408_within_the_body_timeout() {
-    const TIMEOUT: Duration = Duration::from_millis(400);
+    const TIMEOUT: Duration = Duration::from_secs(1);
     const SLOW_CLIENTS: usize = 8;
     let pool = connect(20).await;
     let server = Server::start(Idem::new(pool).body_timeout(TIMEOUT)).await;
     let scope = unique("hostile-slow");
     let client = server.client(&scope);
 
-    // Each slow client announces 40 bytes and sends one every 100 ms: the
-    // whole body would take 4 s, ten times the timeout.
+    // Each slow client announces 40 bytes and sends one every 250 ms: the
+    // whole body would take 10 s, ten times the timeout.
     let body = br#"{"note":"xxxxxxxxxxxxxxxxxxxxxxxxxxxxx"}"#;
     assert_eq!(body.len(), 40);
     let started = Instant::now();
@@ -235,8 +235,8 @@ async fn trickling_bodies_are_408_within_the_body_timeout() {
                 addr,
                 head(&scope, key.as_bytes(), "content-length: 40"),
                 body.iter().map(|&b| vec![b]),
-                Duration::from_millis(100),
-                Duration::from_secs(10),
+                Duration::from_millis(250),
+                Duration::from_secs(12),
             )
             .await;
             (response, started.elapsed())

@@ -137,7 +137,7 @@ async fn migrating_while_claims_are_open_blocks_nobody() {
         let pool = pool.clone();
         async move { Idem::new(pool).migrate().await }
     });
-    let migrated = tokio::time::timeout(Duration::from_secs(5), async {
+    let migrated = tokio::time::timeout(Duration::from_secs(15), async {
         // Either it is done, or it is queued for a table lock: then a
         // fresh claim in the meantime shows whether others queue behind it.
         loop {
@@ -170,7 +170,7 @@ async fn migrating_while_claims_are_open_blocks_nobody() {
     hold.release.notify_one();
     let held = Answer::of(held.await.unwrap().unwrap()).await.unwrap();
     assert_eq!(held.status, 201);
-    let finished = tokio::time::timeout(Duration::from_secs(10), migrating).await;
+    let finished = tokio::time::timeout(Duration::from_secs(15), migrating).await;
     assert!(
         migrated,
         "migrate() waited for an open claim transaction (CREATE INDEX IF NOT EXISTS takes a \

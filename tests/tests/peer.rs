@@ -43,13 +43,15 @@ const DIE_AFTER_COMMIT: &str = "x-die-after-commit";
 const CHILD_KEYS: &str = "IDEM_PEER_CHILD_KEYS";
 const CHILD_CHARGES: &str = "IDEM_PEER_CHILD_CHARGES";
 const CHILD_PREFIX: &str = "IDEM_PEER_CHILD_PREFIX";
-/// The peer's leases here: a short claim, so the kill check sees it lapse.
+/// The peer's leases here: a short claim, so the kill check sees it lapse,
+/// yet longer than the kill check's restart and first retries take on a
+/// loaded machine (the retry must still meet the claim).
 const LEASES: Leases = Leases {
-    processing: Duration::from_secs(2),
+    processing: Duration::from_secs(5),
     completed: Duration::from_secs(60),
 };
 /// The longest any wait here lasts.
-const DEADLINE: Duration = Duration::from_secs(10);
+const DEADLINE: Duration = Duration::from_secs(20);
 
 /// The two services, one route each around the same charge.
 #[derive(Clone, Copy, Debug)]

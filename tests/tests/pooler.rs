@@ -91,7 +91,10 @@ fn key_of(tx: &Tx<Postgres>) -> String {
         .unwrap_or_default()
 }
 
-#[idempotent(scope = "account", ttl = "1s")]
+// Long enough for each key's third attempt to land inside it on a loaded
+// machine (every request queues for PgBouncer's two server connections),
+// short enough for the expiry check to wait it out.
+#[idempotent(scope = "account", ttl = "3s")]
 async fn charge(
     account: Account,
     mut tx: Tx<Postgres>,
@@ -305,7 +308,7 @@ async fn workload(idem: Idem<Postgres>, direct: &PgPool, clients: usize) {
     );
     assert!(idem.lookup(&account, "c0-1").await.unwrap().is_none());
 
-    // Expiry: past its 1 s ttl the key runs as new, and the sweep deletes
+    // Expiry: past its 3 s ttl the key runs as new, and the sweep deletes
     // what expired.
     let expired = wait_until_expired(&idem, &account, "c0-2").await;
     assert!(expired, "c0-2 expires within its ttl and a margin");
@@ -452,7 +455,7 @@ async fn workload(idem: Idem<Postgres>, direct: &PgPool, clients: usize) {
 
 /// Polls the key until its ttl has passed (bounded).
 async fn wait_until_expired(idem: &Idem<Postgres>, account: &str, key: &str) -> bool {
-    for _ in 0..100 {
+    for _ in 0..200 {
         match idem.lookup(account, key).await.unwrap() {
             Some(info) if info.state == idem::KeyState::Expired => return true,
             None => return true,
@@ -710,9 +713,13 @@ async fn the_example_serves_behind_pgbouncer() {
     );
     example.kill().await.unwrap();
     let lines = log.lock().unwrap().clone();
+    // sqlx's warnings of a slow statement or acquire are the queue for
+    // PgBouncer's two server connections on a loaded machine, not failures.
     let failures: Vec<&String> = lines
         .iter()
         .filter(|line| line.contains("ERROR") || line.contains("WARN"))
+        .filter(|line| !line.contains("exceeded slow threshold"))
+        .filter(|line| !line.contains("exceeded alert threshold"))
         .collect();
     assert!(
         failures.is_empty(),

@@ -40,7 +40,7 @@ pub async fn expired_keys_run_as_new<DB: TestDb>() {
     );
 }
 
-/// With `ttl = "1s", tombstone = "3s"`: the key replays inside the
+/// With `ttl = "1s", tombstone = "6s"`: the key replays inside the
 /// second; after it, the same request is refused with
 /// `idempotency_key_expired`, carrying the first status and `Location`,
 /// and another request gets 422, neither running anything; the sweeper
@@ -91,9 +91,10 @@ pub async fn tombstones_refuse_late_retries<DB: TestDb>() {
     expired(&send(client.post(route, "k", BODY)).await);
     assert_eq!(server.effects(&caller).await, 1);
 
-    // The passage of time is what is under test here: past the 3 s
-    // tombstone, which counts from the response.
-    tokio::time::sleep(Duration::from_millis(2000)).await;
+    // The passage of time is what is under test here: past the 6 s
+    // tombstone, which counts from the response (the steps since the ttl
+    // have most of 5 s on a loaded machine).
+    tokio::time::sleep(Duration::from_millis(5000)).await;
     let again = send(client.post(route, "k", BODY)).await;
     assert_eq!(again.status, StatusCode::CREATED, "{again:?}");
     assert!(!again.replayed());

@@ -318,8 +318,8 @@ pub async fn short_waits_are_honoured<DB: TestDb>() {
         "the duplicate waited {waited:?}, less than its 300ms"
     );
     assert!(
-        waited < std::time::Duration::from_millis(900),
-        "the duplicate waited {waited:?}, far beyond its 300ms"
+        waited < std::time::Duration::from_secs(1),
+        "the duplicate waited {waited:?}, a whole second's lock timeout, not its 300ms"
     );
     hold.release.notify_one();
     assert_eq!(first.await.unwrap().status, StatusCode::CREATED);

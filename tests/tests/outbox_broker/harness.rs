@@ -304,12 +304,14 @@ mod rabbitmq {
         /// the consumer drops as unreadable) goes in behind every copy the
         /// broker holds, and the consumer, taking one at a time and
         /// acknowledging each before the next, has handled them all once
-        /// it drops the fence.
+        /// it drops the fence. A fence is counted once the queue confirms
+        /// it: a settle cancelled mid-publish (its consumer run aborted)
+        /// leaves no fence counted that the queue may not hold.
         async fn settle(&self, deadline: Deadline, _consumer: &str, printed: &Printed) {
-            let fence = self.fences.fetch_add(1, Ordering::SeqCst) + 1;
-            let id = format!("fence-{fence}");
+            let id = format!("fence-{}", self.fences.load(Ordering::SeqCst) + 1);
             self.publish(&[(id, b"a fence, not a charge".to_vec())])
                 .await;
+            let fence = self.fences.fetch_add(1, Ordering::SeqCst) + 1;
             deadline
                 .until("every message consumed and acknowledged", || async {
                     (printed.dropped() >= fence && self.queue().ready().await == 0).then_some(())

@@ -75,7 +75,7 @@ async fn stalled_at<DB: PhasedDb>(at: Boundary) {
     fixture.discard().await;
 }
 
-/// A phased handler with `ttl = "2s", tombstone = "4s"`: replayed within
+/// A phased handler with `ttl = "2s", tombstone = "6s"`: replayed within
 /// its ttl; then the same request gets `idempotency_key_expired` with the
 /// first status and `Location`, another 422, and neither calls the
 /// provider; after the tombstone the key pays anew.
@@ -107,8 +107,9 @@ pub async fn tombstones_refuse_late_retries<DB: PhasedDb>() {
     assert_eq!(fixture.provider.stats().await, calls, "nothing ran");
     fixture.assert_one_payment(&first, "after the ttl").await;
 
-    // Past the 4 s tombstone, which counts from the response.
-    tokio::time::sleep(Duration::from_millis(2000)).await;
+    // Past the 6 s tombstone, which counts from the response (the steps
+    // since the ttl have most of 4 s on a loaded machine).
+    tokio::time::sleep(Duration::from_millis(4000)).await;
     let again = send(post(BODY)).await;
     assert_eq!(again.status, StatusCode::CREATED, "{again:?}");
     assert!(!again.replayed(), "{again:?}");
