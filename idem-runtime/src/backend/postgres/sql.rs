@@ -511,7 +511,9 @@ impl<'c> ClaimRow<'c> {
         let orphan = self.claim.orphan_bound().as_millis();
         out.push_str("BEGIN; ");
         let tries = self.tries_lock();
-        if let Some(lock) = self.lock().filter(|_| tries && !expired && self.calls()) {
+        // Hashed once: SHA-256 is most of what a claim's text costs to write.
+        let lock = self.lock();
+        if let Some(lock) = lock.filter(|_| tries && !expired && self.calls()) {
             let [scope, key, fingerprint, ttl] = self.row_args();
             let args = [
                 scope,
@@ -542,7 +544,7 @@ impl<'c> ClaimRow<'c> {
             "SET LOCAL idle_in_transaction_session_timeout = '{orphan}ms'; "
         )
         .expect("writing to a String");
-        match self.lock() {
+        match lock {
             Some(lock) if tries && !expired => {
                 let [scope, key, fingerprint, ttl] = self.row_args();
                 let args = [scope, key, fingerprint, ttl, Arg::Signed(lock)];
