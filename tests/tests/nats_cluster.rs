@@ -45,7 +45,7 @@ const RESTART_LEADER: u64 = 650;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_then_the_stream_leader_killed_every_message_applied_once() {
     let started = Instant::now();
-    let deadline = Deadline::after(Duration::from_secs(85));
+    let deadline = Deadline::after(Duration::from_secs(150));
     let mut cluster = NatsCluster::start("idem-kill").await;
     let jetstream = cluster.jetstream().await;
     let stream = TestStream::create_on(
@@ -183,7 +183,7 @@ const MESSAGES: usize = 5;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redelivery_after_the_duplicate_window_is_applied_once() {
     let started = Instant::now();
-    let deadline = Deadline::after(Duration::from_secs(60));
+    let deadline = Deadline::after(Duration::from_secs(120));
     let cluster = NatsCluster::start("idem-window").await;
     let jetstream = cluster.jetstream().await;
     let stream = TestStream::create_on(
