@@ -113,10 +113,43 @@ pub async fn test_server(test: &str, env: &[(&str, Option<&str>)]) -> (Child, So
     start_until(command, test, listening).await
 }
 
-/// A free port on loopback.
+/// A free port on loopback, for a process started next to listen on.
+///
+/// Taken below the machine's ephemeral range, so that no outgoing
+/// connection takes it between this check and the child's bind (a port
+/// the kernel hands out for `:0` is one any `connect` may also get), and
+/// never the same twice in one process; each process starts at a place
+/// of its own in the range, so a test and its child processes pick apart.
+/// The check binds the port, so no listener holds it now.
 pub fn free_port() -> SocketAddr {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    listener.local_addr().unwrap()
+    use std::sync::OnceLock;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    const FIRST: u32 = 20_000;
+    static RANGE: OnceLock<(u32, u32)> = OnceLock::new();
+    static TAKEN: AtomicU32 = AtomicU32::new(0);
+    let &(start, span) = RANGE.get_or_init(|| {
+        // Linux's default ephemeral range starts at 32768.
+        let ephemeral = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+            .ok()
+            .and_then(|range| range.split_whitespace().next()?.parse::<u32>().ok())
+            .unwrap_or(32_768);
+        assert!(
+            ephemeral > FIRST + 1_000,
+            "the ephemeral port range starts at {ephemeral}, leaving no ports below it from \
+             {FIRST}"
+        );
+        let span = ephemeral - FIRST;
+        (std::process::id().wrapping_mul(7_919) % span, span)
+    });
+    for _ in 0..span {
+        let n = (start + TAKEN.fetch_add(1, Ordering::SeqCst)) % span;
+        let port = u16::try_from(FIRST + n).expect("a port below the ephemeral range");
+        if let Ok(listener) = std::net::TcpListener::bind(("127.0.0.1", port)) {
+            return listener.local_addr().unwrap();
+        }
+    }
+    panic!("no free port on loopback from {FIRST} to the ephemeral range");
 }
 
 /// The `charges` example serving on `addr`, its data in `dir`'s SQLite
