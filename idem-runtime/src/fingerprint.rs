@@ -522,6 +522,42 @@ mod tests {
         String::from_utf8(form.expect("canonical")).unwrap()
     }
 
+    /// The canonical form is hashed in pieces through [`Hashing`]'s
+    /// buffer: the digest is the form's written whole, at every size
+    /// around the buffer's, with pieces shorter than it (many members) and
+    /// as long as or longer than it (one long string).
+    #[test]
+    fn the_buffered_digest_is_the_whole_forms() {
+        for len in [
+            0,
+            1,
+            BLOCK - 9,
+            BLOCK - 1,
+            BLOCK,
+            BLOCK + 1,
+            2 * BLOCK + 7,
+            9 * BLOCK,
+        ] {
+            let one_long = format!(r#"{{"a":"{}"}}"#, "x".repeat(len));
+            let many = format!("[{}]", vec!["7"; len.max(1)].join(","));
+            for body in [one_long, many] {
+                let form = canonicalized(&[], &body);
+                let mut whole = Sha256::new();
+                whole.update(b"idem-fingerprint-v1");
+                frame(&mut whole, b"POST");
+                frame(&mut whole, b"/p");
+                whole.update([0]);
+                whole.update(b"json");
+                frame(&mut whole, form.as_bytes());
+                assert_eq!(
+                    post("/p", None, &json(), body.as_bytes()),
+                    Fingerprint(whole.finalize().into()),
+                    "{len}"
+                );
+            }
+        }
+    }
+
     #[test]
     fn pointers_are_rfc_6901() {
         // `~1` is `/`, `~0` is `~`, and a name is matched however the body
