@@ -10,6 +10,7 @@
 #   IDEM_IR_SCENARIOS=replay,read_floor tests/benches/instructions.sh  # and a replay's floor
 #   IDEM_IR_SCENARIOS=idempotent IDEM_IR_STATEMENTS=3 tests/benches/instructions.sh
 #   IDEM_BENCH_HASH_KEYS=1 tests/benches/instructions.sh  # scopes and keys hashed
+#   IDEM_IR_SQL='DROP INDEX ...' tests/benches/instructions.sh  # a schema variant
 #
 # The benchmark's server inherits the environment, so its A/B switches
 # apply: IDEM_BENCH_ENCRYPTION=1 (values sealed at rest), IDEM_BENCH_HASH_KEYS=1
@@ -76,6 +77,11 @@ done
 "$pg_bin/pg_isready" -q -h 127.0.0.1 -p "$port" || { echo "instructions: cluster did not start" >&2; exit 1; }
 url="postgres://postgres@127.0.0.1:$port/postgres"
 IDEM_BENCH_ROLE=setup IDEM_BENCH_DATABASE_URL=$url "$bench"
+# IDEM_IR_SQL: statements run once the tables exist (a diagnostic variant
+# of the schema, such as an index dropped).
+if [ -n "${IDEM_IR_SQL:-}" ]; then
+  "$pg_bin/psql" -q -v ON_ERROR_STOP=1 -h 127.0.0.1 -p "$port" -U postgres postgres -c "$IDEM_IR_SQL"
+fi
 
 # The profile of the busiest PostgreSQL backend among files not in $1 (the
 # server's), as "instructions file".
