@@ -55,16 +55,36 @@ pub async fn relay_killed_mid_batch_then_restarted_delivers_every_message<B: Tes
     // Killed past its first batch, at a moment the broker holds messages
     // the relay has not marked delivered: published, still leased. (The
     // broker's count read first: the marks only grow, so more copies then
-    // than marks after means some are published and unmarked now.)
-    deadline
-        .until("a published message still leased by the relay", || async {
-            let held = broker.held().await;
-            let outbox = store.outbox().await;
-            let delivered = outbox.iter().filter(|row| row.delivered).count() as u64;
-            let leased = outbox.iter().any(|row| row.leased && !row.delivered);
-            (delivered > 0 && leased && held > delivered).then_some(())
-        })
-        .await;
+    // than marks after means some are published and unmarked now.) The
+    // service is stopped before the kill and the moment checked again: a
+    // batch marked between the first look and the kill would leave none
+    // stranded.
+    let pid = i32::try_from(first.id().expect("the service runs")).unwrap();
+    // SAFETY: `kill` reads no memory; `pid` is our child's, not yet reaped.
+    let signal = |signal| assert_eq!(unsafe { libc::kill(pid, signal) }, 0, "signal {signal}");
+    loop {
+        deadline
+            .until("a published message still leased by the relay", || async {
+                let held = broker.held().await;
+                let outbox = store.outbox().await;
+                let delivered = outbox.iter().filter(|row| row.delivered).count() as u64;
+                let leased = outbox.iter().any(|row| row.leased && !row.delivered);
+                (delivered > 0 && leased && held > delivered).then_some(())
+            })
+            .await;
+        signal(libc::SIGSTOP);
+        let held = broker.held().await;
+        let delivered = store
+            .outbox()
+            .await
+            .iter()
+            .filter(|row| row.delivered)
+            .count() as u64;
+        if held > delivered {
+            break;
+        }
+        signal(libc::SIGCONT);
+    }
     first.kill().await.unwrap();
 
     let held = broker.held().await;

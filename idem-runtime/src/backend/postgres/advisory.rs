@@ -1,19 +1,23 @@
 //! Whether a server offers transaction-scoped advisory locks to the claim
 //! (`sql::CLAIM_TRY`): asked once per server and database, the first time
-//! a pool claims a key there.
+//! a pool claims a key there; and the name a key table's locks are taken
+//! under ([`lock_table`]).
 
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use sqlx::postgres::{PgConnectOptions, PgConnection};
 use sqlx::{Connection, Pool, Postgres, Row};
 
 use super::sql::Arg;
 
-/// A server and database, as a pool's options name them.
+/// A server and database, and the user and startup options (a search
+/// path among them) a pool's sessions have there, as its options name them.
 pub(super) struct Server {
     host: String,
     port: u16,
     database: Option<String>,
+    user: String,
+    options: Option<String>,
 }
 
 impl Server {
@@ -22,6 +26,8 @@ impl Server {
             host: options.get_host().to_owned(),
             port: options.get_port(),
             database: options.get_database().map(str::to_owned),
+            user: options.get_username().to_owned(),
+            options: options.get_options().map(str::to_owned),
         }
     }
 
@@ -29,6 +35,8 @@ impl Server {
         self.port == options.get_port()
             && self.host == options.get_host()
             && self.database.as_deref() == options.get_database()
+            && self.user == options.get_username()
+            && self.options.as_deref() == options.get_options()
     }
 }
 
@@ -104,4 +112,86 @@ pub(super) async fn probe(pool: &Pool<Postgres>) -> bool {
 
 fn answers() -> std::sync::MutexGuard<'static, Vec<Answer>> {
     ANSWERS.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// A key table as a pool names it, and the name its locks are taken under.
+struct LockTable {
+    server: Server,
+    table: String,
+    name: Arc<str>,
+}
+
+/// The key tables resolved so far: one per table and pool's server.
+static LOCK_TABLES: Mutex<Vec<LockTable>> = Mutex::new(Vec::new());
+
+/// The name the advisory locks of `table`'s keys are hashed under
+/// (`sql::lock_id`). Advisory locks are one space per database, so two
+/// key tables of one name in two schemas (a schema per tenant, or per
+/// test) must not share it: the name carries the table's schema, except
+/// `public`'s, whose tables keep their bare name (the locks instances of
+/// earlier releases take during a rolling deploy). A `schema.table` name
+/// says its schema; a bare one is resolved by the server as its
+/// statements resolve it, once per table and [`Server`] (the schema that
+/// holds the table; where none does yet, the one `migrate()` creates it
+/// in, asked again by the next claim).
+pub(super) async fn lock_table(
+    pool: &Pool<Postgres>,
+    table: &str,
+) -> Result<Arc<str>, sqlx::Error> {
+    if let Some((schema, name)) = table.split_once('.') {
+        return Ok(locked_under(schema, name));
+    }
+    let options = pool.connect_options();
+    if let Some(found) = lock_tables()
+        .iter()
+        .find(|found| found.table == table && found.server.is(&options))
+    {
+        return Ok(found.name.clone());
+    }
+    Box::pin(resolve(pool, table)).await
+}
+
+/// Asks the server which schema `table` resolves to, and records the
+/// answer where the table exists.
+async fn resolve(pool: &Pool<Postgres>, table: &str) -> Result<Arc<str>, sqlx::Error> {
+    let row = super::simple(
+        "SELECT n.nspname::text AS found, current_schema()::text AS current \
+         FROM (SELECT 1) AS one LEFT JOIN pg_class c ON c.oid = to_regclass($1) \
+         LEFT JOIN pg_namespace n ON n.oid = c.relnamespace",
+        &[Arg::Text(table)],
+    )
+    .fetch_one(pool)
+    .await?;
+    let found: Option<String> = row.try_get("found")?;
+    let Some(schema) = found else {
+        let current: Option<String> = row.try_get("current")?;
+        return Ok(locked_under(current.as_deref().unwrap_or("public"), table));
+    };
+    let name = locked_under(&schema, table);
+    let options = pool.connect_options();
+    let mut resolved = lock_tables();
+    if !resolved
+        .iter()
+        .any(|found| found.table == table && found.server.is(&options))
+    {
+        resolved.push(LockTable {
+            server: Server::of(&options),
+            table: table.to_owned(),
+            name: name.clone(),
+        });
+    }
+    Ok(name)
+}
+
+/// `schema.name`, or `name` alone in `public`.
+fn locked_under(schema: &str, name: &str) -> Arc<str> {
+    if schema.eq_ignore_ascii_case("public") {
+        Arc::from(name)
+    } else {
+        Arc::from(format!("{schema}.{name}"))
+    }
+}
+
+fn lock_tables() -> std::sync::MutexGuard<'static, Vec<LockTable>> {
+    LOCK_TABLES.lock().unwrap_or_else(PoisonError::into_inner)
 }

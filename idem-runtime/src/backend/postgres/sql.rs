@@ -403,6 +403,9 @@ pub(super) struct ClaimRow<'c> {
     /// Inlined, a claim without a wait and the finish call the table's
     /// functions ([`FunctionNames`]), which the server found.
     pub(super) functions: bool,
+    /// The name the key's advisory lock is hashed under
+    /// (`advisory::lock_table`), where the claim takes one.
+    pub(super) lock_table: Option<std::sync::Arc<str>>,
     claim: Claim<'c>,
 }
 
@@ -415,6 +418,7 @@ impl<'c> ClaimRow<'c> {
             statements: Statements::new(table),
             prepared: !claim.pooled,
             functions: false,
+            lock_table: None,
             claim: *claim,
         }
     }
@@ -444,9 +448,10 @@ impl<'c> ClaimRow<'c> {
     /// The key's advisory lock, if the claim takes one (hashed when a
     /// claim's text is written, not for the finish's).
     fn lock(&self) -> Option<i64> {
+        let table = self.lock_table.as_deref().unwrap_or(self.statements.table);
         self.claim
             .advisory
-            .then(|| lock_id(self.statements.table, self.claim.scope, self.claim.key))
+            .then(|| lock_id(table, self.claim.scope, self.claim.key))
     }
 
     fn row_args(&self) -> [Arg<'_>; 4] {
@@ -672,7 +677,8 @@ impl<'c> ClaimRow<'c> {
 
 /// The advisory lock of `(table, scope, key)`: the first 64 bits of their
 /// SHA-256 (each length-prefixed), stable across processes and versions,
-/// and not a hash a caller can aim at another caller's key with.
+/// and not a hash a caller can aim at another caller's key with. `table`
+/// is the name the locks are taken under (`advisory::lock_table`).
 pub(super) fn lock_id(table: &str, scope: &str, key: &str) -> i64 {
     use sha2::{Digest, Sha256};
     let mut hasher = Sha256::new();

@@ -130,6 +130,10 @@ impl Store for Postgres {
             claim.advisory = advisory::offered(pool).await;
         }
         let mut row = ClaimRow::new(table, &claim);
+        if claim.advisory {
+            let lock_table = advisory::lock_table(pool, table).await;
+            row.lock_table = Some(lock_table.map_err(StoreError::Database)?);
+        }
         if claim.pooled && claim.advisory {
             row.functions = functions::found(pool, table).await;
         }

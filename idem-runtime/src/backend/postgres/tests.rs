@@ -966,3 +966,76 @@ async fn orphan_setting(conn: &mut OpenTx<Postgres>) -> String {
     .and_then(|row| row.try_get("setting"))
     .unwrap()
 }
+
+/// Advisory locks are one space per database: key tables of one name in
+/// two schemas (a pool's search path picking each) take different locks
+/// for one key, so each claims it while the other holds it, and a
+/// `schema.table` name locks as the bare name its schema resolves.
+#[tokio::test]
+async fn key_tables_of_one_name_in_two_schemas_lock_apart() {
+    let admin = test_pool(1, |options| options).await;
+    let schemas = ["a", "b"].map(|tag| format!("idem_lock_{tag}_{}", std::process::id()));
+    for schema in &schemas {
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema}"
+        )))
+        .execute(&admin)
+        .await
+        .unwrap();
+    }
+    let table = "idem_keys_apart";
+    let mut pools = Vec::new();
+    for schema in &schemas {
+        let pool = test_pool(2, |options| {
+            options.options([("search_path", schema.as_str())])
+        })
+        .await;
+        Postgres::migrate(&pool, table).await.expect("migrate");
+        assert_eq!(
+            &*advisory::lock_table(&pool, table).await.unwrap(),
+            format!("{schema}.{table}"),
+        );
+        pools.push(pool);
+    }
+    assert_eq!(
+        &*advisory::lock_table(&admin, &format!("{}.{table}", schemas[0]))
+            .await
+            .unwrap(),
+        format!("{}.{table}", schemas[0]),
+    );
+    assert_eq!(
+        &*advisory::lock_table(&admin, "public.keys").await.unwrap(),
+        "keys"
+    );
+
+    let claim = Claim {
+        advisory: true,
+        ..crate::backend::test_support::claim_of("acct", "same", 1, Duration::ZERO)
+    };
+    let mut held = Vec::new();
+    for pool in &pools {
+        match Postgres::claim(pool, Acquire::default(), table, &claim)
+            .await
+            .unwrap()
+        {
+            ClaimOutcome::Claimed(conn) => held.push(conn),
+            other => panic!("the other schema's claim held this one: {other:?}"),
+        }
+    }
+    for (conn, pool) in held.into_iter().zip(&pools) {
+        store(conn, table, &claim, StatusCode::CREATED, b"{}").await;
+        let replay = Postgres::claim(pool, Acquire::default(), table, &claim)
+            .await
+            .unwrap();
+        assert!(
+            matches!(replay, ClaimOutcome::Finished { .. }),
+            "{replay:?}"
+        );
+    }
+    for schema in &schemas {
+        sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
+            .execute(&admin)
+            .await
+            .unwrap();
+    }
+}
