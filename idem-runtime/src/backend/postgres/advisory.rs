@@ -138,17 +138,47 @@ pub(super) async fn lock_table(
     pool: &Pool<Postgres>,
     table: &str,
 ) -> Result<Arc<str>, sqlx::Error> {
+    match known_lock_table(pool, table) {
+        Some(name) => Ok(name),
+        None => resolve(pool, table).await,
+    }
+}
+
+/// Where `pool`'s server offers advisory locks ([`offered`]), the name
+/// `table`'s are taken under ([`lock_table`]), `None` where it does not;
+/// itself `None` where either is yet to be asked
+/// ([`ask_offered_lock_table`]).
+pub(super) fn known_offered_lock_table(
+    pool: &Pool<Postgres>,
+    table: &str,
+) -> Option<Option<Arc<str>>> {
+    match known(pool)? {
+        false => Some(None),
+        true => known_lock_table(pool, table).map(Some),
+    }
+}
+
+/// [`known_offered_lock_table`], asking the server what it does not know.
+pub(super) async fn ask_offered_lock_table(
+    pool: &Pool<Postgres>,
+    table: &str,
+) -> Result<Option<Arc<str>>, sqlx::Error> {
+    if !offered(pool).await {
+        return Ok(None);
+    }
+    lock_table(pool, table).await.map(Some)
+}
+
+/// [`lock_table`] without asking the server, where that is not needed.
+fn known_lock_table(pool: &Pool<Postgres>, table: &str) -> Option<Arc<str>> {
     if let Some((schema, name)) = table.split_once('.') {
-        return Ok(locked_under(schema, name));
+        return Some(locked_under(schema, name));
     }
     let options = pool.connect_options();
-    if let Some(found) = lock_tables()
+    lock_tables()
         .iter()
         .find(|found| found.table == table && found.server.is(&options))
-    {
-        return Ok(found.name.clone());
-    }
-    Box::pin(resolve(pool, table)).await
+        .map(|found| found.name.clone())
 }
 
 /// Asks the server which schema `table` resolves to, and records the

@@ -406,20 +406,25 @@ pub(super) struct ClaimRow<'c> {
     /// The name the key's advisory lock is hashed under
     /// (`advisory::lock_table`), where the claim takes one.
     pub(super) lock_table: Option<std::sync::Arc<str>>,
-    claim: Claim<'c>,
+    /// How long the claim may still wait for a concurrent attempt.
+    wait: std::time::Duration,
+    /// Borrowed, not copied: the row is moved down every future of the
+    /// claim, so its size counts several times in each request's.
+    claim: &'c Claim<'c>,
 }
 
 impl<'c> ClaimRow<'c> {
     /// The claim's statements; with the key's advisory lock if
     /// `claim.advisory` (which the caller leaves set only for a server
     /// that offers advisory locks).
-    pub(super) fn new(table: &'c str, claim: &Claim<'c>) -> Self {
+    pub(super) fn new(table: &'c str, claim: &'c Claim<'c>) -> Self {
         Self {
             statements: Statements::new(table),
             prepared: !claim.pooled,
             functions: false,
             lock_table: None,
-            claim: *claim,
+            wait: claim.wait,
+            claim,
         }
     }
 
@@ -442,7 +447,7 @@ impl<'c> ClaimRow<'c> {
     /// Whether a concurrent attempt fails this claim at once, by its
     /// advisory lock, rather than after a lock timeout.
     pub(super) fn tries_lock(&self) -> bool {
-        self.claim.advisory && self.claim.wait.is_zero()
+        self.claim.advisory && self.wait.is_zero()
     }
 
     /// The key's advisory lock, if the claim takes one (hashed when a
@@ -465,7 +470,7 @@ impl<'c> ClaimRow<'c> {
 
     /// How long the claim may wait for a concurrent attempt.
     pub(super) fn wait(&self) -> std::time::Duration {
-        self.claim.wait
+        self.wait
     }
 
     /// See [`Claim::orphan_bound`].
@@ -475,7 +480,7 @@ impl<'c> ClaimRow<'c> {
 
     /// Claims without waiting for the key's holder from now on.
     pub(super) fn skip_wait(&mut self) {
-        self.claim.wait = std::time::Duration::ZERO;
+        self.wait = std::time::Duration::ZERO;
     }
 
     /// A buffer for one round trip's text, sized for the key's values.
@@ -541,7 +546,7 @@ impl<'c> ClaimRow<'c> {
         if timed {
             // `lock_timeout = 0` means "wait forever" in PostgreSQL, so
             // `wait = 0` becomes the smallest positive timeout instead.
-            let timeout = self.claim.wait.as_millis().max(1);
+            let timeout = self.wait.as_millis().max(1);
             write!(out, "SET LOCAL lock_timeout = '{timeout}ms'; ").expect("writing to a String");
         }
         write!(

@@ -126,14 +126,20 @@ impl Store for Postgres {
         claim: &Claim<'_>,
     ) -> Result<ClaimOutcome<Self>, StoreError> {
         let (flight, mut claim) = crate::backend::claim::wait_in_process(pool, table, claim).await;
+        let mut lock_table = None;
         if claim.advisory {
-            claim.advisory = advisory::offered(pool).await;
+            lock_table = match advisory::known_offered_lock_table(pool, table) {
+                Some(known) => known,
+                // Boxed: asked once per server and table, it would otherwise
+                // sit in every claim's future.
+                None => Box::pin(advisory::ask_offered_lock_table(pool, table))
+                    .await
+                    .map_err(StoreError::Database)?,
+            };
+            claim.advisory = lock_table.is_some();
         }
         let mut row = ClaimRow::new(table, &claim);
-        if claim.advisory {
-            let lock_table = advisory::lock_table(pool, table).await;
-            row.lock_table = Some(lock_table.map_err(StoreError::Database)?);
-        }
+        row.lock_table = lock_table;
         if claim.pooled && claim.advisory {
             row.functions = functions::found(pool, table).await;
         }
