@@ -78,36 +78,46 @@ pub(super) async fn offered(pool: &Pool<Postgres>) -> bool {
 /// the next.
 pub(super) async fn probe(pool: &Pool<Postgres>) -> bool {
     let options = pool.connect_options();
-    // A connection of its own, closed after: the pool's connections and
-    // their count stay as the application left them.
-    let Ok(mut conn) = PgConnection::connect_with(&options).await else {
+    let Some(mut conn) = own_connection(&options).await else {
         return false;
     };
+    let offered = probe_on(&mut conn, &options).await;
+    let _ = conn.close().await;
+    offered.unwrap_or(false)
+}
+
+/// A connection of its own, closed after: the pool's connections and their
+/// count stay as the application left them.
+async fn own_connection(options: &PgConnectOptions) -> Option<PgConnection> {
+    PgConnection::connect_with(options).await.ok()
+}
+
+/// [`probe`] on `conn`; `None` where the connection failed.
+async fn probe_on(conn: &mut PgConnection, options: &PgConnectOptions) -> Option<bool> {
     // The lock taken is released when the probe's own transaction ends.
     let probe = super::simple(
         "SELECT version() AS version, pg_try_advisory_xact_lock($1)",
         &[Arg::Signed(super::sql::lock_id("", "idem", "probe"))],
     )
-    .fetch_one(&mut conn)
+    .fetch_one(&mut *conn)
     .await
     .and_then(|row| row.try_get::<String, _>("version"));
-    let _ = conn.close().await;
     let offered = match probe {
         Ok(version) => !version.contains("CockroachDB"),
         Err(sqlx::Error::Database(error)) => {
             tracing::debug!(%error, "no advisory locks: idem claims without them");
             false
         }
-        Err(_) => return false,
+        Err(_) => return None,
     };
     let mut answers = answers();
-    if !answers.iter().any(|answer| answer.server.is(&options)) {
+    if !answers.iter().any(|answer| answer.server.is(options)) {
         answers.push(Answer {
-            server: Server::of(&options),
+            server: Server::of(options),
             offered,
         });
     }
-    offered
+    Some(offered)
 }
 
 fn answers() -> std::sync::MutexGuard<'static, Vec<Answer>> {
@@ -140,7 +150,7 @@ pub(super) async fn lock_table(
 ) -> Result<Arc<str>, sqlx::Error> {
     match known_lock_table(pool, table) {
         Some(name) => Ok(name),
-        None => resolve(pool, table).await,
+        None => resolve(pool, &pool.connect_options(), table).await,
     }
 }
 
@@ -158,15 +168,22 @@ pub(super) fn known_offered_lock_table(
     }
 }
 
-/// [`known_offered_lock_table`], asking the server what it does not know.
-pub(super) async fn ask_offered_lock_table(
-    pool: &Pool<Postgres>,
-    table: &str,
-) -> Result<Option<Arc<str>>, sqlx::Error> {
-    if !offered(pool).await {
-        return Ok(None);
-    }
-    lock_table(pool, table).await.map(Some)
+/// [`known_offered_lock_table`], asking the server what it does not know,
+/// on one connection of its own (as [`probe`]). Where the server cannot be
+/// asked, this claim goes without advisory locks, as a failed probe's.
+pub(super) async fn ask_offered_lock_table(pool: &Pool<Postgres>, table: &str) -> Option<Arc<str>> {
+    let options = pool.connect_options();
+    let mut conn = own_connection(&options).await?;
+    let offered = match known(pool) {
+        Some(offered) => Some(offered),
+        None => probe_on(&mut conn, &options).await,
+    };
+    let name = match offered {
+        Some(true) => resolve(&mut conn, &options, table).await.ok(),
+        _ => None,
+    };
+    let _ = conn.close().await;
+    name
 }
 
 /// [`lock_table`] without asking the server, where that is not needed.
@@ -181,16 +198,20 @@ fn known_lock_table(pool: &Pool<Postgres>, table: &str) -> Option<Arc<str>> {
         .map(|found| found.name.clone())
 }
 
-/// Asks the server which schema `table` resolves to, and records the
-/// answer where the table exists.
-async fn resolve(pool: &Pool<Postgres>, table: &str) -> Result<Arc<str>, sqlx::Error> {
+/// Asks the server (on `executor`, a session of `options`) which schema
+/// `table` resolves to, and records the answer where the table exists.
+async fn resolve<'e>(
+    executor: impl sqlx::PgExecutor<'e>,
+    options: &PgConnectOptions,
+    table: &str,
+) -> Result<Arc<str>, sqlx::Error> {
     let row = super::simple(
         "SELECT n.nspname::text AS found, current_schema()::text AS current \
          FROM (SELECT 1) AS one LEFT JOIN pg_class c ON c.oid = to_regclass($1) \
          LEFT JOIN pg_namespace n ON n.oid = c.relnamespace",
         &[Arg::Text(table)],
     )
-    .fetch_one(pool)
+    .fetch_one(executor)
     .await?;
     let found: Option<String> = row.try_get("found")?;
     let Some(schema) = found else {
@@ -198,14 +219,13 @@ async fn resolve(pool: &Pool<Postgres>, table: &str) -> Result<Arc<str>, sqlx::E
         return Ok(locked_under(current.as_deref().unwrap_or("public"), table));
     };
     let name = locked_under(&schema, table);
-    let options = pool.connect_options();
     let mut resolved = lock_tables();
     if !resolved
         .iter()
-        .any(|found| found.table == table && found.server.is(&options))
+        .any(|found| found.table == table && found.server.is(options))
     {
         resolved.push(LockTable {
-            server: Server::of(&options),
+            server: Server::of(options),
             table: table.to_owned(),
             name: name.clone(),
         });

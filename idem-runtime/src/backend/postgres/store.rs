@@ -132,9 +132,7 @@ impl Store for Postgres {
                 Some(known) => known,
                 // Boxed: asked once per server and table, it would otherwise
                 // sit in every claim's future.
-                None => Box::pin(advisory::ask_offered_lock_table(pool, table))
-                    .await
-                    .map_err(StoreError::Database)?,
+                None => Box::pin(advisory::ask_offered_lock_table(pool, table)).await,
             };
             claim.advisory = lock_table.is_some();
         }
