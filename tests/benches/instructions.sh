@@ -41,42 +41,14 @@ for tool in valgrind callgrind_annotate curl; do
   command -v "$tool" >/dev/null || { echo "instructions: $tool is required" >&2; exit 1; }
 done
 
-# PostgreSQL refuses to run as root: the cluster belongs to `postgres` then.
-as_owner() { if [ "$(id -u)" = 0 ]; then su postgres -s /bin/bash -c "$*"; else bash -c "$*"; fi; }
-
 work=$(mktemp -d /tmp/idem-instructions.XXXXXX)
-cluster_pid=
 server_fifo=$work/stdin
-cleanup() {
-  if [ -n "$cluster_pid" ]; then
-    as_owner "'$pg_bin/pg_ctl' -D '$work/pg/data' -m immediate -w stop" >/dev/null 2>&1 || true
-    wait "$cluster_pid" 2>/dev/null || true
-  fi
-  rm -rf "$work"
-}
-trap cleanup EXIT
-
-echo "instructions: building the benchmark" >&2
-cargo bench --bench throughput --no-run --message-format=json 2>/dev/null >"$work/build.json"
-bench=$(grep -o '"executable":"[^"]*throughput[^"]*"' "$work/build.json" | tail -1 | cut -d'"' -f4)
-[ -x "$bench" ] || { echo "instructions: benchmark binary not found" >&2; exit 1; }
+label=instructions
+# shellcheck source=callgrind_cluster.sh
+. benches/callgrind_cluster.sh
+build_bench
 server_bin=${IDEM_IR_SERVER:-$bench}
-
-mkdir -p "$work/pg" "$work/cg"
-[ "$(id -u)" = 0 ] && chown postgres "$work" "$work/pg" "$work/cg"
-as_owner "'$pg_bin/initdb' -D '$work/pg/data' -A trust -U postgres" >"$work/initdb.log" 2>&1
-as_owner "exec valgrind --tool=callgrind --trace-children=yes \
-  --callgrind-out-file='$work/cg/pg.%p' '$pg_bin/postgres' -D '$work/pg/data' -p $port \
-  -k '$work/pg' -c listen_addresses=127.0.0.1 -c fsync=on -c autovacuum=off" \
-  >"$work/pg.log" 2>&1 &
-cluster_pid=$!
-for _ in $(seq 1 120); do
-  "$pg_bin/pg_isready" -q -h 127.0.0.1 -p "$port" && break
-  sleep 0.5
-done
-"$pg_bin/pg_isready" -q -h 127.0.0.1 -p "$port" || { echo "instructions: cluster did not start" >&2; exit 1; }
-url="postgres://postgres@127.0.0.1:$port/postgres"
-IDEM_BENCH_ROLE=setup IDEM_BENCH_DATABASE_URL=$url "$bench"
+start_cluster
 # IDEM_IR_SQL: statements run once the tables exist (a diagnostic variant
 # of the schema, such as an index dropped).
 if [ -n "${IDEM_IR_SQL:-}" ]; then

@@ -24,23 +24,11 @@ port=${FLOOR_PORT:-55498}
 pg_bin=${FLOOR_PG_BIN:-$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -1)}
 scripts=${FLOOR_SCRIPTS:-plain plain_two_statements lock_only floor_unlocked floor floor_idem_bench_keys floor_floor_keys floor_floor_keys_expiry look_idem_bench_keys look_floor_keys today_unbounded today}
 
-as_owner() { if [ "$(id -u)" = 0 ]; then su postgres -s /bin/bash -c "$*"; else bash -c "$*"; fi; }
-
 work=$(mktemp -d /tmp/idem-floor.XXXXXX)
-cluster_pid=
-cleanup() {
-  if [ -n "$cluster_pid" ]; then
-    as_owner "'$pg_bin/pg_ctl' -D '$work/pg/data' -m immediate -w stop" >/dev/null 2>&1 || true
-    wait "$cluster_pid" 2>/dev/null || true
-  fi
-  rm -rf "$work"
-}
-trap cleanup EXIT
-
-echo "floor: building the benchmark (for its tables)" >&2
-cargo bench --bench throughput --no-run --message-format=json 2>/dev/null >"$work/build.json"
-bench=$(grep -o '"executable":"[^"]*throughput[^"]*"' "$work/build.json" | tail -1 | cut -d'"' -f4)
-[ -x "$bench" ] || { echo "floor: benchmark binary not found" >&2; exit 1; }
+label=floor
+# shellcheck source=../../callgrind_cluster.sh
+. benches/callgrind_cluster.sh
+build_bench
 
 # The scripts. `:k` is a fresh key per transaction; the key table's values
 # are of the sizes a new key's claim and response have in the benchmark
@@ -80,26 +68,21 @@ $charge
 INSERT INTO idem_bench_keys (scope, key, fingerprint, expires_at, status, headers, body)
   VALUES ($key_values, now() + interval '1 day', 201, '\\x'::bytea, $body);
 COMMIT;"
-# Today's statements, bound instead of inlined: the orphan bound, the
-# claim (lock and row), the handler, the response stored.
+# Today's statements, bound instead of inlined: the orphan bound's
+# setting (`today` only), the claim (lock and row), the handler, the
+# response stored.
+today_claim="INSERT INTO idem_bench_keys (scope, key, fingerprint, expires_at)
+  SELECT $key_values, now() + interval '1 day'
+  WHERE (CASE WHEN pg_try_advisory_xact_lock(:k) THEN 'true' ELSE 'held' END)::boolean;
+$charge
+UPDATE idem_bench_keys SET status = 201, headers = '\\x'::bytea, body = $body
+  WHERE scope = convert_to('c' || (:k::bigint % 256), 'UTF8') AND key = convert_to('k-' || :k::text, 'UTF8') AND status IS NULL;
+COMMIT;"
 write today "BEGIN;
 SET LOCAL idle_in_transaction_session_timeout = '32000ms';
-INSERT INTO idem_bench_keys (scope, key, fingerprint, expires_at)
-  SELECT $key_values, now() + interval '1 day'
-  WHERE (CASE WHEN pg_try_advisory_xact_lock(:k) THEN 'true' ELSE 'held' END)::boolean;
-$charge
-UPDATE idem_bench_keys SET status = 201, headers = '\\x'::bytea, body = $body
-  WHERE scope = convert_to('c' || (:k::bigint % 256), 'UTF8') AND key = convert_to('k-' || :k::text, 'UTF8') AND status IS NULL;
-COMMIT;"
-# Today's, without the orphan bound's setting.
+$today_claim"
 write today_unbounded "BEGIN;
-INSERT INTO idem_bench_keys (scope, key, fingerprint, expires_at)
-  SELECT $key_values, now() + interval '1 day'
-  WHERE (CASE WHEN pg_try_advisory_xact_lock(:k) THEN 'true' ELSE 'held' END)::boolean;
-$charge
-UPDATE idem_bench_keys SET status = 201, headers = '\\x'::bytea, body = $body
-  WHERE scope = convert_to('c' || (:k::bigint % 256), 'UTF8') AND key = convert_to('k-' || :k::text, 'UTF8') AND status IS NULL;
-COMMIT;"
+$today_claim"
 # The floor with the row's values constant but its key (a fingerprint and
 # body as literals, parsed once at the statement's preparation): what the
 # row's insert costs beyond computing the values.
@@ -128,21 +111,7 @@ COMMIT;"
 done
 chmod -R a+rX "$work/scripts"
 
-mkdir -p "$work/pg" "$work/cg"
-[ "$(id -u)" = 0 ] && chown postgres "$work" "$work/pg" "$work/cg"
-as_owner "'$pg_bin/initdb' -D '$work/pg/data' -A trust -U postgres" >"$work/initdb.log" 2>&1
-as_owner "exec valgrind --tool=callgrind --trace-children=yes \
-  --callgrind-out-file='$work/cg/pg.%p' '$pg_bin/postgres' -D '$work/pg/data' -p $port \
-  -k '$work/pg' -c listen_addresses=127.0.0.1 -c fsync=on -c autovacuum=off" \
-  >"$work/pg.log" 2>&1 &
-cluster_pid=$!
-for _ in $(seq 1 120); do
-  "$pg_bin/pg_isready" -q -h 127.0.0.1 -p "$port" && break
-  sleep 0.5
-done
-"$pg_bin/pg_isready" -q -h 127.0.0.1 -p "$port" || { echo "floor: cluster did not start" >&2; exit 1; }
-url="postgres://postgres@127.0.0.1:$port/postgres"
-IDEM_BENCH_ROLE=setup IDEM_BENCH_DATABASE_URL=$url "$bench"
+start_cluster
 
 # Key tables of the floor's variants: the key table's primary key alone,
 # then with the expiry index (`migrate()`'s has two partial indexes more).
