@@ -189,7 +189,7 @@ pub(super) async fn ask_offered_lock_table(pool: &Pool<Postgres>, table: &str) -
 /// [`lock_table`] without asking the server, where that is not needed.
 fn known_lock_table(pool: &Pool<Postgres>, table: &str) -> Option<Arc<str>> {
     if let Some((schema, name)) = table.split_once('.') {
-        return Some(locked_under(schema, name));
+        return Some(locked_under(&schema.to_ascii_lowercase(), name));
     }
     let options = pool.connect_options();
     lock_tables()
@@ -233,9 +233,11 @@ async fn resolve<'e>(
     Ok(name)
 }
 
-/// `schema.name`, or `name` alone in `public`.
+/// `schema.name`, or `name` alone in `public`. `schema` as the server
+/// names it; a configured `schema.table` is an unquoted identifier, which
+/// the server folds to lower case ([`known_lock_table`] folds it first).
 fn locked_under(schema: &str, name: &str) -> Arc<str> {
-    if schema.eq_ignore_ascii_case("public") {
+    if schema == "public" {
         Arc::from(name)
     } else {
         Arc::from(format!("{schema}.{name}"))
