@@ -59,7 +59,8 @@ impl AdminStore for Postgres {
     ) -> Result<bool, sqlx::Error> {
         // A bigint advisory lock shows in `pg_locks` as its high and low
         // 32 bits, `objsubid` 1, in the database it was taken in.
-        let id = lock_id(&super::advisory::lock_table(pool, table).await?, scope, key) as u64;
+        let lock_table = super::advisory::lock_table(pool, pool, table).await?;
+        let id = lock_id(&lock_table, scope, key) as u64;
         let sql = "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' \
                  AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
                  AND classid::bigint = $1 AND objid::bigint = $2 AND objsubid = 1) AS held";

@@ -78,46 +78,36 @@ pub(super) async fn offered(pool: &Pool<Postgres>) -> bool {
 /// the next.
 pub(super) async fn probe(pool: &Pool<Postgres>) -> bool {
     let options = pool.connect_options();
-    let Some(mut conn) = own_connection(&options).await else {
+    // A connection of its own, closed after: the pool's connections and
+    // their count stay as the application left them.
+    let Ok(mut conn) = PgConnection::connect_with(&options).await else {
         return false;
     };
-    let offered = probe_on(&mut conn, &options).await;
-    let _ = conn.close().await;
-    offered.unwrap_or(false)
-}
-
-/// A connection of its own, closed after: the pool's connections and their
-/// count stay as the application left them.
-async fn own_connection(options: &PgConnectOptions) -> Option<PgConnection> {
-    PgConnection::connect_with(options).await.ok()
-}
-
-/// [`probe`] on `conn`; `None` where the connection failed.
-async fn probe_on(conn: &mut PgConnection, options: &PgConnectOptions) -> Option<bool> {
     // The lock taken is released when the probe's own transaction ends.
     let probe = super::simple(
         "SELECT version() AS version, pg_try_advisory_xact_lock($1)",
         &[Arg::Signed(super::sql::lock_id("", "idem", "probe"))],
     )
-    .fetch_one(&mut *conn)
+    .fetch_one(&mut conn)
     .await
     .and_then(|row| row.try_get::<String, _>("version"));
+    let _ = conn.close().await;
     let offered = match probe {
         Ok(version) => !version.contains("CockroachDB"),
         Err(sqlx::Error::Database(error)) => {
             tracing::debug!(%error, "no advisory locks: idem claims without them");
             false
         }
-        Err(_) => return None,
+        Err(_) => return false,
     };
     let mut answers = answers();
-    if !answers.iter().any(|answer| answer.server.is(options)) {
+    if !answers.iter().any(|answer| answer.server.is(&options)) {
         answers.push(Answer {
-            server: Server::of(options),
+            server: Server::of(&options),
             offered,
         });
     }
-    Some(offered)
+    offered
 }
 
 fn answers() -> std::sync::MutexGuard<'static, Vec<Answer>> {
@@ -131,65 +121,20 @@ struct LockTable {
     name: Arc<str>,
 }
 
-/// The key tables resolved so far: one per table and pool's server.
+/// The key tables resolved so far: one per bare name and pool's server.
 static LOCK_TABLES: Mutex<Vec<LockTable>> = Mutex::new(Vec::new());
 
 /// The name the advisory locks of `table`'s keys are hashed under
 /// (`sql::lock_id`). Advisory locks are one space per database, so two
 /// key tables of one name in two schemas (a schema per tenant, or per
-/// test) must not share it: the name carries the table's schema, except
-/// `public`'s, whose tables keep their bare name (the locks instances of
-/// earlier releases take during a rolling deploy). A `schema.table` name
-/// says its schema; a bare one is resolved by the server as its
-/// statements resolve it, once per table and [`Server`] (the schema that
-/// holds the table; where none does yet, the one `migrate()` creates it
-/// in, asked again by the next claim).
-pub(super) async fn lock_table(
-    pool: &Pool<Postgres>,
-    table: &str,
-) -> Result<Arc<str>, sqlx::Error> {
-    match known_lock_table(pool, table) {
-        Some(name) => Ok(name),
-        None => resolve(pool, &pool.connect_options(), table).await,
-    }
-}
-
-/// Where `pool`'s server offers advisory locks ([`offered`]), the name
-/// `table`'s are taken under ([`lock_table`]), `None` where it does not;
-/// itself `None` where either is yet to be asked
-/// ([`ask_offered_lock_table`]).
-pub(super) fn known_offered_lock_table(
-    pool: &Pool<Postgres>,
-    table: &str,
-) -> Option<Option<Arc<str>>> {
-    match known(pool)? {
-        false => Some(None),
-        true => known_lock_table(pool, table).map(Some),
-    }
-}
-
-/// [`known_offered_lock_table`], asking the server what it does not know,
-/// on one connection of its own (as [`probe`]). Where the server cannot be
-/// asked, this claim goes without advisory locks, as a failed probe's.
-pub(super) async fn ask_offered_lock_table(pool: &Pool<Postgres>, table: &str) -> Option<Arc<str>> {
-    let options = pool.connect_options();
-    let mut conn = own_connection(&options).await?;
-    let offered = match known(pool) {
-        Some(offered) => Some(offered),
-        None => probe_on(&mut conn, &options).await,
-    };
-    let name = match offered {
-        Some(true) => resolve(&mut conn, &options, table).await.ok(),
-        _ => None,
-    };
-    let _ = conn.close().await;
-    name
-}
-
-/// [`lock_table`] without asking the server, where that is not needed.
-fn known_lock_table(pool: &Pool<Postgres>, table: &str) -> Option<Arc<str>> {
-    if let Some((schema, name)) = table.split_once('.') {
-        return Some(locked_under(&schema.to_ascii_lowercase(), name));
+/// test) must not share it. A `schema.table` name is its own, as written;
+/// a bare one carries the schema the server resolves it to in the pool's
+/// sessions, except `public`, whose tables keep their bare name (as
+/// earlier releases hash every name: a rolling deploy keeps one lock per
+/// key). `None` where it must be asked ([`resolve`]).
+pub(super) fn known_lock_table(pool: &Pool<Postgres>, table: &str) -> Option<Arc<str>> {
+    if table.contains('.') {
+        return Some(Arc::from(table));
     }
     let options = pool.connect_options();
     lock_tables()
@@ -198,8 +143,23 @@ fn known_lock_table(pool: &Pool<Postgres>, table: &str) -> Option<Arc<str>> {
         .map(|found| found.name.clone())
 }
 
-/// Asks the server (on `executor`, a session of `options`) which schema
-/// `table` resolves to, and records the answer where the table exists.
+/// [`known_lock_table`], asked of the server on `executor` where it must
+/// be: a session of `pool`'s (its search path as the claims' own).
+pub(super) async fn lock_table<'e>(
+    executor: impl sqlx::PgExecutor<'e>,
+    pool: &Pool<Postgres>,
+    table: &str,
+) -> Result<Arc<str>, sqlx::Error> {
+    match known_lock_table(pool, table) {
+        Some(name) => Ok(name),
+        None => resolve(executor, &pool.connect_options(), table).await,
+    }
+}
+
+/// Asks the server which schema `table` resolves to in `executor`'s
+/// session, and records the answer where the table exists (where it does
+/// not yet, the name is the schema `migrate()` would create it in, asked
+/// again by the next claim).
 async fn resolve<'e>(
     executor: impl sqlx::PgExecutor<'e>,
     options: &PgConnectOptions,
@@ -233,9 +193,8 @@ async fn resolve<'e>(
     Ok(name)
 }
 
-/// `schema.name`, or `name` alone in `public`. `schema` as the server
-/// names it; a configured `schema.table` is an unquoted identifier, which
-/// the server folds to lower case ([`known_lock_table`] folds it first).
+/// `schema.name`, or `name` alone in `public` (`schema` as the server
+/// names it).
 fn locked_under(schema: &str, name: &str) -> Arc<str> {
     if schema == "public" {
         Arc::from(name)

@@ -106,7 +106,7 @@ impl super::claim::ClaimAttempt<Postgres> for PgClaim<'_> {
         mut conn: OpenTx<Postgres>,
         number: usize,
     ) -> Result<ClaimOutcome<Postgres>, Failure> {
-        let error = match claim_on(&mut conn, &mut self.row).await {
+        let error = match claim_on(&mut conn, &mut self.row, self.pool).await {
             Ok(Settled::Ours) => return Ok(ClaimOutcome::Claimed(conn)),
             Ok(Settled::Finished(fingerprint, response)) => {
                 // The read that found it already ended the transaction.
@@ -179,7 +179,15 @@ const SHORT_WAIT: std::time::Duration = std::time::Duration::from_millis(50);
 async fn claim_on(
     conn: &mut OpenTx<Postgres>,
     row: &mut ClaimRow<'_>,
+    pool: &Pool<Postgres>,
 ) -> Result<Settled, StoreError> {
+    if row.lock_table.is_none() && row.takes_lock() {
+        // Asked once per table, on the claim's own session (the pool's
+        // search path); boxed, it would otherwise sit in every claim's
+        // future.
+        let asked = Box::pin(advisory::lock_table(&mut ***conn, pool, row.table())).await;
+        row.lock_table = Some(asked.map_err(StoreError::Database)?);
+    }
     let settled = claim_with_fallback(conn, row).await;
     conn.inlined = !row.prepared;
     conn.functions = row.calls();

@@ -444,6 +444,11 @@ impl<'c> ClaimRow<'c> {
             .prepare_missing(present, self.claim.advisory)
     }
 
+    /// Whether the claim takes the key's advisory lock.
+    pub(super) fn takes_lock(&self) -> bool {
+        self.claim.advisory
+    }
+
     /// Whether a concurrent attempt fails this claim at once, by its
     /// advisory lock, rather than after a lock timeout.
     pub(super) fn tries_lock(&self) -> bool {

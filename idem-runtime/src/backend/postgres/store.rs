@@ -126,18 +126,15 @@ impl Store for Postgres {
         claim: &Claim<'_>,
     ) -> Result<ClaimOutcome<Self>, StoreError> {
         let (flight, mut claim) = crate::backend::claim::wait_in_process(pool, table, claim).await;
-        let mut lock_table = None;
         if claim.advisory {
-            lock_table = match advisory::known_offered_lock_table(pool, table) {
-                Some(known) => known,
-                // Boxed: asked once per server and table, it would otherwise
-                // sit in every claim's future.
-                None => Box::pin(advisory::ask_offered_lock_table(pool, table)).await,
-            };
-            claim.advisory = lock_table.is_some();
+            claim.advisory = advisory::offered(pool).await;
         }
         let mut row = ClaimRow::new(table, &claim);
-        row.lock_table = lock_table;
+        if claim.advisory {
+            // Where it must be asked, the claim's first attempt asks on
+            // its own connection (`claim_on`).
+            row.lock_table = advisory::known_lock_table(pool, table);
+        }
         if claim.pooled && claim.advisory {
             row.functions = functions::found(pool, table).await;
         }

@@ -236,7 +236,7 @@ async fn bytes_arrive_intact_whatever_standard_conforming_strings_says() {
             let mut row = ClaimRow::new(&table, &claim);
             row.prepared = prepared;
             let mut conn = OpenTx::new(pool.acquire().await.unwrap());
-            let settled = claim_on(&mut conn, &mut row).await.expect("claim");
+            let settled = claim_on(&mut conn, &mut row, &pool).await.expect("claim");
             assert!(matches!(settled, Settled::Ours));
             assert_eq!(conn.inlined, !prepared);
             store(conn, &table, &claim, StatusCode::OK, b"\\x00'\\").await;
@@ -809,7 +809,11 @@ async fn a_held_advisory_lock_costs_a_409_never_an_effect() {
     };
     let mut other = pool.begin().await.unwrap();
     sqlx::query("SELECT pg_advisory_xact_lock($1)")
-        .bind(sql::lock_id(&table, "acct", "taken"))
+        .bind(sql::lock_id(
+            &advisory::lock_table(&pool, &pool, &table).await.unwrap(),
+            "acct",
+            "taken",
+        ))
         .execute(&mut *other)
         .await
         .unwrap();
@@ -969,8 +973,7 @@ async fn orphan_setting(conn: &mut OpenTx<Postgres>) -> String {
 
 /// Advisory locks are one space per database: key tables of one name in
 /// two schemas (a pool's search path picking each) take different locks
-/// for one key, so each claims it while the other holds it, and a
-/// `schema.table` name locks as the bare name its schema resolves.
+/// for one key, so each claims it while the other holds it.
 #[tokio::test]
 async fn key_tables_of_one_name_in_two_schemas_lock_apart() {
     let admin = test_pool(1, |options| options).await;
@@ -991,22 +994,18 @@ async fn key_tables_of_one_name_in_two_schemas_lock_apart() {
         })
         .await;
         Postgres::migrate(&pool, table).await.expect("migrate");
-        assert_eq!(
-            &*advisory::lock_table(&pool, table).await.unwrap(),
-            format!("{schema}.{table}"),
-        );
         pools.push(pool);
     }
-    assert_eq!(
-        &*advisory::lock_table(&admin, &format!("{}.{table}", schemas[0]))
-            .await
-            .unwrap(),
-        format!("{}.{table}", schemas[0]),
-    );
-    assert_eq!(
-        &*advisory::lock_table(&admin, "public.keys").await.unwrap(),
-        "keys"
-    );
+    // A `schema.table` is hashed as written, `public`'s included (as
+    // earlier releases hash it).
+    for qualified in [format!("{}.{table}", schemas[0]), "public.keys".to_owned()] {
+        assert_eq!(
+            &*advisory::lock_table(&admin, &admin, &qualified)
+                .await
+                .unwrap(),
+            qualified
+        );
+    }
 
     let claim = Claim {
         advisory: true,
@@ -1021,6 +1020,13 @@ async fn key_tables_of_one_name_in_two_schemas_lock_apart() {
             ClaimOutcome::Claimed(conn) => held.push(conn),
             other => panic!("the other schema's claim held this one: {other:?}"),
         }
+    }
+    // Each claim asked its own session for the table's schema.
+    for (pool, schema) in pools.iter().zip(&schemas) {
+        assert_eq!(
+            advisory::known_lock_table(pool, table).as_deref(),
+            Some(format!("{schema}.{table}").as_str())
+        );
     }
     for (conn, pool) in held.into_iter().zip(&pools) {
         store(conn, table, &claim, StatusCode::CREATED, b"{}").await;
