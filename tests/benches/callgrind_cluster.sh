@@ -5,7 +5,7 @@
 # exit), `build_bench` (sets `bench`, the throughput benchmark's binary,
 # whose set-up creates the tables) and `start_cluster` (a cluster of its
 # own in `$work/pg` under callgrind, every process's profile in `$work/cg`,
-# the tables created; sets `url`).
+# the tables created; sets `url`), `backend_profile` and `backend_ir`.
 
 # PostgreSQL refuses to run as root: the cluster belongs to `postgres` then.
 as_owner() { if [ "$(id -u)" = 0 ]; then su postgres -s /bin/bash -c "$*"; else bash -c "$*"; fi; }
@@ -44,3 +44,14 @@ start_cluster() {
   url="postgres://postgres@127.0.0.1:$port/postgres"
   IDEM_BENCH_ROLE=setup IDEM_BENCH_DATABASE_URL=$url "$bench"
 }
+
+# The profile of the busiest PostgreSQL backend among those not listed in
+# $1 (the profiles before a run), as "instructions file".
+backend_profile() {
+  comm -13 <(echo "$1") <(ls "$work/cg" | grep '^pg\.' | sort) |
+    while read -r file; do echo "$(awk '/^summary:/{print $2}' "$work/cg/$file") $file"; done |
+    sort -n | tail -1
+}
+
+# Its instructions.
+backend_ir() { backend_profile "$1" | cut -d' ' -f1; }

@@ -55,17 +55,6 @@ if [ -n "${IDEM_IR_SQL:-}" ]; then
   "$pg_bin/psql" -q -v ON_ERROR_STOP=1 -h 127.0.0.1 -p "$port" -U postgres postgres -c "$IDEM_IR_SQL"
 fi
 
-# The profile of the busiest PostgreSQL backend among files not in $1 (the
-# server's), as "instructions file".
-backend_profile() {
-  comm -13 <(echo "$1") <(ls "$work/cg" | grep '^pg\.' | sort) |
-    while read -r file; do echo "$(awk '/^summary:/{print $2}' "$work/cg/$file") $file"; done |
-    sort -n | tail -1
-}
-
-# Its instructions.
-backend_ir() { backend_profile "$1" | cut -d' ' -f1; }
-
 # One server run of $2 requests of scenario $1: "server_ir backend_ir".
 run() {
   local scenario=$1 n=$2 route=$1 before replaying=

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_tests::examples::free_port;
+use idem_tests::outbox_flow::OutboxRow;
 
 use crate::harness::{
     ConsumerSettings, Deadline, Ledger, LinkProxy, PgSchema, Printed, TestBroker,
@@ -67,20 +68,14 @@ pub async fn relay_killed_mid_batch_then_restarted_delivers_every_message<B: Tes
             .until("a published message still leased by the relay", || async {
                 let held = broker.held().await;
                 let outbox = store.outbox().await;
-                let delivered = outbox.iter().filter(|row| row.delivered).count() as u64;
+                let delivered = delivered(&outbox) as u64;
                 let leased = outbox.iter().any(|row| row.leased && !row.delivered);
                 (delivered > 0 && leased && held > delivered).then_some(())
             })
             .await;
         signal(libc::SIGSTOP);
         let held = broker.held().await;
-        let delivered = store
-            .outbox()
-            .await
-            .iter()
-            .filter(|row| row.delivered)
-            .count() as u64;
-        if held > delivered {
+        if held > delivered(&store.outbox().await) as u64 {
             break;
         }
         signal(libc::SIGCONT);
@@ -89,7 +84,7 @@ pub async fn relay_killed_mid_batch_then_restarted_delivers_every_message<B: Tes
 
     let held = broker.held().await;
     let outbox = store.outbox().await;
-    let delivered = outbox.iter().filter(|row| row.delivered).count();
+    let delivered = delivered(&outbox);
     let undelivered = CHARGES - delivered;
     // One relay, no failures: each message published at most once so far.
     let stranded = usize::try_from(held).unwrap() - delivered;
@@ -129,4 +124,9 @@ pub async fn relay_killed_mid_batch_then_restarted_delivers_every_message<B: Tes
     );
     broker.delete().await;
     schema.drop().await;
+}
+
+/// How many of the outbox's messages are marked delivered.
+fn delivered(outbox: &[OutboxRow]) -> usize {
+    outbox.iter().filter(|row| row.delivered).count()
 }

@@ -34,8 +34,9 @@ build_bench
 # are of the sizes a new key's claim and response have in the benchmark
 # (32-byte fingerprint, a short JSON body).
 mkdir -p "$work/scripts"
-key_values="convert_to('c' || (:k::bigint % 256), 'UTF8'), convert_to('k-' || :k::text, 'UTF8'), \
-sha256(convert_to(:k::text, 'UTF8'))"
+scope_of="convert_to('c' || (:k::bigint % 256), 'UTF8')"
+key_of="convert_to('k-' || :k::text, 'UTF8')"
+key_values="$scope_of, $key_of, sha256(convert_to(:k::text, 'UTF8'))"
 body="convert_to('{\"id\":' || :k::text || ',\"amount\":1250,\"currency\":\"eur\"}', 'UTF8')"
 charge="INSERT INTO bench_charges (account, amount, currency) VALUES ('c' || (:k::bigint % 256), 1250, 'eur') RETURNING id;"
 write() { printf '\\set k random(1, 1000000000000000)\n%s\n' "$2" >"$work/scripts/$1.sql"; }
@@ -76,7 +77,7 @@ today_claim="INSERT INTO idem_bench_keys (scope, key, fingerprint, expires_at)
   WHERE (CASE WHEN pg_try_advisory_xact_lock(:k) THEN 'true' ELSE 'held' END)::boolean;
 $charge
 UPDATE idem_bench_keys SET status = 201, headers = '\\x'::bytea, body = $body
-  WHERE scope = convert_to('c' || (:k::bigint % 256), 'UTF8') AND key = convert_to('k-' || :k::text, 'UTF8') AND status IS NULL;
+  WHERE scope = $scope_of AND key = $key_of AND status IS NULL;
 COMMIT;"
 write today "BEGIN;
 SET LOCAL idle_in_transaction_session_timeout = '32000ms';
@@ -86,7 +87,7 @@ $today_claim"
 # The floor with the row's values constant but its key (a fingerprint and
 # body as literals, parsed once at the statement's preparation): what the
 # row's insert costs beyond computing the values.
-const_values="convert_to('c' || (:k::bigint % 256), 'UTF8'), convert_to('k-' || :k::text, 'UTF8'), \
+const_values="$scope_of, $key_of, \
 '\\x00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff'::bytea"
 const_body="'\\x7b226964223a312c22616d6f756e74223a313235302c2263757272656e6379223a22657572227d'::bytea"
 for table in idem_bench_keys floor_keys floor_keys_expiry; do
@@ -103,7 +104,7 @@ done
 for table in idem_bench_keys floor_keys; do
   write "look_$table" "BEGIN;
 SELECT pg_try_advisory_xact_lock(:k), EXISTS (SELECT 1 FROM $table
-  WHERE scope = convert_to('c' || (:k::bigint % 256), 'UTF8') AND key = convert_to('k-' || :k::text, 'UTF8'));
+  WHERE scope = $scope_of AND key = $key_of);
 $charge
 INSERT INTO $table (scope, key, fingerprint, expires_at, status, headers, body)
   VALUES ($const_values, now() + interval '1 day', 201, '\\x'::bytea, $const_body);
@@ -138,20 +139,18 @@ settle() {
 }
 settle
 
-# One pgbench run of $2 transactions of script $1: its backend's count, the
-# largest of the profiles the run adds (its backend's is written when the
-# connection closes).
+# One pgbench run of $2 transactions of script $1: its backend's count
+# (written when the connection closes, so once the profiles settle).
 run() {
   local before
-  before=$(ls "$work/cg" | sort)
+  before=$(ls "$work/cg" | grep '^pg\.' | sort)
   "$pg_bin/pgbench" -n -M prepared -c 1 -t "$2" -h 127.0.0.1 -p "$port" -U postgres \
     -f "$work/scripts/$1.sql" postgres >"$work/pgbench.out" 2>&1 ||
     { cat "$work/pgbench.out" >&2; exit 1; }
   grep -q "actually processed: $2/$2" "$work/pgbench.out" ||
     { cat "$work/pgbench.out" >&2; exit 1; }
   settle
-  comm -13 <(echo "$before") <(ls "$work/cg" | sort) |
-    while read -r f; do awk '/^summary:/{print $2}' "$work/cg/$f"; done | sort -n | tail -1
+  backend_ir "$before"
 }
 
 run plain 10 >/dev/null
