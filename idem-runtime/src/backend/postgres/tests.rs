@@ -973,7 +973,8 @@ async fn orphan_setting(conn: &mut OpenTx<Postgres>) -> String {
 
 /// Advisory locks are one space per database: key tables of one name in
 /// two schemas (a pool's search path picking each) take different locks
-/// for one key, so each claims it while the other holds it.
+/// for one key, so each claims it while the other holds it, and the
+/// admin's look at a key in flight takes the lock the claim took.
 #[tokio::test]
 async fn key_tables_of_one_name_in_two_schemas_lock_apart() {
     let admin = test_pool(1, |options| options).await;
@@ -1028,8 +1029,36 @@ async fn key_tables_of_one_name_in_two_schemas_lock_apart() {
             Some(format!("{schema}.{table}").as_str())
         );
     }
-    for (conn, pool) in held.into_iter().zip(&pools) {
-        store(conn, table, &claim, StatusCode::CREATED, b"{}").await;
+    // The admin's look at a key in flight takes the claims' name: with one
+    // schema's attempt finished, only the other's is in flight.
+    let mut held = held.into_iter();
+    store(
+        held.next().unwrap(),
+        table,
+        &claim,
+        StatusCode::CREATED,
+        b"{}",
+    )
+    .await;
+    for (pool, in_flight) in pools.iter().zip([false, true]) {
+        assert_eq!(
+            <Postgres as crate::backend::admin::AdminStore>::claim_in_flight(
+                pool, table, "acct", "same"
+            )
+            .await
+            .unwrap(),
+            in_flight
+        );
+    }
+    store(
+        held.next().unwrap(),
+        table,
+        &claim,
+        StatusCode::CREATED,
+        b"{}",
+    )
+    .await;
+    for pool in &pools {
         let replay = Postgres::claim(pool, Acquire::default(), table, &claim)
             .await
             .unwrap();
